@@ -1,0 +1,1 @@
+"""Benchmarks (run through ``grammask bench ...``); numbers come from here, never from tests."""

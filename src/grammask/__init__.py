@@ -1,0 +1,50 @@
+"""grammask: structured outputs for LLM servers, routed per request to xgrammar or llguidance.
+
+```python
+vocab = grammask.load_vocabulary("qwen2.5")
+engine = grammask.Engine(vocab)
+grammar = engine.compile(grammask.GrammarSpec.json_schema(schema))
+m = grammar.matcher(); m.accept(token_id); m.fill(bitmask, row)
+```
+"""
+
+from __future__ import annotations
+
+from .bitmask import allocate_bitmask, allowed_ids
+from .compiler import Engine, Grammar, Stats
+from .errors import (
+    CompileTimeoutError,
+    GrammarError,
+    InvalidGrammarError,
+    InvalidRegexError,
+    InvalidSchemaError,
+    InvalidSpecError,
+    UnsupportedError,
+)
+from .request import ConstraintRequest, parse_extra_args
+from .router import Route, route
+from .spec import GrammarSpec
+from .vocab import Vocabulary, load_vocabulary
+
+__all__ = [
+    "CompileTimeoutError",
+    "ConstraintRequest",
+    "Engine",
+    "Grammar",
+    "GrammarError",
+    "GrammarSpec",
+    "InvalidGrammarError",
+    "InvalidRegexError",
+    "InvalidSchemaError",
+    "InvalidSpecError",
+    "Route",
+    "Stats",
+    "UnsupportedError",
+    "Vocabulary",
+    "allocate_bitmask",
+    "allowed_ids",
+    "load_vocabulary",
+    "parse_extra_args",
+    "route",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,19 @@
+"""Engine adapters behind one protocol (see ``base``)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from ..spec import BackendName
+from .base import Backend, CompiledGrammar, Matcher
+from .guidance import GuidanceBackend
+from .xgrammar import XGrammarBackend
+
+__all__ = ["Backend", "CompiledGrammar", "Matcher", "get_backend"]
+
+
+@cache
+def get_backend(name: BackendName) -> Backend:
+    if name == "xgrammar":
+        return XGrammarBackend()
+    return GuidanceBackend()

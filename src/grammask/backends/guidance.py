@@ -1,0 +1,201 @@
+"""llguidance adapter: millisecond compiles, Earley parser, errors reported as sticky state.
+
+llguidance never raises on a bad grammar; the matcher enters an error state that it never
+leaves. The adapter turns that into a ``GrammarError`` at compile time and keeps a pristine
+template matcher per grammar, so a new request costs a ``deep_copy``, not a recompile.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+import llguidance as llg
+import torch
+
+from ..errors import (
+    GrammarError,
+    InvalidGrammarError,
+    InvalidRegexError,
+    InvalidSchemaError,
+    UnsupportedError,
+)
+from ..normalize import normalize_schema
+from ..spec import BackendName, GrammarSpec
+from ..vocab import Vocabulary
+from .base import Matcher, _EndTracking
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
+
+
+class GuidanceMatcher(_EndTracking):
+    def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...]) -> None:
+        super().__init__(stop_ids)
+        self._m = inner
+
+    def accept(self, token_id: int) -> bool:
+        if self._m.is_stopped():
+            if token_id in self._stop_ids and not self._m.is_error():
+                self._extra_stops += 1
+                return True
+            return False
+        # validate first: a refused consume_token would poison the matcher for good.
+        if self._m.validate_tokens([token_id]) != 1:
+            return False
+        return bool(self._m.consume_token(token_id))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._m.is_stopped() and not self._m.is_error():
+            self._stop_only(bitmask, row)
+            return
+        out = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+
+    def rollback(self, num_tokens: int) -> None:
+        undo_extra = min(num_tokens, self._extra_stops)
+        self._extra_stops -= undo_extra
+        if num_tokens - undo_extra:
+            self._m.rollback(num_tokens - undo_extra)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_stopped())
+
+    def can_terminate(self) -> bool:
+        return bool(self._m.is_stopped() or self._m.is_accepting())
+
+    def fork(self) -> Matcher:
+        twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids)
+        twin._extra_stops = self._extra_stops
+        return twin
+
+    def reset(self) -> None:
+        self._m.reset()
+        self._extra_stops = 0
+
+    @property
+    def error(self) -> str:
+        return str(self._m.get_error())
+
+    @property
+    def engine_matcher(self) -> llg.LLMatcher:
+        return self._m
+
+
+class GuidanceCompiled:
+    backend: BackendName = "guidance"
+
+    def __init__(self, template: llg.LLMatcher, grammar: str, stop_ids: tuple[int, ...],
+                 warnings: list[str]) -> None:
+        self._template = template
+        self._stop_ids = stop_ids
+        self.warnings = warnings
+        self.memory_bytes = len(grammar) * 4 + 64 * 1024  # estimate: llguidance exposes none
+
+    def matcher(self) -> GuidanceMatcher:
+        return GuidanceMatcher(self._template.deep_copy(), self._stop_ids)
+
+
+class GuidanceBackend:
+    name: BackendName = "guidance"
+
+    def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False
+                ) -> GuidanceCompiled:
+        grammar = grammar_text(spec, lenient=lenient)
+        template = llg.LLMatcher(vocab.llguidance_tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise _translate(spec, template.get_error())
+        return GuidanceCompiled(template, grammar, vocab.stop_ids,
+                                list(template.get_grammar_warnings()))
+
+    def check(self, spec: GrammarSpec) -> None:
+        grammar = grammar_text(spec, lenient=False)
+        message = llg.LLMatcher.validate_grammar(grammar)
+        if message:
+            raise _translate(spec, message)
+
+
+def json_options(spec: GrammarSpec, *, lenient: bool) -> JsonCompileOptions:
+    opts: JsonCompileOptions = {"whitespace_flexible": spec.any_whitespace}
+    if not spec.any_whitespace:
+        opts["item_separator"] = ","
+        opts["key_separator"] = ":"
+    if spec.whitespace_pattern is not None:
+        opts["whitespace_pattern"] = spec.whitespace_pattern
+    if lenient:
+        opts["lenient"] = True
+        opts["coerce_one_of"] = True
+    return opts
+
+
+def grammar_text(spec: GrammarSpec, *, lenient: bool) -> str:
+    """The llguidance grammar (JSON text) for a spec; raises GrammarError when unexpressible."""
+    try:
+        if spec.kind == "json_schema":
+            schema = normalize_schema(spec.schema, close_objects=not spec.extra_properties)
+            if schema is False:
+                raise InvalidSchemaError("the schema `false` accepts no value", where="/")
+            if schema is True:
+                schema = {}
+            return str(llg.LLMatcher.grammar_from_json_schema(
+                schema, defaults=json_options(spec, lenient=lenient)))
+        if spec.kind == "json_object":
+            return str(llg.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=json_options(spec, lenient=False)))
+        if spec.kind == "regex":
+            return str(llg.LLMatcher.grammar_from_regex(spec.source))
+        if spec.kind == "choice":
+            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                          for c in spec.choices)
+            return str(llg.LLMatcher.grammar_from_lark(lark))
+        if spec.kind == "grammar":
+            source = spec.source
+            if spec.syntax == "ebnf":
+                from llguidance.gbnf_to_lark import any_to_lark
+
+                source = any_to_lark(source)
+            return str(llg.LLMatcher.grammar_from_lark(source))
+        return str(llg.LLMatcher.grammar_from_lark(_struct_tag_lark(spec.source)))
+    except GrammarError:
+        raise
+    except Exception as exc:
+        raise _translate(spec, str(exc)) from exc
+
+
+def _struct_tag_lark(source: str) -> str:
+    """vLLM's legacy structural tag (structures + triggers) as an llguidance Lark grammar."""
+    tag = json.loads(source)
+    if "structures" not in tag or "triggers" not in tag:
+        raise UnsupportedError("llguidance serves only the legacy structural-tag form "
+                               "(structures + triggers); this one needs xgrammar",
+                               where="structural_tag")
+    tags = []
+    for i, item in enumerate(tag["structures"]):
+        begin = item.get("begin", "")
+        trigger = next((t for t in tag["triggers"] if begin.startswith(t)), None)
+        if trigger is None:
+            raise InvalidGrammarError(f"begin {begin!r} starts with no trigger",
+                                      where=f"structural_tag/structures/{i}")
+        tags.append(llg.StructTag(trigger=trigger, begin=begin, grammar=item.get("schema", {}),
+                                  end=item.get("end", "")))
+    return str(llg.StructTag.to_grammar(tags))
+
+
+_LINE = re.compile(r"(line \d+(?:,? ?(?:col(?:umn)?)? ?\d+)?)", re.IGNORECASE)
+
+
+def _translate(spec: GrammarSpec, message: str) -> GrammarError:
+    message = " ".join(str(message).strip().split())
+    if len(message) > 500:
+        message = message[:497] + "..."
+    where_match = _LINE.search(message)
+    where = where_match.group(1) if where_match else None
+    text = f"llguidance: {message}"
+    if spec.kind in ("json_schema", "json_object"):
+        if "Unimplemented" in message or "not supported" in message.lower():
+            return UnsupportedError(text, where=where)
+        return InvalidSchemaError(text, where=where)
+    if spec.kind == "regex":
+        return InvalidRegexError(text, where=where)
+    return InvalidGrammarError(text, where=where)

@@ -1,0 +1,193 @@
+"""xgrammar adapter: fastest per-token fill, slow and sometimes pathological JSON compiles."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
+from ..normalize import normalize_schema
+from ..spec import BackendName, GrammarSpec
+from ..vocab import Vocabulary
+from .base import Matcher, _EndTracking
+
+_COMPACT = (",", ":")
+# "[11:27:52] /project/cpp/grammar_compiler.cc:1207: Check failed: (...) is false: " prefixes
+_NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
+
+
+class XGrammarMatcher(_EndTracking):
+    def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...]) -> None:
+        super().__init__(stop_ids)
+        self._m = inner
+
+    def accept(self, token_id: int) -> bool:
+        if self._m.is_terminated():
+            if token_id in self._stop_ids:
+                self._extra_stops += 1
+                return True
+            return False
+        return bool(self._m.accept_token(token_id))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._m.is_terminated():
+            self._stop_only(bitmask, row)
+        else:
+            self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        undo_extra = min(num_tokens, self._extra_stops)
+        self._extra_stops -= undo_extra
+        if num_tokens - undo_extra:
+            self._m.rollback(num_tokens - undo_extra)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def can_terminate(self) -> bool:
+        return bool(self._m.is_terminated() or self._m.is_completed())
+
+    def fork(self) -> Matcher:
+        twin = XGrammarMatcher(self._m.fork(), self._stop_ids)
+        twin._extra_stops = self._extra_stops
+        return twin
+
+    def reset(self) -> None:
+        self._m.reset()
+        self._extra_stops = 0
+
+    @property
+    def engine_matcher(self) -> xgr.GrammarMatcher:
+        """The raw xgrammar matcher, for batch fills."""
+        return self._m
+
+
+class XGrammarCompiled:
+    backend: BackendName = "xgrammar"
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: tuple[int, ...]) -> None:
+        self._compiled = compiled
+        self._stop_ids = stop_ids
+        self.memory_bytes = int(compiled.memory_size_bytes)
+
+    def matcher(self) -> XGrammarMatcher:
+        inner = xgr.GrammarMatcher(self._compiled, override_stop_tokens=list(self._stop_ids))
+        return XGrammarMatcher(inner, self._stop_ids)
+
+
+class XGrammarBackend:
+    name: BackendName = "xgrammar"
+
+    def __init__(self) -> None:
+        self._compilers: dict[str, xgr.GrammarCompiler] = {}
+        self._lock = threading.Lock()
+
+    def _compiler(self, vocab: Vocabulary) -> xgr.GrammarCompiler:
+        with self._lock:
+            comp = self._compilers.get(vocab.digest)
+            if comp is None:
+                # grammask caches compiled grammars itself; xgrammar's cache would double memory.
+                comp = xgr.GrammarCompiler(vocab.xgrammar_info, max_threads=2,
+                                           cache_enabled=False)
+                self._compilers[vocab.digest] = comp
+            return comp
+
+    def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = True
+                ) -> XGrammarCompiled:
+        comp = self._compiler(vocab)
+        try:
+            compiled = _compile(comp, spec)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a message
+            raise _translate(spec, exc) from exc
+        return XGrammarCompiled(compiled, vocab.stop_ids)
+
+    def check(self, spec: GrammarSpec) -> None:
+        try:
+            _grammar_only(spec)
+        except GrammarError:
+            raise
+        except Exception as exc:
+            raise _translate(spec, exc) from exc
+
+
+def json_options(spec: GrammarSpec) -> dict[str, Any]:
+    """How a spec's whitespace and extra-key options map onto xgrammar's JSON compiler."""
+    if spec.any_whitespace:
+        return {"any_whitespace": True, "strict_mode": not spec.extra_properties}
+    return {"any_whitespace": False, "separators": _COMPACT,
+            "strict_mode": not spec.extra_properties}
+
+
+def _schema_text(spec: GrammarSpec) -> str:
+    return json.dumps(normalize_schema(spec.schema, close_objects=False, explicit_free=True))
+
+
+def _compile(comp: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    if spec.kind == "json_schema":
+        return comp.compile_json_schema(_schema_text(spec), **json_options(spec))
+    if spec.kind == "json_object":
+        separators = None if spec.any_whitespace else _COMPACT
+        return comp.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
+                                        separators=separators, strict_mode=False)
+    if spec.kind == "regex":
+        return comp.compile_regex(spec.source)
+    if spec.kind == "choice":
+        return comp.compile_grammar(_choice_ebnf(spec.choices))
+    if spec.kind == "grammar":
+        if spec.syntax == "lark":
+            return comp.compile_lark(spec.source)
+        return comp.compile_grammar(spec.source)
+    tag = json.loads(spec.source)
+    if "structures" in tag:
+        return comp.compile_structural_tag(*_legacy_tag(tag))
+    return comp.compile_structural_tag(spec.source)
+
+
+def _legacy_tag(tag: dict[str, Any]) -> tuple[list[xgr.StructuralTagItem], list[str]]:
+    """vLLM's legacy form: ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``."""
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})),
+                                   end=s.get("end", "")) for s in tag["structures"]]
+    return items, list(tag["triggers"])
+
+
+def _grammar_only(spec: GrammarSpec) -> None:
+    """Parse without a tokenizer: what request validation can afford."""
+    if spec.kind == "json_schema":
+        xgr.Grammar.from_json_schema(_schema_text(spec), **json_options(spec))
+    elif spec.kind == "regex":
+        xgr.Grammar.from_regex(spec.source)
+    elif spec.kind == "choice":
+        xgr.Grammar.from_ebnf(_choice_ebnf(spec.choices))
+    elif spec.kind == "grammar":
+        if spec.syntax == "lark":
+            xgr.Grammar.from_lark(spec.source)
+        else:
+            xgr.Grammar.from_ebnf(spec.source)
+    elif spec.kind == "structural_tag":
+        tag = json.loads(spec.source)
+        if "structures" in tag:
+            xgr.Grammar.from_structural_tag(*_legacy_tag(tag))
+        else:
+            xgr.Grammar.from_structural_tag(spec.source)
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _translate(spec: GrammarSpec, exc: Exception) -> GrammarError:
+    text = _NOISE.sub("", str(exc).strip()).splitlines()
+    message = " ".join(line.strip() for line in text[:3]) or type(exc).__name__
+    message = f"xgrammar: {message}"
+    if spec.kind in ("json_schema", "json_object"):
+        return InvalidSchemaError(message)
+    if spec.kind == "regex":
+        return InvalidRegexError(message)
+    return InvalidGrammarError(message)

@@ -1,0 +1,194 @@
+"""Command line: ``grammask compile | demo | check | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .compiler import Engine
+from .errors import GrammarError, InvalidSpecError
+from .spec import GrammarSpec
+from .vocab import load_vocabulary
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "bench":
+        return _bench(args[1:])
+    if args and args[0] == "check":
+        check = importlib.import_module("grammask.harness.cli")
+        return int(check.main(args[1:]))
+    parser = argparse.ArgumentParser(prog="grammask", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    comp = sub.add_parser("compile", help="compile one spec; print backend, reason, time")
+    comp.add_argument("spec", help="inline spec text, or a path to a file holding it")
+    comp.add_argument("--kind", choices=["json", "regex", "choice", "grammar"])
+    comp.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "guidance"])
+    comp.add_argument("--tokenizer", default="qwen2.5")
+    comp.add_argument("--timeout", type=float, default=30.0)
+    comp.add_argument("--json", action="store_true", help="print one JSON object")
+    demo = sub.add_parser("demo", help="compile a schema on each backend and auto")
+    demo.add_argument("--tokenizer", default="qwen2.5")
+    sub.add_parser("bench", help="benchmarks: bench compile|mask|overlap ...")
+    sub.add_parser("check", help="mask-correctness harness (see grammask check --help)")
+    ns = parser.parse_args(args)
+    if ns.command == "demo":
+        return _demo(ns.tokenizer)
+    return _compile(ns)
+
+
+def spec_from_text(text: str, kind: str | None, *, backend: str | None = None,
+                   name: str = "") -> GrammarSpec:
+    """Guess the kind from a file name or the text when ``kind`` is None."""
+    be: Any = None if backend in (None, "auto") else backend
+    if kind is None:
+        if name.endswith((".gbnf", ".lark", ".ebnf")):
+            kind = "grammar"
+        else:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = None
+            kind = ("json" if isinstance(value, dict | bool) else
+                    "choice" if isinstance(value, list) else
+                    "grammar" if "::=" in text or "start:" in text else "regex")
+    if kind == "json":
+        return GrammarSpec.json_schema(text, backend=be)
+    if kind == "choice":
+        try:
+            options = json.loads(text)
+        except ValueError as exc:
+            raise InvalidSpecError("a choice spec must be a JSON list of strings") from exc
+        return GrammarSpec.choice(options, backend=be)
+    if kind == "grammar":
+        return GrammarSpec.grammar(text, backend=be)
+    return GrammarSpec.regex(text, backend=be)
+
+
+def _read_spec(value: str) -> tuple[str, str]:
+    path = Path(value)
+    try:
+        if len(value) < 4096 and path.is_file():
+            return path.read_text(encoding="utf-8"), path.name
+    except OSError:
+        pass
+    return value, ""
+
+
+def _compile(ns: argparse.Namespace) -> int:
+    try:
+        text, name = _read_spec(ns.spec)
+        spec = spec_from_text(text, ns.kind, backend=ns.backend, name=name)
+        engine = Engine(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout)
+        grammar = engine.compile(spec)
+    except GrammarError as exc:
+        if ns.json:
+            print(json.dumps({"error": type(exc).__name__, "message": str(exc),
+                              "where": exc.where}))
+        else:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    result = {"kind": spec.kind, "backend": grammar.backend, "reason": grammar.reason,
+              "unenforced": list(grammar.unenforced), "compile_ms": round(grammar.compile_ms, 3),
+              "fallback_from": grammar.fallback_from, "key": spec.key}
+    if ns.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>13}: {v}")
+    return 0
+
+
+DEMO_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "format": "email"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+    },
+    "required": ["name", "age"],
+}
+
+
+def _demo(tokenizer: str) -> int:
+    t0 = time.perf_counter()
+    vocab = load_vocabulary(tokenizer)
+    print(f"vocabulary: {vocab.name}: {len(vocab.tokens)} tokens, model vocab {vocab.vocab_size},"
+          f" stop ids {list(vocab.stop_ids)} ({(time.perf_counter() - t0) * 1000:.0f} ms)")
+    t0 = time.perf_counter()
+    _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
+    print(f"engine tokenizers ready ({(time.perf_counter() - t0) * 1000:.0f} ms, once per model)")
+    print(f"schema: {json.dumps(DEMO_SCHEMA)}\n")
+    specs = {
+        "auto": GrammarSpec.json_schema(DEMO_SCHEMA),
+        "xgrammar": GrammarSpec.json_schema(DEMO_SCHEMA, backend="xgrammar"),
+        "guidance": GrammarSpec.json_schema(DEMO_SCHEMA, backend="guidance"),
+        "auto+uniqueItems": GrammarSpec.json_schema(
+            {**DEMO_SCHEMA, "properties": {**DEMO_SCHEMA["properties"],  # type: ignore[dict-item]
+                                           "tags": {"type": "array", "uniqueItems": True}}}),
+    }
+    engine = Engine(vocab)
+    print(f"{'policy':<17} {'backend':<9} {'cold ms':>8} {'cached ms':>9}  reason")
+    for label, spec in specs.items():
+        t0 = time.perf_counter()
+        grammar = engine.compile(spec)
+        cold = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        engine.compile(spec)
+        warm = (time.perf_counter() - t0) * 1000
+        print(f"{label:<17} {grammar.backend:<9} {cold:8.2f} {warm:9.4f}  {grammar.reason}")
+        if grammar.unenforced:
+            print(f"{'':<17} unenforced: {', '.join(grammar.unenforced)}")
+    grammar = engine.compile(specs["auto"])
+    out = _greedy_sample(grammar, vocab)
+    print(f"\nrandom-logit sample under the auto mask: {out}")
+    json.loads(out)
+    return 0
+
+
+def _greedy_sample(grammar: Any, vocab: Any, steps: int = 200) -> str:
+    import torch
+
+    from .bitmask import allocate_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    matcher = grammar.matcher()
+    mask = allocate_bitmask(1, vocab.vocab_size)
+    ids: list[int] = []
+    for _ in range(steps):
+        matcher.fill(mask, 0)
+        bits = ((mask[0].to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1).flatten()
+        logits = torch.randn(bits.numel(), generator=gen)
+        logits[bits[: logits.numel()] == 0] = float("-inf")
+        token = int(torch.argmax(logits))
+        if token in vocab.stop_ids:
+            break
+        matcher.accept(token)
+        ids.append(token)
+    return str(vocab.decode(ids).decode("utf-8", "replace"))
+
+
+def _bench(args: list[str]) -> int:
+    if not args or args[0] not in ("compile", "mask", "overlap"):
+        print("usage: grammask bench compile|mask|overlap [options]", file=sys.stderr)
+        return 2
+    bench_dir = REPO_ROOT / "bench"
+    if not bench_dir.is_dir():
+        print(f"error: benchmarks live in {bench_dir} (a source checkout)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO_ROOT))
+    module = importlib.import_module(f"bench.{args[0]}")
+    return int(module.main(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,329 @@
+"""The compile service: routing, bounded parallel compiles, single-flight, LRU and timeouts.
+
+- ``compile_async`` returns at once; the compile starts immediately so it overlaps the prefill.
+- N concurrent requests for one key share one compile (single-flight).
+- Results live in an LRU bounded by bytes; failures in a negative cache that expires.
+- Every engine call runs under a time budget. A runaway native compile cannot be killed, so it
+  is *abandoned*: its slot is handed back (up to ``max_abandoned`` at once) and the request
+  falls back to the other engine when that one can serve the spec, else gets a
+  ``CompileTimeoutError``. Beyond ``max_abandoned`` the runaway keeps its slot, so the CPU
+  spent on runaways stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from .backends import CompiledGrammar, Matcher, get_backend
+from .errors import CompileTimeoutError, GrammarError, InvalidSpecError
+from .router import Route, route
+from .spec import BackendName, GrammarSpec
+from .vocab import Vocabulary
+
+log = logging.getLogger("grammask")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled spec: makes matchers, and says which engine serves it and why."""
+
+    spec: GrammarSpec
+    backend: BackendName
+    reason: str
+    unenforced: tuple[str, ...]
+    compile_ms: float
+    compiled: CompiledGrammar = field(repr=False)
+    fallback_from: BackendName | None = None
+
+    def matcher(self) -> Matcher:
+        return self.compiled.matcher()
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.compiled.memory_bytes)
+
+
+@dataclass
+class Stats:
+    """Counters since the engine started (read them; do not write)."""
+
+    hits: int = 0
+    misses: int = 0
+    joined: int = 0
+    compiles: dict[str, int] = field(default_factory=lambda: {"xgrammar": 0, "guidance": 0})
+    compile_ms: dict[str, float] = field(
+        default_factory=lambda: {"xgrammar": 0.0, "guidance": 0.0})
+    fallbacks: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    negative_hits: int = 0
+    evictions: int = 0
+    abandoned: int = 0
+
+
+class _Runner:
+    """Runs native compiles on their own threads with a concurrency bound and a deadline."""
+
+    def __init__(self, max_running: int, max_abandoned: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_running)
+        self._max_abandoned = max_abandoned
+        self._abandoned = 0
+        self._lock = threading.Lock()
+
+    @property
+    def abandoned(self) -> int:
+        return self._abandoned
+
+    def run(self, fn: Callable[[], T], timeout: float, what: str) -> T:
+        start = time.monotonic()
+        if not self._slots.acquire(timeout=timeout):
+            raise CompileTimeoutError(f"no compile slot free within {timeout:.1f} s for {what}")
+        state = {"abandoned": False}
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            finally:
+                with self._lock:
+                    if state["abandoned"]:
+                        self._abandoned -= 1
+                        if state.get("keeps_slot"):
+                            self._slots.release()
+                    else:
+                        self._slots.release()
+                    done.set()
+
+        threading.Thread(target=target, name=f"grammask-compile-{what}", daemon=True).start()
+        remaining = max(0.0, timeout - (time.monotonic() - start))
+        if not done.wait(remaining):
+            with self._lock:
+                if not done.is_set():
+                    state["abandoned"] = True
+                    self._abandoned += 1
+                    if self._abandoned <= self._max_abandoned:
+                        self._slots.release()  # a fresh compile may start meanwhile
+                    else:
+                        state["keeps_slot"] = True
+                    raise CompileTimeoutError(
+                        f"{what} compile exceeded {timeout:.1f} s")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["value"]  # type: ignore[return-value]
+
+
+class Engine:
+    """Compiles specs for one vocabulary; thread-safe; one per model/tokenizer."""
+
+    def __init__(
+        self,
+        vocab: Vocabulary,
+        *,
+        backend: BackendName | str | None = "auto",
+        max_workers: int = 4,
+        cache_bytes: int = 512 * 1024 * 1024,
+        timeout_s: float = 10.0,
+        negative_ttl_s: float = 30.0,
+        max_abandoned: int = 2,
+        prefer: BackendName = "guidance",
+    ) -> None:
+        if backend not in (None, "auto", "xgrammar", "guidance", "llguidance"):
+            raise InvalidSpecError(f"backend must be auto, xgrammar or guidance, got {backend!r}")
+        if timeout_s <= 0 or max_workers < 1 or cache_bytes < 0:
+            raise InvalidSpecError("timeout_s and max_workers must be positive")
+        self.vocab = vocab
+        self.default_backend: BackendName | None = (
+            None if backend in (None, "auto") else
+            "guidance" if backend == "llguidance" else backend)  # type: ignore[assignment]
+        self.timeout_s = timeout_s
+        self.cache_bytes = cache_bytes
+        self.negative_ttl_s = negative_ttl_s
+        self.prefer: BackendName = prefer
+        self.stats = Stats()
+        self._runner = _Runner(max_workers, max_abandoned)
+        self._pool = ThreadPoolExecutor(max_workers=max(8, 4 * max_workers),
+                                        thread_name_prefix="grammask-route")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._cache_used = 0
+        self._inflight: dict[str, Future[Grammar]] = {}
+        self._failed: dict[str, tuple[float, GrammarError]] = {}
+
+    # ----------------------------------------------------------------------- public
+    def compile(self, spec: GrammarSpec, timeout: float | None = None) -> Grammar:
+        """Blocking compile (cache first)."""
+        return self.compile_async(spec).result(timeout)
+
+    def compile_async(self, spec: GrammarSpec) -> Future[Grammar]:
+        if not isinstance(spec, GrammarSpec):
+            raise InvalidSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
+        spec = self._effective(spec)
+        key = spec.key
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats.hits += 1
+                done: Future[Grammar] = Future()
+                done.set_result(hit)
+                return done
+            failed = self._failed.get(key)
+            if failed is not None:
+                if failed[0] > time.monotonic():
+                    self.stats.negative_hits += 1
+                    err: Future[Grammar] = Future()
+                    err.set_exception(failed[1])
+                    return err
+                del self._failed[key]
+            running = self._inflight.get(key)
+            if running is not None:
+                self.stats.joined += 1
+                return running
+            self.stats.misses += 1
+            fut: Future[Grammar] = Future()
+            self._inflight[key] = fut
+        self._pool.submit(self._build, spec, fut)
+        return fut
+
+    def cached(self, spec: GrammarSpec) -> Grammar | None:
+        with self._lock:
+            return self._cache.get(self._effective(spec).key)
+
+    def route(self, spec: GrammarSpec) -> Route:
+        return route(self._effective(spec), prefer=self.prefer)
+
+    def check(self, spec: GrammarSpec) -> Route:
+        """Cheap validation without compiling for the tokenizer (request admission)."""
+        spec = self._effective(spec)
+        decision = self.route(spec)
+        get_backend(decision.backend).check(spec)
+        return decision
+
+    def cache_info(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._cache), "bytes": self._cache_used,
+                    "limit_bytes": self.cache_bytes, "inflight": len(self._inflight),
+                    "negative": len(self._failed), "abandoned": self._runner.abandoned}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._failed.clear()
+            self._cache_used = 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------------- internals
+    def _effective(self, spec: GrammarSpec) -> GrammarSpec:
+        if spec.backend is None and self.default_backend is not None:
+            return spec.with_backend(self.default_backend)
+        return spec
+
+    def _build(self, spec: GrammarSpec, fut: Future[Grammar]) -> None:
+        try:
+            grammar = self._compile_routed(spec)
+        except BaseException as exc:
+            error = exc if isinstance(exc, GrammarError) else GrammarError(
+                f"internal error while compiling: {type(exc).__name__}: {exc}")
+            with self._lock:
+                self.stats.errors += 1
+                self._inflight.pop(spec.key, None)
+                if not isinstance(error, CompileTimeoutError):
+                    self._failed[spec.key] = (time.monotonic() + self.negative_ttl_s, error)
+            fut.set_exception(error)
+            return
+        with self._lock:
+            self._inflight.pop(spec.key, None)
+            self._insert(spec.key, grammar)
+        fut.set_result(grammar)
+
+    def _insert(self, key: str, grammar: Grammar) -> None:
+        size = grammar.memory_bytes
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = grammar
+        self._cache_used += size
+        while self._cache_used > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cache_used -= old.memory_bytes
+            self.stats.evictions += 1
+
+    def _compile_routed(self, spec: GrammarSpec) -> Grammar:
+        decision = route(spec, prefer=self.prefer)
+        try:
+            return self._attempt(spec, decision.backend, decision)
+        except GrammarError as first:
+            other = decision.fallback or self._rescue(spec, decision, first)
+            if other is None:
+                raise
+            log.warning("grammask: %s on %s failed (%s); falling back to %s",
+                        spec.describe(), decision.backend, first.message, other)
+            self.stats.fallbacks += 1
+            lenient = other == "guidance"
+            reason = f"{decision.backend} failed ({first.message}); fell back to {other}"
+            unenforced = decision.unenforced
+            if other != decision.backend:
+                unenforced = tuple(route(spec.with_backend(other)).unenforced)
+                if spec.strict and unenforced:
+                    raise first from None
+            fallback = Route(other, reason, unenforced=unenforced, lenient=lenient)
+            try:
+                grammar = self._attempt(spec, other, fallback)
+            except GrammarError:
+                raise first from None
+            return Grammar(spec, grammar.backend, reason, grammar.unenforced,
+                           grammar.compile_ms, grammar.compiled, fallback_from=decision.backend)
+
+    def _rescue(self, spec: GrammarSpec, decision: Route, error: GrammarError
+                ) -> BackendName | None:
+        """After a refusal, which engine could still serve the spec (or None)."""
+        if spec.backend is not None:
+            return None
+        if decision.backend == "guidance" and not decision.lenient and spec.kind == "json_schema":
+            return "guidance"  # retry lenient (e.g. overlapping oneOf), gaps reported
+        if isinstance(error, CompileTimeoutError) and decision.backend == "xgrammar":
+            return "guidance"
+        return None
+
+    def _attempt(self, spec: GrammarSpec, backend: BackendName, decision: Route) -> Grammar:
+        engine = get_backend(backend)
+        # engine tokenizers are built once per vocabulary, outside the compile budget
+        _ = self.vocab.xgrammar_info if backend == "xgrammar" else self.vocab.llguidance_tokenizer
+        started = time.perf_counter()
+        try:
+            compiled = self._runner.run(
+                lambda: engine.compile(spec, self.vocab, lenient=decision.lenient),
+                self.timeout_s, backend)
+        except CompileTimeoutError:
+            with self._lock:
+                self.stats.timeouts += 1
+                self.stats.abandoned = self._runner.abandoned
+            raise
+        elapsed = (time.perf_counter() - started) * 1000
+        with self._lock:
+            self.stats.compiles[backend] += 1
+            self.stats.compile_ms[backend] += elapsed
+        unenforced = list(decision.unenforced)
+        if decision.lenient and not unenforced:
+            # lenient mode was asked for a formality (unknown format) or as a rescue: report
+            # whatever llguidance says it ignored
+            unenforced += [f"llguidance: {w}" for w in getattr(compiled, "warnings", [])
+                           if "format" not in w.lower()]
+        if unenforced:
+            log.warning("grammask: %s served by %s without enforcing %s", spec.describe(),
+                        backend, ", ".join(unenforced))
+        log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend,
+                 decision.reason, elapsed)
+        return Grammar(spec, backend, decision.reason, tuple(unenforced), elapsed, compiled)

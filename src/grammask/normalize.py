@@ -1,0 +1,133 @@
+"""Rewrite a JSON schema so both engines read it the way JSON Schema means it.
+
+Normalizing beats falling back: the two differences that matter most in real schemas have an
+exact rewrite.
+- ``pattern`` / ``patternProperties`` are *searches* in JSON Schema, while both engines match
+  the whole string; an unanchored side gets an explicit ``[\\s\\S]*``.
+- "closed objects" (our default, like OpenAI strict mode) are xgrammar's ``strict_mode``;
+  llguidance follows JSON Schema (undeclared keys allowed), so for it we add
+  ``additionalProperties: false`` where the schema leaves it open. Objects combined through
+  ``allOf`` are left open: closing one branch would reject the keys of the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_SINGLE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
+                     "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+                     "additionalItems")
+_OPEN_MARKERS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref",
+                 "allOf", "anyOf", "oneOf", "if", "dependentSchemas")
+
+
+def search_pattern(pattern: str) -> str:
+    """An equivalent full-match pattern for a JSON Schema (search) pattern."""
+    if _has_top_level_alternation(pattern):
+        if not (pattern.startswith("^") or _ends_with_anchor(pattern)):
+            return f"[\\s\\S]*(?:{pattern})[\\s\\S]*"
+        return pattern  # anchors inside alternation branches: engines treat them per branch
+    body = pattern
+    head = "" if body.startswith("^") else "[\\s\\S]*"
+    if body.startswith("^"):
+        body = body[1:]
+    tail = "[\\s\\S]*"
+    if _ends_with_anchor(body):
+        body, tail = body[:-1], ""
+    if not head and not tail:
+        return body
+    return f"{head}(?:{body}){tail}"
+
+
+def normalize_schema(schema: Any, *, close_objects: bool, explicit_free: bool = False) -> Any:
+    """A rewritten copy; the input is never modified.
+
+    ``explicit_free`` (xgrammar): spell out ``additionalProperties: {}`` / ``items: {}`` on
+    containers that declare no members, since xgrammar's strict mode would otherwise leave
+    only ``{}`` / ``[]`` once a keyword such as ``required`` or ``maxItems`` is present.
+    """
+    return _walk(schema, close_objects, in_all_of=False, free=explicit_free)
+
+
+def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "pattern" and isinstance(value, str):
+            out[key] = search_pattern(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {search_pattern(k): _walk(v, close, in_all_of=False, free=free)
+                        for k, v in value.items()}
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _walk(v, close, in_all_of=False, free=free) for k, v in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_walk(v, close, in_all_of=False, free=free) for v in value]
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [_walk(v, close, in_all_of=True, free=free) for v in value]
+        elif key == "items" and isinstance(value, list):
+            out[key] = [_walk(v, close, in_all_of=False, free=free) for v in value]
+        elif key in _SUBSCHEMA_SINGLE:
+            out[key] = _walk(value, close, in_all_of=False, free=free)
+        else:
+            out[key] = value
+    if close and not in_all_of and _is_open_object(out):
+        out["additionalProperties"] = False
+    if free and not in_all_of:
+        _spell_out_free_members(out)
+    return out
+
+
+_OBJECT_MEMBER_KEYS = ("properties", "additionalProperties", "patternProperties",
+                       "unevaluatedProperties", "$ref", "allOf", "anyOf", "oneOf")
+_ARRAY_MEMBER_KEYS = ("items", "unevaluatedItems", "$ref", "allOf", "anyOf", "oneOf")
+
+
+def _spell_out_free_members(node: dict[str, Any]) -> None:
+    typ = node.get("type")
+    types = typ if isinstance(typ, list) else [typ]
+    if "object" in types and not any(k in node for k in _OBJECT_MEMBER_KEYS):
+        node["additionalProperties"] = {}
+    if "array" in types and not any(k in node for k in _ARRAY_MEMBER_KEYS):
+        node["items"] = {}
+
+
+def _is_open_object(node: dict[str, Any]) -> bool:
+    if any(marker in node for marker in _OPEN_MARKERS):
+        return False
+    typ = node.get("type")
+    # only objects that declare properties: closing a free-form object would leave just {}
+    return "properties" in node and (typ in (None, "object") or
+                                     (isinstance(typ, list) and "object" in typ))
+
+
+def _ends_with_anchor(pattern: str) -> bool:
+    if not pattern.endswith("$"):
+        return False
+    backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
+    return backslashes % 2 == 0
+
+
+def _has_top_level_alternation(pattern: str) -> bool:
+    depth = 0
+    in_class = False
+    escaped = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            return True
+    return False

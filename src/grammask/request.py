@@ -1,0 +1,88 @@
+"""Per-request constraint as it arrives through vLLM ``extra_args`` (OpenAI ``vllm_xargs``).
+
+``vllm_xargs`` carries only strings, numbers and flat lists, so the structured-output object
+travels as a JSON string under one key and the switches as flat keys beside it:
+
+| key                   | value                                                            |
+|-----------------------|------------------------------------------------------------------|
+| ``grammask``          | JSON text of a vLLM ``structured_outputs`` object, e.g.          |
+|                       | ``{"json": {...}, "disable_any_whitespace": true}``              |
+| ``grammask_backend``  | ``auto`` (default), ``xgrammar`` or ``guidance``                 |
+| ``grammask_strict``   | 1/true: refuse schemas with keywords no backend enforces         |
+| ``grammask_thinking`` | ``auto`` (default: mask after the thinking end marker) or        |
+|                       | ``off`` (constrain from the first generated token)               |
+| ``grammask_think_end``| override the thinking end marker (text, e.g. ``</think>``)       |
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidSpecError
+from .spec import GrammarSpec
+
+EXTRA_ARGS_KEY = "grammask"
+FLAT_KEYS = ("grammask_backend", "grammask_strict", "grammask_thinking", "grammask_think_end")
+
+
+@dataclass(frozen=True)
+class ConstraintRequest:
+    """What one request asks for: the grammar, and how the thinking gate treats it."""
+
+    spec: GrammarSpec
+    thinking: bool = True
+    think_end: str | None = None
+
+
+def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None:
+    """None when the request carries no grammask constraint (it is then left untouched)."""
+    if not extra_args or EXTRA_ARGS_KEY not in extra_args:
+        stray = [k for k in FLAT_KEYS if extra_args and k in extra_args]
+        if stray:
+            raise InvalidSpecError(f"{stray[0]} given without a '{EXTRA_ARGS_KEY}' constraint",
+                                   where=stray[0])
+        return None
+    raw = extra_args[EXTRA_ARGS_KEY]
+    if isinstance(raw, str):
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise InvalidSpecError(f"'{EXTRA_ARGS_KEY}' is not valid JSON: {exc.msg}",
+                                   where=f"{EXTRA_ARGS_KEY} column {exc.colno}") from exc
+    elif isinstance(raw, Mapping):
+        obj = dict(raw)
+    else:
+        raise InvalidSpecError(
+            f"'{EXTRA_ARGS_KEY}' must be a JSON string, got {type(raw).__name__}",
+            where=EXTRA_ARGS_KEY)
+    if not isinstance(obj, dict):
+        raise InvalidSpecError(f"'{EXTRA_ARGS_KEY}' must hold a JSON object",
+                               where=EXTRA_ARGS_KEY)
+    if "grammask_backend" in extra_args:
+        obj["backend"] = extra_args["grammask_backend"]
+    if "grammask_strict" in extra_args:
+        obj["strict"] = _flag(extra_args["grammask_strict"], "grammask_strict")
+    spec = GrammarSpec.from_vllm(obj)
+    thinking_value = extra_args.get("grammask_thinking", "auto")
+    if thinking_value not in ("auto", "off", "on", 0, 1, True, False):
+        raise InvalidSpecError("grammask_thinking must be 'auto' or 'off'",
+                               where="grammask_thinking")
+    thinking = thinking_value not in ("off", 0, False)
+    think_end = extra_args.get("grammask_think_end")
+    if think_end is not None and (not isinstance(think_end, str) or not think_end):
+        raise InvalidSpecError("grammask_think_end must be a non-empty string",
+                               where="grammask_think_end")
+    return ConstraintRequest(spec, thinking=thinking, think_end=think_end)
+
+
+def _flag(value: object, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise InvalidSpecError(f"{what} must be true/false or 1/0, got {value!r}", where=what)

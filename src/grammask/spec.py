@@ -1,0 +1,419 @@
+"""GrammarSpec: one normalized, immutable description of a constraint, from any front end.
+
+Front ends (Python calls, OpenAI ``response_format``, vLLM ``structured_outputs`` and
+``extra_args``) disagree on names and defaults; everything downstream (routing, cache keys,
+compilation) sees only this one shape. The cache ``key`` is canonical: JSON sources are keyed by
+their sorted, whitespace-free form, so equal schemas written differently share one compile,
+while the declared key order is kept in ``source`` because xgrammar emits properties in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, cast
+
+from .errors import InvalidGrammarError, InvalidSchemaError, InvalidSpecError
+
+Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
+Syntax = Literal["ebnf", "lark"]
+BackendName = Literal["xgrammar", "guidance"]
+
+KINDS: tuple[Kind, ...] = (
+    "json_schema", "json_object", "regex", "choice", "grammar", "structural_tag",
+)
+BACKEND_NAMES: tuple[BackendName, ...] = ("xgrammar", "guidance")
+
+#: Inputs above this many bytes are refused before any engine sees them (configurable per call).
+MAX_SOURCE_BYTES = 4 * 1024 * 1024
+#: Nesting deeper than this is refused: engines recurse natively and could overflow their stack.
+MAX_NESTING = 100
+
+
+@dataclass(frozen=True, eq=False)
+class GrammarSpec:
+    """A constraint. Build it with the classmethods; compare and hash by ``key``.
+
+    Options (all part of the key):
+    - ``any_whitespace``: JSON may contain any whitespace between tokens (False: compact
+      ``json.dumps(..., separators=(",", ":"))`` style, vLLM's ``disable_any_whitespace``).
+    - ``whitespace_pattern``: a regex for JSON whitespace (llguidance only; routes there).
+    - ``extra_properties``: whether objects that do not declare ``additionalProperties`` accept
+      undeclared keys. False (default) closes them, as OpenAI strict mode and vLLM's xgrammar
+      path do; True is plain JSON Schema semantics (OpenAI ``strict: false``).
+    - ``strict``: refuse a schema some keyword of which no backend enforces (else: serve it
+      with a warning and list the keywords in ``Grammar.unenforced``).
+    - ``backend``: force a backend instead of per-request auto routing.
+    """
+
+    kind: Kind
+    source: str
+    syntax: Syntax | None = None
+    any_whitespace: bool = True
+    whitespace_pattern: str | None = None
+    extra_properties: bool = False
+    strict: bool = False
+    backend: BackendName | None = None
+    key: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", _digest(self._key_material()))
+
+    def _key_material(self) -> str:
+        canonical = self.source
+        if self.kind in ("json_schema", "structural_tag", "choice"):
+            canonical = canonical_json(json.loads(self.source))
+        return json.dumps(
+            [self.kind, canonical, self.syntax, self.any_whitespace, self.whitespace_pattern,
+             self.extra_properties, self.strict, self.backend],
+            ensure_ascii=False,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GrammarSpec) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def with_backend(self, backend: BackendName | None) -> GrammarSpec:
+        return replace(self, backend=_check_backend(backend))
+
+    @property
+    def schema(self) -> Any:
+        """The parsed JSON schema (json_schema kind only)."""
+        if self.kind != "json_schema":
+            raise InvalidSpecError(f"a {self.kind} spec has no JSON schema")
+        return json.loads(self.source)
+
+    @property
+    def choices(self) -> list[str]:
+        if self.kind != "choice":
+            raise InvalidSpecError(f"a {self.kind} spec has no choices")
+        return cast(list[str], json.loads(self.source))
+
+    def describe(self) -> str:
+        text = self.source if len(self.source) <= 60 else self.source[:57] + "..."
+        return f"{self.kind}:{text}"
+
+    # ----------------------------------------------------------------- Python constructors
+    @classmethod
+    def json_schema(
+        cls,
+        schema: Mapping[str, Any] | str | bool,
+        *,
+        any_whitespace: bool = True,
+        whitespace_pattern: str | None = None,
+        extra_properties: bool = False,
+        strict: bool = False,
+        backend: BackendName | None = None,
+        max_bytes: int = MAX_SOURCE_BYTES,
+    ) -> GrammarSpec:
+        parsed = _parse_schema(schema, max_bytes)
+        return cls(
+            "json_schema", _compact_json(parsed),
+            any_whitespace=_check_bool(any_whitespace, "any_whitespace"),
+            whitespace_pattern=_check_opt_str(whitespace_pattern, "whitespace_pattern"),
+            extra_properties=_check_bool(extra_properties, "extra_properties"),
+            strict=_check_bool(strict, "strict"), backend=_check_backend(backend),
+        )
+
+    @classmethod
+    def json_object(
+        cls, *, any_whitespace: bool = True, whitespace_pattern: str | None = None,
+        backend: BackendName | None = None,
+    ) -> GrammarSpec:
+        """Any JSON object (OpenAI ``json_object``)."""
+        return cls(
+            "json_object", "", any_whitespace=_check_bool(any_whitespace, "any_whitespace"),
+            whitespace_pattern=_check_opt_str(whitespace_pattern, "whitespace_pattern"),
+            backend=_check_backend(backend),
+        )
+
+    @classmethod
+    def regex(
+        cls, pattern: str, *, backend: BackendName | None = None,
+        max_bytes: int = MAX_SOURCE_BYTES,
+    ) -> GrammarSpec:
+        text = _check_text(pattern, "regex", max_bytes, allow_empty=True)
+        return cls("regex", text, backend=_check_backend(backend))
+
+    @classmethod
+    def choice(
+        cls, options: Sequence[str], *, backend: BackendName | None = None,
+        max_bytes: int = MAX_SOURCE_BYTES,
+    ) -> GrammarSpec:
+        if isinstance(options, str | bytes) or not isinstance(options, Sequence):
+            raise InvalidSpecError(
+                f"choice must be a list of strings, got {type(options).__name__}", where="choice"
+            )
+        if not options:
+            raise InvalidSpecError("choice list is empty: nothing could ever be generated",
+                                   where="choice")
+        for i, opt in enumerate(options):
+            if not isinstance(opt, str):
+                raise InvalidSpecError(
+                    f"choice entries must be strings, got {type(opt).__name__}",
+                    where=f"choice[{i}]",
+                )
+            _check_text(opt, f"choice[{i}]", max_bytes, allow_empty=True)
+        return cls("choice", json.dumps(list(options), ensure_ascii=False),
+                   backend=_check_backend(backend))
+
+    @classmethod
+    def grammar(
+        cls, text: str, syntax: Syntax | None = None, *, backend: BackendName | None = None,
+        max_bytes: int = MAX_SOURCE_BYTES,
+    ) -> GrammarSpec:
+        """An EBNF (GBNF, ``::=``) or Lark (``:``) grammar; ``syntax=None`` detects which."""
+        body = _check_text(text, "grammar", max_bytes, allow_empty=False)
+        if syntax is None:
+            syntax = detect_syntax(body)
+        elif syntax not in ("ebnf", "lark"):
+            raise InvalidSpecError(f"grammar syntax must be 'ebnf' or 'lark', got {syntax!r}",
+                                   where="syntax")
+        return cls("grammar", body, syntax=syntax, backend=_check_backend(backend))
+
+    @classmethod
+    def structural_tag(
+        cls, tag: Mapping[str, Any] | str, *, backend: BackendName | None = None,
+        max_bytes: int = MAX_SOURCE_BYTES,
+    ) -> GrammarSpec:
+        """An xgrammar structural tag (``{"type": "structural_tag", ...}``), as vLLM takes it."""
+        if isinstance(tag, str):
+            _check_text(tag, "structural_tag", max_bytes, allow_empty=False)
+            try:
+                parsed = json.loads(tag)
+            except json.JSONDecodeError as exc:
+                raise InvalidGrammarError(f"structural tag is not valid JSON: {exc.msg}",
+                                          where=f"line {exc.lineno} column {exc.colno}") from exc
+        elif isinstance(tag, Mapping):
+            parsed = dict(tag)
+        else:
+            raise InvalidSpecError(
+                f"structural_tag must be a JSON string or object, got {type(tag).__name__}",
+                where="structural_tag",
+            )
+        if not isinstance(parsed, dict):
+            raise InvalidGrammarError("structural tag must be a JSON object",
+                                      where="structural_tag")
+        return cls("structural_tag", _compact_json(parsed), backend=_check_backend(backend))
+
+    # -------------------------------------------------------------------- front ends
+    @classmethod
+    def from_openai(cls, response_format: Mapping[str, Any]) -> GrammarSpec | None:
+        """OpenAI ``response_format``. ``text`` means no constraint (None).
+
+        ``strict: true`` closes objects and refuses schemas with keywords no backend enforces
+        (OpenAI's guarantee); ``strict: false`` or absent keeps plain JSON Schema semantics
+        (undeclared keys allowed) and serves best-effort with the gaps listed.
+        """
+        if not isinstance(response_format, Mapping):
+            raise InvalidSpecError("response_format must be an object", where="response_format")
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            body = response_format.get("json_schema")
+            if not isinstance(body, Mapping):
+                raise InvalidSpecError("json_schema must be an object with a 'schema'",
+                                       where="response_format.json_schema")
+            if "schema" not in body:
+                raise InvalidSpecError("json_schema.schema is missing",
+                                       where="response_format.json_schema")
+            strict = body.get("strict", False)
+            if not isinstance(strict, bool) and strict is not None:
+                raise InvalidSpecError("strict must be a boolean",
+                                       where="response_format.json_schema.strict")
+            return cls.json_schema(body["schema"], strict=bool(strict),
+                                   extra_properties=not strict)
+        raise InvalidSpecError(
+            f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+            where="response_format.type",
+        )
+
+    @classmethod
+    def from_vllm(cls, params: Mapping[str, Any]) -> GrammarSpec:
+        """A vLLM ``structured_outputs`` object, with its per-request options honoured."""
+        if not isinstance(params, Mapping):
+            raise InvalidSpecError(
+                f"structured outputs must be an object, got {type(params).__name__}")
+        known = set(_VLLM_KINDS) | set(_VLLM_OPTIONS) | {"backend", "strict", "extra_properties"}
+        unknown = sorted(k for k in params if k not in known and params[k] is not None)
+        if unknown:
+            raise InvalidSpecError(f"unknown structured-output keys {unknown}",
+                                   where=unknown[0])
+        given = [k for k in _VLLM_KINDS if params.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidSpecError(
+                "exactly one of json, regex, choice, grammar, json_object, structural_tag "
+                f"must be given, got {given or 'none'}"
+            )
+        kind = given[0]
+        value = params[kind]
+        backend = _check_backend(params.get("backend"))
+        any_ws = not _check_bool(params.get("disable_any_whitespace", False),
+                                 "disable_any_whitespace")
+        ws_pattern = _check_opt_str(params.get("whitespace_pattern"), "whitespace_pattern")
+        if kind == "json":
+            extra = params.get("extra_properties")
+            if extra is None:
+                extra = not _check_bool(params.get("disable_additional_properties", True),
+                                        "disable_additional_properties")
+            return cls.json_schema(
+                value, any_whitespace=any_ws, whitespace_pattern=ws_pattern,
+                extra_properties=_check_bool(extra, "extra_properties"),
+                strict=_check_bool(params.get("strict", False), "strict"), backend=backend,
+            )
+        if kind == "json_object":
+            return cls.json_object(any_whitespace=any_ws, whitespace_pattern=ws_pattern,
+                                   backend=backend)
+        if kind == "regex":
+            return cls.regex(value, backend=backend)
+        if kind == "choice":
+            return cls.choice(value, backend=backend)
+        if kind == "grammar":
+            return cls.grammar(value, backend=backend)
+        return cls.structural_tag(value, backend=backend)
+
+
+_VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_VLLM_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                 "disable_fallback", "all_choices", "all_tokens")
+
+
+# ------------------------------------------------------------------------------ helpers
+def canonical_json(value: Any) -> str:
+    """Sorted, whitespace-free JSON: the form cache keys are computed from."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
+def detect_syntax(text: str) -> Syntax:
+    """GBNF rules use ``::=``; Lark rules use ``:``."""
+    return "ebnf" if "::=" in text else "lark"
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _check_text(value: object, what: str, max_bytes: int, *, allow_empty: bool) -> str:
+    if not isinstance(value, str):
+        raise InvalidSpecError(f"{what} must be a string, got {type(value).__name__}", where=what)
+    if not allow_empty and not value.strip():
+        raise InvalidSpecError(f"{what} is empty", where=what)
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise InvalidSpecError(
+            f"{what} is {size / 1e6:.1f} MB, over the {max_bytes / 1e6:.1f} MB limit", where=what
+        )
+    if "\x00" in value:
+        raise InvalidSpecError(f"{what} contains a NUL character",
+                               where=f"{what} offset {value.index(chr(0))}")
+    return value
+
+
+def _check_bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidSpecError(f"{what} must be a boolean, got {type(value).__name__}",
+                               where=what)
+    return value
+
+
+def _check_opt_str(value: object, what: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidSpecError(f"{what} must be a string, got {type(value).__name__}",
+                               where=what)
+    return value
+
+
+def _check_backend(value: object) -> BackendName | None:
+    if value in (None, "auto"):
+        return None
+    if value == "llguidance":
+        return "guidance"
+    if value not in BACKEND_NAMES:
+        raise InvalidSpecError(
+            f"backend must be auto, xgrammar or guidance, got {value!r}", where="backend"
+        )
+    return value
+
+
+def _parse_schema(schema: object, max_bytes: int) -> Any:
+    if isinstance(schema, str):
+        _check_text(schema, "schema", max_bytes, allow_empty=False)
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise InvalidSchemaError(f"schema is not valid JSON: {exc.msg}",
+                                     where=f"line {exc.lineno} column {exc.colno}") from exc
+        except RecursionError as exc:
+            raise InvalidSchemaError(f"schema nests deeper than {MAX_NESTING} levels",
+                                     where="/") from exc
+    elif isinstance(schema, bool | Mapping):
+        parsed = schema
+    else:
+        raise InvalidSpecError(
+            f"schema must be a JSON object, a boolean or JSON text, got {type(schema).__name__}",
+            where="schema",
+        )
+    if isinstance(parsed, bool):
+        return parsed
+    if not isinstance(parsed, Mapping):
+        raise InvalidSchemaError(
+            f"a JSON schema must be an object or a boolean, got {type(parsed).__name__}",
+            where="/",
+        )
+    _check_json_value(parsed, "", 0, [0], max_bytes)
+    return parsed
+
+
+def _check_json_value(value: Any, pointer: str, depth: int, size: list[int],
+                      max_bytes: int) -> None:
+    """Refuse what JSON cannot carry (NaN, non-string keys, NUL) and what is too deep or big."""
+    if depth > MAX_NESTING:
+        raise InvalidSchemaError(f"schema nests deeper than {MAX_NESTING} levels",
+                                 where=pointer or "/")
+    size[0] += 1
+    if size[0] > max_bytes // 2:
+        raise InvalidSpecError(f"schema has over {max_bytes // 2} nodes", where=pointer or "/")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidSchemaError(f"object key {k!r} is not a string",
+                                         where=pointer or "/")
+            if "\x00" in k:
+                raise InvalidSchemaError("object key contains a NUL character",
+                                         where=pointer or "/")
+            _check_json_value(v, f"{pointer}/{_escape(k)}", depth + 1, size, max_bytes)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_json_value(v, f"{pointer}/{i}", depth + 1, size, max_bytes)
+    elif isinstance(value, str):
+        if "\x00" in value:
+            raise InvalidSchemaError("string contains a NUL character", where=pointer or "/")
+        size[0] += len(value) // 2
+        if size[0] > max_bytes // 2:
+            raise InvalidSpecError(f"schema is over the {max_bytes / 1e6:.1f} MB limit",
+                                   where=pointer or "/")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidSchemaError(f"{value} is not a JSON number", where=pointer or "/")
+    elif value is not None and not isinstance(value, bool | int):
+        raise InvalidSchemaError(f"{type(value).__name__} is not a JSON value",
+                                 where=pointer or "/")
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")

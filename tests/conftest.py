@@ -1,0 +1,51 @@
+"""Shared fixtures: the real Qwen vocabularies (built once per session) and corpus paths."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from grammask import Engine, Vocabulary, load_vocabulary
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = Path(os.environ.get("GRAMMASK_CORPUS", ROOT.parent / "shared" / "corpus"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", help="run whole-corpus tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="whole-corpus run: use --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen25() -> Vocabulary:
+    return load_vocabulary("qwen2.5")
+
+
+@pytest.fixture(scope="session")
+def qwen36() -> Vocabulary:
+    return load_vocabulary("qwen3.6")
+
+
+@pytest.fixture(scope="session")
+def engine(qwen25: Vocabulary) -> Iterator[Engine]:
+    eng = Engine(qwen25, timeout_s=60)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def corpus() -> Path:
+    if not (CORPUS / "maskbench").is_dir():
+        pytest.fail(f"corpus not found at {CORPUS} (set GRAMMASK_CORPUS)")
+    return CORPUS

@@ -105,7 +105,8 @@ class _Runner:
                         self._slots.release()
                     done.set()
 
-        threading.Thread(target=target, name=f"grammask-compile-{what}", daemon=True).start()
+        # not a daemon: a native compile killed at interpreter exit aborts the process
+        threading.Thread(target=target, name=f"grammask-compile-{what}", daemon=False).start()
         remaining = max(0.0, timeout - (time.monotonic() - start))
         if not done.wait(remaining):
             with self._lock:

@@ -45,6 +45,7 @@ XGRAMMAR_GAPS: dict[str, str] = {
     "pattern with minLength/maxLength": "length ignored",
     "patternProperties": "refuses keys that match when additionalProperties is absent",
     "whitespace_pattern": "not supported",
+    "required (undeclared names)": "ignored for names not in properties",
 }
 
 #: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
@@ -211,6 +212,12 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
         yield "$anchor / $dynamicRef"
     if "pattern" in node and ("minLength" in node or "maxLength" in node):
         yield "pattern with minLength/maxLength"
+    required = node.get("required")
+    if isinstance(required, list):
+        props = node.get("properties")
+        declared = props if isinstance(props, dict) else {}
+        if any(name not in declared for name in required):
+            yield "required (undeclared names)"
     if "patternProperties" in node and "additionalProperties" not in node:
         yield "patternProperties"
     fmt = node.get("format")
@@ -224,12 +231,10 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
 
 
 def _has_optional(node: dict[str, Any]) -> bool:
+    """Declared but not required properties (what llguidance's min/maxProperties refuses)."""
     props = node.get("properties")
     required = node.get("required", [])
-    if not isinstance(props, dict):
-        return True  # only additional properties: all optional
-    return any(name not in required for name in props) or node.get(
-        "additionalProperties", False) is not False
+    return isinstance(props, dict) and any(name not in required for name in props)
 
 
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment",

@@ -182,6 +182,7 @@ def _struct_tag_lark(source: str) -> str:
     return str(llg.StructTag.to_grammar(tags))
 
 
+_LARK_POS = re.compile(r"(\d+)\((\d+)\): ")
 _LINE = re.compile(r"(line \d+(?:,? ?(?:col(?:umn)?)? ?\d+)?)", re.IGNORECASE)
 
 
@@ -191,6 +192,9 @@ def _translate(spec: GrammarSpec, message: str) -> GrammarError:
         message = message[:497] + "..."
     where_match = _LINE.search(message)
     where = where_match.group(1) if where_match else None
+    lark_pos = _LARK_POS.match(message)
+    if lark_pos:  # llguidance's Lark errors start "LINE(COLUMN): ..."
+        where = f"line {lark_pos.group(1)} column {lark_pos.group(2)}"
     text = f"llguidance: {message}"
     if spec.kind in ("json_schema", "json_object"):
         if "Unimplemented" in message or "not supported" in message.lower():

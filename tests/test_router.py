@@ -1,0 +1,174 @@
+"""The routing table, keyword by keyword, checked end to end on the real engines.
+
+For every row: the route (backend, what is unenforced), and that the routed grammar accepts a
+valid instance and -- when nothing is listed as unenforced -- rejects the invalid one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from grammask import (
+    Engine,
+    GrammarError,
+    GrammarSpec,
+    UnsupportedError,
+    Vocabulary,
+    route,
+)
+
+from .helpers import accepts_complete
+
+OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+
+# (id, schema, backend, unenforced-substring or "", valid, invalid)
+TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
+    ("plain", {**OBJ_AB, "required": ["a"]}, "guidance", "", {"a": 1}, {"b": 1}),
+    ("propertyNames", {"type": "object", "additionalProperties": {"type": "integer"},
+                       "propertyNames": {"pattern": "^[a-z]+$"}},
+     "xgrammar", "", {"ab": 1}, {"AB": 1}),
+    ("minProperties-optional", {**OBJ_AB, "minProperties": 1}, "xgrammar", "", {"a": 1}, {}),
+    ("unevaluatedProperties", {**OBJ_AB, "unevaluatedProperties": False}, "xgrammar", "",
+     {"a": 1}, {"a": 1, "c": 2}),
+    ("allOf-several", {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     "guidance", "", {"a": 1, "b": 2}, {"a": 1}),
+    ("multipleOf-fraction", {"type": "number", "multipleOf": 0.5}, "guidance", "", 1.5, 1.3),
+    ("oneOf-disjoint", {"oneOf": [{"type": "integer"}, {"type": "string"}]}, "guidance", "",
+     1, True),
+    ("pattern-search", {"type": "string", "pattern": "abc"}, "guidance", "", "xxabcyy", "ab"),
+    ("pattern+maxLength", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
+     "guidance", "", "abc", "abcd"),
+    ("$ref-siblings", {"$defs": {"n": {"type": "integer"}},
+                       "properties": {"x": {"$ref": "#/$defs/n", "minimum": 5}},
+                       "type": "object", "required": ["x"]}, "guidance", "", {"x": 6}, {"x": 4}),
+    ("format-unknown", {"type": "string", "format": "x-custom"}, "guidance", "", "any", 5),
+    ("format-date", {"type": "string", "format": "date"}, "guidance", "format: date",
+     "2024-01-31", "2024-01-3x"),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+     "guidance", "uniqueItems", [1, 2], [1, 1]),
+    ("dependentRequired", {**OBJ_AB, "dependentRequired": {"a": ["b"]}}, "guidance",
+     "dependentRequired", {"a": 1, "b": 2}, {"a": 1}),
+    ("contains", {"type": "array", "contains": {"type": "integer"}}, "guidance", "contains",
+     [1], ["x"]),
+    ("not", {"type": "integer", "not": {"const": 3}}, "guidance", "not", 2, 3),
+    ("if-then-else", {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}},
+     "guidance", "if/then/else", 12, 13),
+]
+
+
+@pytest.fixture(scope="module")
+def eng(qwen25: Vocabulary) -> Engine:
+    return Engine(qwen25, timeout_s=60)
+
+
+def _complete(grammar: Any, vocab: Vocabulary, value: Any) -> bool:
+    return any(accepts_complete(grammar.matcher(), vocab, text)
+               for text in {json.dumps(value), json.dumps(value, separators=(",", ":"))})
+
+
+@pytest.mark.parametrize(("name", "schema", "backend", "gap", "valid", "invalid"), TABLE,
+                         ids=[row[0] for row in TABLE])
+def test_routing_table(eng: Engine, qwen25: Vocabulary, name: str, schema: Any, backend: str,
+                       gap: str, valid: Any, invalid: Any) -> None:
+    grammar = eng.compile(GrammarSpec.json_schema(schema))
+    assert grammar.backend == backend, grammar.reason
+    assert grammar.reason
+    listed = " ".join(grammar.unenforced)
+    if gap:
+        assert gap in listed
+    else:
+        assert not grammar.unenforced
+    assert _complete(grammar, qwen25, valid)
+    if not gap:
+        assert not _complete(grammar, qwen25, invalid), f"{name}: invalid instance accepted"
+
+
+def test_overlapping_oneof_is_served_leniently_and_says_so(eng: Engine) -> None:
+    grammar = eng.compile(GrammarSpec.json_schema(
+        {"oneOf": [{"type": "integer"}, {"type": "number"}]}))
+    assert grammar.backend == "guidance" and grammar.fallback_from == "guidance"
+    assert grammar.unenforced
+
+
+def test_strict_mode_refuses_with_pointer(eng: Engine) -> None:
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(UnsupportedError, match="uniqueItems") as info:
+        eng.compile(GrammarSpec.json_schema(schema, strict=True))
+    assert info.value.where == "/properties/tags"
+    with pytest.raises(UnsupportedError):
+        eng.check(GrammarSpec.json_schema(schema, strict=True))
+
+
+def test_remote_ref_is_a_clear_error(eng: Engine) -> None:
+    with pytest.raises(GrammarError):
+        eng.compile(GrammarSpec.json_schema({"$ref": "http://example.com/s.json"}))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_closed_objects_by_default_open_on_request(eng: Engine, qwen25: Vocabulary,
+                                                   backend: str) -> None:
+    closed = eng.compile(GrammarSpec.json_schema(OBJ_AB, backend=backend))  # type: ignore[arg-type]
+    opened = eng.compile(GrammarSpec.json_schema(OBJ_AB, extra_properties=True,
+                                                 backend=backend))  # type: ignore[arg-type]
+    assert not _complete(closed, qwen25, {"a": 1, "zz": 2})
+    assert _complete(opened, qwen25, {"a": 1, "zz": 2})
+
+
+def test_xgrammar_free_form_containers_stay_free(eng: Engine, qwen25: Vocabulary) -> None:
+    """xgrammar's strict mode alone would allow only {} here (measured); we spell it out.
+    It still ignores ``required`` names it has no property for, which routing knows."""
+    schema = {"type": "object", "required": ["a"], "maxProperties": 2}
+    grammar = eng.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
+    assert _complete(grammar, qwen25, {"a": [1]})
+    assert "required (undeclared names)" in grammar.unenforced
+    auto = eng.compile(GrammarSpec.json_schema(schema))
+    assert auto.backend == "guidance" and not auto.unenforced
+    assert _complete(auto, qwen25, {"a": [1]}) and not _complete(auto, qwen25, {})
+
+
+def test_pattern_search_semantics_on_xgrammar(eng: Engine, qwen25: Vocabulary) -> None:
+    grammar = eng.compile(GrammarSpec.json_schema({"type": "string", "pattern": "abc"},
+                                                  backend="xgrammar"))
+    assert _complete(grammar, qwen25, "xxabcyy") and not _complete(grammar, qwen25, "xxab")
+
+
+def test_xgrammar_refusal_falls_back(eng: Engine, qwen25: Vocabulary) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": False}}
+    with pytest.raises(GrammarError, match="xgrammar"):
+        eng.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
+    pref = Engine(qwen25, prefer="xgrammar")
+    grammar = pref.compile(GrammarSpec.json_schema(schema))
+    assert grammar.backend == "guidance" and grammar.fallback_from == "xgrammar"
+    assert pref.stats.fallbacks == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "backend"),
+    [(GrammarSpec.regex("a+"), "xgrammar"), (GrammarSpec.choice(["a", "b"]), "xgrammar"),
+     (GrammarSpec.grammar('start: "a"'), "guidance"), (GrammarSpec.json_object(), "guidance"),
+     (GrammarSpec.json_object(whitespace_pattern=" ?"), "guidance"),
+     (GrammarSpec.json_schema(OBJ_AB, whitespace_pattern=" ?"), "guidance"),
+     (GrammarSpec.json_schema(OBJ_AB, extra_properties=True), "guidance"),
+     (GrammarSpec.structural_tag({"type": "structural_tag", "triggers": ["<a"], "structures": [
+         {"begin": "<a>", "schema": {}, "end": "</a>"}]}), "xgrammar")],
+)
+def test_other_kinds_route(spec: GrammarSpec, backend: str) -> None:
+    assert route(spec).backend == backend
+
+
+def test_preference_is_configurable(qwen25: Vocabulary) -> None:
+    assert Engine(qwen25, prefer="xgrammar").route(
+        GrammarSpec.json_schema(OBJ_AB)).backend == "xgrammar"
+    assert route(GrammarSpec.json_schema(OBJ_AB)).backend == "guidance"
+
+
+def test_route_is_deterministic() -> None:
+    schema = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True},
+                                               "d": {"type": "string", "format": "date"}}}
+    routes = {route(GrammarSpec.json_schema(schema)) for _ in range(20)}
+    assert len(routes) == 1

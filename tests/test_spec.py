@@ -1,0 +1,142 @@
+"""GrammarSpec: constructors, front ends, canonical keys, extra_args."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grammask import GrammarSpec, InvalidSchemaError, InvalidSpecError, parse_extra_args
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+def test_canonical_key_ignores_key_order_and_whitespace() -> None:
+    reordered = {"properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+                 "type": "object"}
+    spaced = json.dumps(SCHEMA, indent=4)
+    keys = {GrammarSpec.json_schema(s).key for s in (SCHEMA, reordered, spaced)}
+    assert len(keys) == 1
+    # the declared order is kept for compilation (xgrammar emits properties in it)
+    assert GrammarSpec.json_schema(SCHEMA).source.index('"b"') < \
+        GrammarSpec.json_schema(SCHEMA).source.index('"a"')
+
+
+def test_options_are_part_of_the_key() -> None:
+    base = GrammarSpec.json_schema(SCHEMA)
+    variants = [
+        GrammarSpec.json_schema(SCHEMA, any_whitespace=False),
+        GrammarSpec.json_schema(SCHEMA, extra_properties=True),
+        GrammarSpec.json_schema(SCHEMA, whitespace_pattern=r"[ ]?"),
+        GrammarSpec.json_schema(SCHEMA, strict=True),
+        GrammarSpec.json_schema(SCHEMA, backend="xgrammar"),
+    ]
+    assert len({base.key, *(v.key for v in variants)}) == 6
+    assert base == GrammarSpec.json_schema(dict(SCHEMA)) and hash(base) == hash(
+        GrammarSpec.json_schema(dict(SCHEMA)))
+
+
+def test_kinds_do_not_collide() -> None:
+    specs = [GrammarSpec.regex("a"), GrammarSpec.choice(["a"]), GrammarSpec.grammar('start: "a"'),
+             GrammarSpec.json_object(), GrammarSpec.json_schema({"const": "a"})]
+    assert len({s.key for s in specs}) == len(specs)
+
+
+def test_grammar_syntax_detection() -> None:
+    assert GrammarSpec.grammar('root ::= "a"').syntax == "ebnf"
+    assert GrammarSpec.grammar('start: "a"').syntax == "lark"
+    assert GrammarSpec.grammar('root ::= "a"', syntax="lark").syntax == "lark"
+    with pytest.raises(InvalidSpecError, match="syntax"):
+        GrammarSpec.grammar('root ::= "a"', syntax="bnf")  # type: ignore[arg-type]
+
+
+def test_openai_response_format() -> None:
+    assert GrammarSpec.from_openai({"type": "text"}) is None
+    obj = GrammarSpec.from_openai({"type": "json_object"})
+    assert obj is not None and obj.kind == "json_object"
+    strict = GrammarSpec.from_openai(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
+    loose = GrammarSpec.from_openai(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+    assert strict is not None and strict.strict and not strict.extra_properties
+    assert loose is not None and not loose.strict and loose.extra_properties
+    with pytest.raises(InvalidSpecError, match="schema is missing"):
+        GrammarSpec.from_openai({"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(InvalidSpecError, match="response_format.type"):
+        GrammarSpec.from_openai({"type": "yaml"})
+
+
+def test_vllm_structured_outputs_options_are_honoured() -> None:
+    spec = GrammarSpec.from_vllm({"json": SCHEMA, "disable_any_whitespace": True,
+                                  "disable_additional_properties": False,
+                                  "whitespace_pattern": " ?"})
+    assert spec.kind == "json_schema" and not spec.any_whitespace
+    assert spec.extra_properties and spec.whitespace_pattern == " ?"
+    assert GrammarSpec.from_vllm({"regex": "a+"}).kind == "regex"
+    assert GrammarSpec.from_vllm({"choice": ["x", "y"]}).choices == ["x", "y"]
+    assert GrammarSpec.from_vllm({"grammar": 'root ::= "a"'}).syntax == "ebnf"
+    assert GrammarSpec.from_vllm({"json_object": True}).kind == "json_object"
+    with pytest.raises(InvalidSpecError, match="exactly one"):
+        GrammarSpec.from_vllm({"regex": "a", "choice": ["a"]})
+    with pytest.raises(InvalidSpecError, match="unknown structured-output keys"):
+        GrammarSpec.from_vllm({"regex": "a", "jsonn": {}})
+
+
+def test_extra_args_round_trip() -> None:
+    args = {"grammask": json.dumps({"json": SCHEMA, "disable_any_whitespace": True}),
+            "grammask_backend": "xgrammar", "grammask_thinking": "off",
+            "grammask_strict": 1, "grammask_think_end": "</think>"}
+    req = parse_extra_args(args)
+    assert req is not None
+    assert req.spec.backend == "xgrammar" and req.spec.strict and not req.spec.any_whitespace
+    assert not req.thinking and req.think_end == "</think>"
+    assert parse_extra_args({"other": 1}) is None
+    assert parse_extra_args(None) is None
+    with pytest.raises(InvalidSpecError, match="not valid JSON"):
+        parse_extra_args({"grammask": "{nope"})
+    with pytest.raises(InvalidSpecError, match="without a 'grammask'"):
+        parse_extra_args({"grammask_backend": "xgrammar"})
+    with pytest.raises(InvalidSpecError, match="backend"):
+        parse_extra_args({"grammask": '{"regex": "a"}', "grammask_backend": "outlines"})
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "fragment", "where"),
+    [
+        (lambda: GrammarSpec.json_schema("{not json"), InvalidSchemaError, "not valid JSON",
+         "line 1 column 2"),
+        (lambda: GrammarSpec.json_schema("[1, 2]"), InvalidSchemaError, "object or a boolean",
+         "/"),
+        (lambda: GrammarSpec.json_schema(42), InvalidSpecError, "got int", "schema"),  # type: ignore[arg-type]
+        (lambda: GrammarSpec.json_schema({"a": float("nan")}), InvalidSchemaError, "nan", "/a"),
+        (lambda: GrammarSpec.json_schema({"a": "x\x00y"}), InvalidSchemaError, "NUL", "/a"),
+        (lambda: GrammarSpec.regex(b"ab"), InvalidSpecError, "must be a string", "regex"),  # type: ignore[arg-type]
+        (lambda: GrammarSpec.regex("a\x00b"), InvalidSpecError, "NUL", "regex offset 1"),
+        (lambda: GrammarSpec.choice([]), InvalidSpecError, "empty", "choice"),
+        (lambda: GrammarSpec.choice("abc"), InvalidSpecError, "list of strings", "choice"),
+        (lambda: GrammarSpec.choice(["a", 3]), InvalidSpecError, "strings", "choice[1]"),  # type: ignore[list-item]
+        (lambda: GrammarSpec.grammar("   "), InvalidSpecError, "empty", "grammar"),
+        (lambda: GrammarSpec.json_schema(SCHEMA, any_whitespace="yes"), InvalidSpecError,  # type: ignore[arg-type]
+         "boolean", "any_whitespace"),
+    ],
+)
+def test_bad_input_names_what_and_where(make: object, error: type[Exception], fragment: str,
+                                        where: str) -> None:
+    with pytest.raises(error, match=fragment) as info:
+        make()  # type: ignore[operator]
+    assert getattr(info.value, "where", None) == where
+
+
+def test_huge_and_deep_schemas_are_refused_cleanly() -> None:
+    huge = {"type": "object", "description": "x" * (10 * 1024 * 1024)}
+    with pytest.raises(InvalidSpecError, match="MB"):
+        GrammarSpec.json_schema(huge)
+    with pytest.raises(InvalidSpecError, match="MB"):
+        GrammarSpec.json_schema(json.dumps(huge))
+    deep: dict[str, object] = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"x": deep}}
+    with pytest.raises(InvalidSchemaError, match="deeper than"):
+        GrammarSpec.json_schema(deep)
+    with pytest.raises(InvalidSchemaError, match="deeper than|nests"):
+        GrammarSpec.json_schema(json.dumps(deep))

@@ -1,0 +1,62 @@
+"""Vocabularies: sizes, special and stop ids, and that specials never leak into text."""
+
+from __future__ import annotations
+
+import pytest
+
+from grammask import Engine, GrammarSpec, InvalidSpecError, Vocabulary, load_vocabulary
+from grammask.spec import BackendName
+
+from .helpers import bit, feed, mask_of
+
+
+def test_qwen25_embedded_default(qwen25: Vocabulary) -> None:
+    assert len(qwen25.tokens) == 151_665 and qwen25.vocab_size == 151_936
+    assert qwen25.token_id("<|endoftext|>") == 151_643
+    assert qwen25.token_id("<|im_start|>") == 151_644
+    assert qwen25.token_id("<|file_sep|>") == 151_664  # the 22nd real Qwen2.5 special
+    assert qwen25.stop_ids == (151_645, 151_643)
+    assert qwen25.think_end is None
+    assert qwen25.decode(qwen25.encode('{"a": 1}')) == b'{"a": 1}'
+
+
+def test_qwen36_embedded(qwen36: Vocabulary) -> None:
+    assert len(qwen36.tokens) == 248_077 and qwen36.vocab_size == 248_320
+    assert qwen36.token_id("<think>") == 248_068 and qwen36.token_id("</think>") == 248_069
+    assert qwen36.think_end == "</think>"
+    assert qwen36.stop_ids == (248_046, 248_044)
+
+
+def test_digest_separates_vocabularies(qwen25: Vocabulary, qwen36: Vocabulary) -> None:
+    assert qwen25.digest != qwen36.digest
+    assert load_vocabulary("qwen2.5") is qwen25  # built once, cached
+
+
+def test_bad_vocabulary_inputs() -> None:
+    with pytest.raises(InvalidSpecError, match="unknown tokenizer"):
+        load_vocabulary("no-such-model")
+    with pytest.raises(InvalidSpecError, match="smaller than"):
+        Vocabulary([b"a", b"b"], special_ids=[], stop_ids=[1], vocab_size=1)
+    with pytest.raises(InvalidSpecError, match="stop token"):
+        Vocabulary([b"a", b"b"], special_ids=[], stop_ids=[])
+    with pytest.raises(InvalidSpecError, match="outside"):
+        Vocabulary([b"a", b"b"], special_ids=[], stop_ids=[7])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+@pytest.mark.parametrize("vocab_name", ["qwen25", "qwen36"])
+def test_specials_and_padding_never_allowed_in_json_strings(
+        backend: BackendName, vocab_name: str, request: pytest.FixtureRequest) -> None:
+    vocab: Vocabulary = request.getfixturevalue(vocab_name)
+    grammar = Engine(vocab).compile(GrammarSpec.json_schema(
+        {"type": "object", "properties": {"a": {"type": "string"}}}, backend=backend))
+    m = grammar.matcher()
+    assert feed(m, vocab, '{"a": "')
+    row = mask_of(m, vocab)
+    assert bit(row, vocab.encode("hello")[0])
+    for tid in sorted(vocab.special_ids):
+        assert not bit(row, tid), f"special token {vocab.tokens[tid]!r} allowed in a string"
+    for tid in range(len(vocab.tokens), vocab.vocab_size):
+        assert not bit(row, tid), f"padding id {tid} allowed"
+    for tid in vocab.special_ids:
+        assert not m.fork().accept(tid)

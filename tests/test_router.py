@@ -26,7 +26,11 @@ OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type
 
 # (id, schema, backend, unenforced-substring or "", valid, invalid)
 TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
-    ("plain", {**OBJ_AB, "required": ["a"]}, "guidance", "", {"a": 1}, {"b": 1}),
+    ("no-free-text", {**OBJ_AB, "required": ["a"]}, "xgrammar", "", {"a": 1}, {"b": 1}),
+    ("free-text", {"type": "object", "properties": {"s": {"type": "string"}},
+                   "required": ["s"]}, "guidance", "", {"s": "hi"}, {"s": 1}),
+    ("enum-strings", {"type": "object", "properties": {"s": {"enum": ["x", "y"]}},
+                      "required": ["s"]}, "xgrammar", "", {"s": "x"}, {"s": "z"}),
     ("propertyNames", {"type": "object", "additionalProperties": {"type": "integer"},
                        "propertyNames": {"pattern": "^[a-z]+$"}},
      "xgrammar", "", {"ab": 1}, {"AB": 1}),
@@ -38,6 +42,7 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
         {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
      "guidance", "", {"a": 1, "b": 2}, {"a": 1}),
     ("multipleOf-fraction", {"type": "number", "multipleOf": 0.5}, "guidance", "", 1.5, 1.3),
+    ("multipleOf-integer", {"type": "integer", "multipleOf": 3}, "xgrammar", "", 9, 10),
     ("oneOf-disjoint", {"oneOf": [{"type": "integer"}, {"type": "string"}]}, "guidance", "",
      1, True),
     ("pattern-search", {"type": "string", "pattern": "abc"}, "guidance", "", "xxabcyy", "ab"),
@@ -162,9 +167,12 @@ def test_other_kinds_route(spec: GrammarSpec, backend: str) -> None:
 
 
 def test_preference_is_configurable(qwen25: Vocabulary) -> None:
-    assert Engine(qwen25, prefer="xgrammar").route(
-        GrammarSpec.json_schema(OBJ_AB)).backend == "xgrammar"
-    assert route(GrammarSpec.json_schema(OBJ_AB)).backend == "guidance"
+    text = GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string"}}})
+    assert route(text).backend == "guidance" and "/properties/s" in route(text).reason
+    assert Engine(qwen25, prefer="xgrammar").route(text).backend == "xgrammar"
+    numbers = GrammarSpec.json_schema(OBJ_AB)
+    assert route(numbers).backend == "xgrammar"
+    assert Engine(qwen25, prefer="guidance").route(numbers).backend == "guidance"
 
 
 def test_route_is_deterministic() -> None:

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from .backends import CompiledGrammar, Matcher, get_backend
 from .errors import CompileTimeoutError, GrammarError, InvalidSpecError
-from .router import Route, route
+from .router import Preference, Route, route
 from .spec import BackendName, GrammarSpec
 from .vocab import Vocabulary
 
@@ -137,7 +137,7 @@ class Engine:
         timeout_s: float = 10.0,
         negative_ttl_s: float = 30.0,
         max_abandoned: int = 2,
-        prefer: BackendName = "guidance",
+        prefer: Preference = "auto",
     ) -> None:
         if backend not in (None, "auto", "xgrammar", "guidance", "llguidance"):
             raise InvalidSpecError(f"backend must be auto, xgrammar or guidance, got {backend!r}")
@@ -150,7 +150,7 @@ class Engine:
         self.timeout_s = timeout_s
         self.cache_bytes = cache_bytes
         self.negative_ttl_s = negative_ttl_s
-        self.prefer: BackendName = prefer
+        self.prefer: Preference = prefer
         self.stats = Stats()
         self._runner = _Runner(max_workers, max_abandoned)
         self._pool = ThreadPoolExecutor(max_workers=max(8, 4 * max_workers),

@@ -6,10 +6,11 @@ the same request gives the same backend on every rank. The policy:
 1. a forced backend (``spec.backend``) wins;
 2. JSON schemas: find the keywords each engine does not enforce (``GAPS`` below, measured on
    xgrammar 0.2.8 / llguidance 1.7); take the engine that enforces everything. When both do,
-   llguidance (configurable): measured on corpus schemas with the Qwen2.5 vocabulary it
-   compiles in 1.4 ms at p50 against xgrammar's 31 ms (with a multi-second tail), and its slower
-   per-token fill (+13 us) hides behind the forward pass, so it wins time to first mask;
-   xgrammar stays the fallback when llguidance refuses the schema;
+   xgrammar first -- unless its compile would stall the request. Measured on corpus schemas
+   with the Qwen2.5 vocabulary: xgrammar compiles schemas without free-form text (no plain
+   string, free key or untyped value) in 1-2 ms, but any free-form string costs ~25 ms and the
+   tail reaches seconds, while llguidance compiles in ~1.4 ms at p50. So free-form text goes to
+   llguidance (``free_text_pointer`` decides; deterministic), the rest to xgrammar;
 3. when neither enforces everything: the one with fewer gaps (ties to llguidance), the gaps
    listed in ``Route.unenforced``; in strict mode that is an ``UnsupportedError`` instead;
 4. other kinds: xgrammar for regex/choice/structural tags, llguidance for grammars (both
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .errors import UnsupportedError
 from .spec import BackendName, GrammarSpec
@@ -91,7 +92,10 @@ class Route:
     features: dict[str, str] = field(default_factory=dict, compare=False)
 
 
-def route(spec: GrammarSpec, *, prefer: BackendName = "guidance") -> Route:
+Preference = Literal["auto", "xgrammar", "guidance"]
+
+
+def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
     features = schema_features(spec.schema) if spec.kind == "json_schema" else {}
     if spec.whitespace_pattern is not None:
         features["whitespace_pattern"] = "options"
@@ -104,13 +108,20 @@ def route(spec: GrammarSpec, *, prefer: BackendName = "guidance") -> Route:
     xg_gaps = _gaps(features, XGRAMMAR_GAPS)
     ll_gaps = _gaps(features, GUIDANCE_GAPS)
     if not xg_gaps and not ll_gaps:
-        if prefer == "xgrammar" and not spec.extra_properties:
-            return Route("xgrammar", "both engines enforce every keyword; xgrammar preferred "
-                         "by configuration", unenforced=common, fallback="guidance",
-                         features=features)
-        return Route("guidance", "both engines enforce every keyword; llguidance compiles "
-                     "~20x faster (time to first mask)", unenforced=common,
-                     lenient=lenient_safe, fallback="xgrammar", features=features)
+        free = None if prefer == "xgrammar" else free_text_pointer(spec.schema)
+        if spec.extra_properties and prefer != "xgrammar":
+            free = free or "/ (open objects)"
+        if prefer != "guidance" and free is None:
+            why = ("xgrammar preferred by configuration" if prefer == "xgrammar" else
+                   "no free-form text, so xgrammar compiles in ~2 ms and fills fastest")
+            return Route("xgrammar", f"both engines enforce every keyword; {why}",
+                         unenforced=common, fallback="guidance", features=features)
+        why = ("llguidance preferred by configuration" if free is None else
+               f"free-form text at {free} makes xgrammar precompute string masks "
+               "(~25 ms, seconds in the tail); llguidance compiles in ~1 ms")
+        return Route("guidance", f"both engines enforce every keyword; {why}",
+                     unenforced=common, lenient=lenient_safe, fallback="xgrammar",
+                     features=features)
     if not ll_gaps:
         return Route("guidance", f"xgrammar does not enforce {_names(xg_gaps)}; llguidance "
                      "does", unenforced=common, lenient=lenient_safe, features=features)
@@ -159,6 +170,36 @@ def _route_other(spec: GrammarSpec, features: dict[str, str]) -> Route:
                      fallback="guidance" if legacy else None, features=features)
     return Route("xgrammar", f"{spec.kind}: xgrammar compiles it in ~1-4 ms and fills fastest",
                  fallback="guidance", features=features)
+
+
+def free_text_pointer(schema: Any) -> str | None:
+    """Where the schema first admits free-form text (the xgrammar compile-cost driver)."""
+    for pointer, node in _subschemas(schema, ""):
+        if _admits_free_text(node):
+            return pointer or "/"
+    return None
+
+
+_STRUCTURE_KEYS = ("properties", "items", "prefixItems", "anyOf", "oneOf", "allOf", "$ref",
+                   "enum", "const", "type", "additionalProperties", "patternProperties")
+
+
+def _admits_free_text(node: dict[str, Any]) -> bool:
+    if "enum" in node or "const" in node:
+        return False
+    typ = node.get("type")
+    types = typ if isinstance(typ, list) else [typ]
+    if "string" in types:
+        return True
+    if "object" in types or "properties" in node:
+        extra = node.get("additionalProperties")
+        if extra is True or isinstance(extra, dict) or "patternProperties" in node:
+            return True  # free keys are strings
+        if "properties" not in node and extra is None:
+            return True  # a free-form object
+    if "array" in types and "items" not in node and "prefixItems" not in node:
+        return True
+    return not any(key in node for key in _STRUCTURE_KEYS)  # untyped: any value
 
 
 def _gaps(features: dict[str, str], table: dict[str, str]) -> list[str]:

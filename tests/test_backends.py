@@ -36,15 +36,24 @@ def eng(qwen25: Vocabulary) -> Engine:
     return Engine(qwen25, timeout_s=60)
 
 
+@pytest.fixture(scope="module")
+def eng36(qwen36: Vocabulary) -> Engine:
+    return Engine(qwen36, timeout_s=60)
+
+
+@pytest.mark.parametrize("vocab_name", ["qwen25", "qwen36"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("spec", "good", "bad"), CASES, ids=lambda v: getattr(v, "kind", None))
-def test_every_kind_on_both_backends(eng: Engine, qwen25: Vocabulary, backend: BackendName,
-                                     spec: GrammarSpec, good: str, bad: str) -> None:
-    grammar = eng.compile(spec.with_backend(backend))
+def test_every_kind_on_both_backends(request: pytest.FixtureRequest, vocab_name: str,
+                                     backend: BackendName, spec: GrammarSpec, good: str,
+                                     bad: str) -> None:
+    vocab: Vocabulary = request.getfixturevalue(vocab_name)
+    engine: Engine = request.getfixturevalue("eng" if vocab_name == "qwen25" else "eng36")
+    grammar = engine.compile(spec.with_backend(backend))
     assert grammar.backend == backend
-    assert accepts_complete(grammar.matcher(), qwen25, good)
+    assert accepts_complete(grammar.matcher(), vocab, good)
     m = grammar.matcher()
-    assert not (feed(m, qwen25, bad) and m.can_terminate())
+    assert not (feed(m, vocab, bad) and m.can_terminate())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -21,12 +21,15 @@ from .errors import (
     InvalidSpecError,
     UnsupportedError,
 )
+from .processor import BatchProcessor, RowInfo
+from .reasoning import ThinkGate, ThinkMarker
 from .request import ConstraintRequest, parse_extra_args
 from .router import Route, route
 from .spec import GrammarSpec
 from .vocab import Vocabulary, load_vocabulary
 
 __all__ = [
+    "BatchProcessor",
     "CompileTimeoutError",
     "ConstraintRequest",
     "Engine",
@@ -38,7 +41,10 @@ __all__ = [
     "InvalidSchemaError",
     "InvalidSpecError",
     "Route",
+    "RowInfo",
     "Stats",
+    "ThinkGate",
+    "ThinkMarker",
     "UnsupportedError",
     "Vocabulary",
     "allocate_bitmask",

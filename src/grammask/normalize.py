@@ -42,36 +42,44 @@ def search_pattern(pattern: str) -> str:
     return f"{head}(?:{body}){tail}"
 
 
-def normalize_schema(schema: Any, *, close_objects: bool, explicit_free: bool = False) -> Any:
+def normalize_schema(schema: Any, *, close_objects: bool, explicit_free: bool = False,
+                     search_patterns: bool = True) -> Any:
     """A rewritten copy; the input is never modified.
+
+    ``search_patterns=False`` leaves ``pattern`` / ``patternProperties`` as written: for
+    llguidance, which already reads them as JSON Schema searches (anchors honoured).
 
     ``explicit_free`` (xgrammar): spell out ``additionalProperties: {}`` / ``items: {}`` on
     containers that declare no members, since xgrammar's strict mode would otherwise leave
     only ``{}`` / ``[]`` once a keyword such as ``required`` or ``maxItems`` is present.
     """
-    return _walk(schema, close_objects, in_all_of=False, free=explicit_free)
+    return _walk(schema, close_objects, in_all_of=False, free=explicit_free,
+                 search=search_patterns)
 
 
-def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool) -> Any:
+def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool, search: bool = True) -> Any:
     if not isinstance(node, dict):
         return node
     out: dict[str, Any] = {}
+
+    def walk(v: Any, all_of: bool = False) -> Any:
+        return _walk(v, close, in_all_of=all_of, free=free, search=search)
+
     for key, value in node.items():
         if key == "pattern" and isinstance(value, str):
-            out[key] = search_pattern(value)
+            out[key] = search_pattern(value) if search else value
         elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {search_pattern(k): _walk(v, close, in_all_of=False, free=free)
-                        for k, v in value.items()}
+            out[key] = {(search_pattern(k) if search else k): walk(v) for k, v in value.items()}
         elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _walk(v, close, in_all_of=False, free=free) for k, v in value.items()}
+            out[key] = {k: walk(v) for k, v in value.items()}
         elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_walk(v, close, in_all_of=False, free=free) for v in value]
+            out[key] = [walk(v) for v in value]
         elif key == "allOf" and isinstance(value, list):
-            out[key] = [_walk(v, close, in_all_of=True, free=free) for v in value]
+            out[key] = [walk(v, True) for v in value]
         elif key == "items" and isinstance(value, list):
-            out[key] = [_walk(v, close, in_all_of=False, free=free) for v in value]
+            out[key] = [walk(v) for v in value]
         elif key in _SUBSCHEMA_SINGLE:
-            out[key] = _walk(value, close, in_all_of=False, free=free)
+            out[key] = walk(value)
         else:
             out[key] = value
     if close and not in_all_of and _is_open_object(out):

@@ -133,7 +133,9 @@ def grammar_text(spec: GrammarSpec, *, lenient: bool) -> str:
     """The llguidance grammar (JSON text) for a spec; raises GrammarError when unexpressible."""
     try:
         if spec.kind == "json_schema":
-            schema = normalize_schema(spec.schema, close_objects=not spec.extra_properties)
+            # llguidance reads patterns as JSON Schema searches itself: leave them as written
+            schema = normalize_schema(spec.schema, close_objects=not spec.extra_properties,
+                                      search_patterns=False)
             if schema is False:
                 raise InvalidSchemaError("the schema `false` accepts no value", where="/")
             if schema is True:

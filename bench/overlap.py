@@ -1,0 +1,315 @@
+"""Overlap of the mask fill with the model forward: what masking adds to a decode step.
+
+    grammask bench overlap [--quick] [--json OUT] [--corpus PATH] [--sample N] [--seed S]
+                           [--forward-ms 2,10,30] [--batch-sizes 1,16,64,256] [--steps N]
+
+One decode step is simulated as the host would run it with ``BatchProcessor``:
+``step()`` (start advance + fill on the worker) -> forward (a torch matmul loop sized to take
+F ms; torch releases the GIL inside) -> fresh logits (a copy into a (B, V) fp32 tensor) ->
+``apply(logits)`` -> the host hands the sampled tokens over (``advance``). The baseline step
+is the same without the processor. Both kinds of step alternate in one run, so background
+load hits them alike.
+
+Rows walk valid corpus instances (``json.dumps`` of maskbench test data, Qwen2.5 vocabulary):
+each step every row receives its instance's next token; a row that reaches the end starts
+its instance again (a remove + add, as a new request would).
+
+Reported per (batch, forward): the fill job time per step (``advance_ms``: matchers advanced
+by the new tokens; ``fill_ms``: bitmasks filled; p50/p99), the wait of ``apply`` for the job,
+``apply_ms`` (the mask kernel alone on the (B, V) logits) against ``memcpy_ms`` (a plain copy
+of those logits), and ``exposed_ms`` = p50 step time with masks - p50 step time without.
+The exposed cost splits into: the host's own work (``host_ms``: ``step()`` and handing the
+tokens over), the wait of ``apply`` for the job (``wait_ms``: ~0 when the overlap works), the
+apply kernel, and the forward's slowdown while the fill runs beside it (``fwd+fill`` vs
+``forward_ms``: CPU contention, large when no core is free). On CPU logits the apply kernel is
+memory-bound; on a GPU it is microseconds, so ``exposed_ms - apply_ms`` is closer to what a
+GPU host would see.
+
+This machine has 2 cores: the forward runs with ``torch.set_num_threads(1)`` so that one core
+is left to the fill thread; the batch-parallel fills are measured with 1 and 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.common import (
+    DEFAULT_CORPUS,
+    fmt_ms,
+    load_maskbench,
+    machine_info,
+    percentile,
+    render_table,
+    write_json,
+)
+from grammask import Engine, Grammar, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
+from grammask.backends import Matcher
+from grammask.bitmask import allocate_bitmask
+from grammask.masks import Filler, apply_bitmask
+from grammask.processor import BatchProcessor
+
+
+@dataclass
+class Walk:
+    """A compiled schema and the tokens of one valid instance it accepts."""
+
+    case_id: str
+    grammar: Grammar
+    tokens: list[int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="grammask bench overlap", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few schemas and steps (< 60 s)")
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    ap.add_argument("--sample", type=int, help="maskbench schemas (default 64, quick 24)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--forward-ms", default="2,10,30")
+    ap.add_argument("--batch-sizes", default="1,16,64,256")
+    ap.add_argument("--steps", type=int, help="timed steps of each kind (default 60, quick 8)")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    logging.getLogger("grammask").setLevel(logging.ERROR)
+    forwards = [float(x) for x in args.forward_ms.split(",")]
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    steps = args.steps or (8 if args.quick else 60)
+    sample = args.sample or (24 if args.quick else 64)
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    vocab = load_vocabulary("qwen2.5")
+    engine = Engine(vocab, timeout_s=10)
+    walks = prepare(engine, vocab, args.corpus, sample, args.seed)
+    print(f"# {len(walks)} schemas with a valid instance walk "
+          f"({sum(w.grammar.backend == 'guidance' for w in walks)} on llguidance, "
+          f"{sum(w.grammar.backend == 'xgrammar' for w in walks)} on xgrammar); "
+          f"torch threads for the forward: {torch.get_num_threads()} (2-core machine: one core "
+          f"is left to the fill thread)")
+    fill_rows = {b: measure_fills(walks, vocab, b, steps) for b in batches}
+    print(render_table(
+        ["batch", "loop_ms", "par1_ms", "par2_ms", "apply_ms", "apply_random_ms", "memcpy_ms",
+         "sparse_rows"],
+        [[r["batch"], fmt_ms(r["loop_ms"]), fmt_ms(r["par1_ms"]), fmt_ms(r["par2_ms"]),
+          fmt_ms(r["apply_ms"]), fmt_ms(r["apply_random_ms"]), fmt_ms(r["memcpy_ms"]),
+          r["sparse_rows"]] for r in fill_rows.values()]))
+    print("(fill of every row: Matcher.fill loop vs the engines' batch-parallel fills with 1 "
+          "and 2 threads; apply on (batch, V) fp32 logits with these real masks and with "
+          "random ones, vs a plain copy)\n")
+    rows = []
+    for b in batches:
+        for f in forwards:
+            row = measure_overlap(engine, vocab, walks, b, f, steps)
+            row.update(apply_ms=fill_rows[b]["apply_ms"], memcpy_ms=fill_rows[b]["memcpy_ms"])
+            rows.append(row)
+            print(f"  batch {b:>3} forward {f:>4.0f} ms: exposed {row['exposed_ms']:.3f} ms",
+                  file=sys.stderr)
+    print(render_table(
+        ["batch", "forward_ms", "fwd+fill", "adv_p50", "fill_p50", "fill_p99", "wait_p50",
+         "host_p50", "apply_ms", "memcpy_ms", "exposed_ms", "exp-apply", "target"],
+        [[r["batch"], fmt_ms(r["forward_ms"]), fmt_ms(r["forward_with_fill_ms_p50"]),
+          fmt_ms(r["advance_ms_p50"]), fmt_ms(r["fill_ms_p50"]), fmt_ms(r["fill_ms_p99"]),
+          fmt_ms(r["wait_ms_p50"]), fmt_ms(r["host_ms_p50"]), fmt_ms(r["apply_ms"]),
+          fmt_ms(r["memcpy_ms"]), fmt_ms(r["exposed_ms"]),
+          fmt_ms(r["exposed_ms"] - r["apply_ms"]), verdict(r)] for r in rows]))
+    print("fwd+fill: the forward while the fill job runs beside it (CPU contention when no "
+          "core is free); wait: apply waiting for the job; host: step() + handing tokens over\n"
+          "target: exposed - apply <= 10% of advance+fill when that is shorter than the "
+          "forward; apply <= 1.5x memcpy")
+    payload: dict[str, Any] = {
+        "benchmark": "overlap", "machine": machine_info(), "quick": args.quick,
+        "steps": steps, "schemas": len(walks), "torch_threads": torch.get_num_threads(),
+        "rows": rows, "fill_methods": list(fill_rows.values()),
+        "elapsed_s": round(time.perf_counter() - started, 1)}
+    if args.json:
+        write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    engine.close()
+    return 0
+
+
+def prepare(engine: Engine, vocab: Vocabulary, corpus: Path, sample: int, seed: int
+            ) -> list[Walk]:
+    """Compile a stratified sample; keep the schemas whose first valid instance walks."""
+    cases = load_maskbench(corpus, sample, seed, need_instances=True)
+    futures = [(c, engine.compile_async(GrammarSpec.json_schema(c.source))) for c in cases]
+    walks = []
+    for case, future in futures:
+        try:
+            grammar = future.result()
+        except GrammarError:
+            continue
+        tokens = vocab.encode(case.instances[0])
+        matcher = grammar.matcher()
+        if all(matcher.accept(t) for t in tokens) and matcher.accept(vocab.stop_ids[0]):
+            walks.append(Walk(case.id, grammar, [*tokens, vocab.stop_ids[0]]))
+    if not walks:
+        raise SystemExit("no schema of the sample compiled and walked its instance")
+    return walks
+
+
+def make_forward(ms: float) -> Callable[[], None]:
+    """A GIL-releasing stand-in for the model forward that takes about ``ms``."""
+    a = torch.randn(192, 192)
+    for _ in range(3):
+        torch.mm(a, a)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    one = (time.perf_counter() - t0) / 20
+    reps = max(1, round(ms / 1000 / one))
+
+    def forward() -> None:
+        for _ in range(reps):
+            torch.mm(a, a)
+
+    return forward
+
+
+def measure_overlap(engine: Engine, vocab: Vocabulary, walks: list[Walk], batch: int,
+                    forward_ms: float, steps: int) -> dict[str, Any]:
+    forward = make_forward(forward_ms)
+    template = torch.randn(batch, vocab.vocab_size)
+    logits = torch.empty_like(template)
+    proc = BatchProcessor(engine, max_batch=batch, think_end=None)
+    positions = [0] * batch
+    for row in range(batch):
+        walk = walks[row % len(walks)]
+        proc.add(row, walk.grammar.spec, grammar=walk.grammar)
+        positions[row] = (row * 7) % (len(walk.tokens) - 1)  # spread over the instance
+        proc.advance(row, walk.tokens[:positions[row]])
+
+    def masked_step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        proc.step()
+        t1 = time.perf_counter()
+        forward()
+        logits.copy_(template)
+        t2 = time.perf_counter()
+        bitmask, rows = proc.wait_masks()
+        t3 = time.perf_counter()
+        apply_bitmask(logits, bitmask, vocab_size=vocab.vocab_size, indices=rows)
+        t4 = time.perf_counter()
+        for row in range(batch):  # the host hands over the "sampled" tokens
+            walk = walks[row % len(walks)]
+            if positions[row] >= len(walk.tokens):  # finished: a new request takes the row
+                proc.add(row, walk.grammar.spec, grammar=walk.grammar)
+                positions[row] = 0
+            proc.advance(row, [walk.tokens[positions[row]]])
+            positions[row] += 1
+        t5 = time.perf_counter()
+        return {"step": (t5 - t0) * 1000, "host": (t1 - t0 + t5 - t4) * 1000,
+                "forward": (t2 - t1) * 1000, "wait": (t3 - t2) * 1000,
+                "advance": proc.last_advance_ms, "fill": proc.last_fill_ms}
+
+    def plain_step() -> float:
+        t0 = time.perf_counter()
+        forward()
+        logits.copy_(template)
+        return (time.perf_counter() - t0) * 1000
+
+    for _ in range(3):  # warm up both paths
+        masked_step()
+        plain_step()
+    masked: dict[str, list[float]] = {}
+    plain = []
+    for _ in range(steps):
+        for key, value in masked_step().items():
+            masked.setdefault(key, []).append(value)
+        plain.append(plain_step())
+    errors = proc.errors
+    proc.close()
+    if errors:
+        raise SystemExit(f"rows errored during the walk: {errors}")
+    def p(key: str, q: float = 50) -> float:
+        return round(percentile(masked[key], q), 4)
+
+    job = [a + f for a, f in zip(masked["advance"], masked["fill"], strict=True)]
+    return {
+        "batch": batch, "forward_ms": round(percentile(plain, 50), 3),
+        "forward_target_ms": forward_ms,
+        "advance_ms_p50": p("advance"), "fill_ms_p50": p("fill"), "fill_ms_p99": p("fill", 99),
+        "job_ms_p50": round(percentile(job, 50), 4),
+        "wait_ms_p50": p("wait"), "host_ms_p50": p("host"),
+        "forward_with_fill_ms_p50": p("forward"),
+        "step_ms_p50": p("step"), "plain_step_ms_p50": round(percentile(plain, 50), 3),
+        "exposed_ms": round(percentile(masked["step"], 50) - percentile(plain, 50), 4),
+    }
+
+
+def spread_matchers(walks: list[Walk], batch: int) -> list[tuple[Matcher, int]]:
+    """``batch`` matchers, row ``i`` at its own position of its own instance."""
+    matchers: list[tuple[Matcher, int]] = []
+    for row in range(batch):
+        walk = walks[row % len(walks)]
+        m = walk.grammar.matcher()
+        for t in walk.tokens[:(row * 7) % (len(walk.tokens) - 1)]:
+            m.accept(t)
+        matchers.append((m, row))
+    return matchers
+
+
+def measure_fills(walks: list[Walk], vocab: Vocabulary, batch: int, steps: int
+                  ) -> dict[str, Any]:
+    """Fill and apply for ``batch`` rows at spread positions.
+
+    Fill: a ``Matcher.fill`` loop vs the engines' batch-parallel fills (1 and 2 threads).
+    Apply: the kernel on (batch, V) fp32 logits with these real masks and with random ones
+    (every word mixed: the worst case), against a plain copy of the logits. The methods take
+    turns within each repetition so background load hits them alike."""
+    matchers = spread_matchers(walks, batch)
+    bitmask = allocate_bitmask(batch, vocab.vocab_size)
+    fillers = {"loop_ms": Filler(parallel_min=10**9),
+               "par1_ms": Filler(parallel_min=1, threads=1),
+               "par2_ms": Filler(parallel_min=1, threads=2)}
+    for filler in fillers.values():
+        filler.fill(matchers, bitmask)  # warm up (thread pools)
+    src = torch.randn(batch, vocab.vocab_size)
+    dst = torch.empty_like(src)
+    noise = torch.randint(-2**31, 2**31 - 1, bitmask.shape, dtype=torch.int32)
+    rows = list(range(batch))
+    times: dict[str, list[float]] = {k: [] for k in [*fillers, "apply_ms", "apply_random_ms",
+                                                       "memcpy_ms"]}
+    for _ in range(max(10, steps)):
+        for name, filler in fillers.items():
+            t0 = time.perf_counter()
+            filler.fill(matchers, bitmask)
+            times[name].append((time.perf_counter() - t0) * 1000)
+        for name, mask in (("apply_ms", bitmask), ("apply_random_ms", noise)):
+            dst.copy_(src)
+            t0 = time.perf_counter()
+            apply_bitmask(dst, mask, vocab_size=vocab.vocab_size, indices=rows)
+            times[name].append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times["memcpy_ms"].append((time.perf_counter() - t0) * 1000)
+    allowed = [(int(bitmask[r].ne(0).sum()), int(bitmask[r].eq(-1).sum())) for r in rows]
+    return {"batch": batch, **{k: round(percentile(v, 50), 4) for k, v in times.items()},
+            "sparse_rows": sum(nz <= 64 for nz, _ in allowed)}
+
+
+def verdict(row: dict[str, Any]) -> str:
+    job = row["job_ms_p50"]
+    checks = []
+    if job < row["forward_ms"]:
+        checks.append("ok" if row["exposed_ms"] - row["apply_ms"] <= 0.1 * job else "over")
+    else:
+        checks.append("fill>fwd")
+    checks.append("ok" if row["apply_ms"] <= 1.5 * row["memcpy_ms"] else "apply slow")
+    return "/".join(checks)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

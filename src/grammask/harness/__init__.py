@@ -1,0 +1,1 @@
+"""Mask-correctness harness: engine-independent oracles, walks and audits, corpus report."""

@@ -1,0 +1,450 @@
+"""Checking one item on one backend: compile, feed its instances, sample and audit, judge.
+
+Runs inside a worker process (see ``runner``): one ``Checker`` holds the vocabulary, a fresh
+``Engine`` and the token table for the worker's lifetime, so the ~5 s of vocabulary and
+engine-tokenizer setup is paid once per worker, not per item.
+
+Semantics (the report's columns):
+- a valid instance is *accepted* when some serialization of it (``compact``:
+  ``json.dumps(x, separators=(",", ":"), ensure_ascii=False)``; ``default``: ``json.dumps(x)``,
+  ASCII escapes and ``", "``/``": "``) is accepted token by token (canonical tokenization)
+  and a stop token is then allowed; which forms pass is counted per form;
+- an invalid instance is *rejected* when every form is refused before it completes (a token
+  or the final stop token refused); one accepted form is an under-constraint;
+- a sampled output is a finished random walk under the mask; it must pass the item's oracle.
+JSON schemas run the way grammask serves them by default: objects closed
+(``extra_properties=False``, OpenAI strict mode). The labels come from a JSON Schema validator
+(undeclared keys allowed), so a refused valid instance carrying a key that no ``properties``
+anywhere in the schema declares is counted as ``over_closed`` (by design), not as ``over``.
+``--open-objects`` checks plain JSON Schema semantics instead (xgrammar compiles open objects
+far more slowly: 3.5 s instead of 0.1 s for a five-property schema).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..compiler import Engine, Grammar
+from ..errors import CompileTimeoutError, GrammarError
+from ..spec import BackendName, GrammarSpec
+from ..vocab import Vocabulary, load_vocabulary
+from .corpus import Instance, Item
+from .diff import DiffReport, Judge, differential
+from .oracles import (
+    ChoiceOracle,
+    JsonOracle,
+    LarkOracle,
+    RegexOracle,
+    Verdict,
+    local_registry,
+)
+from .walk import AuditReport, MaskReader, PrefixOracle, TokenTable, feed, random_walk, token_table
+
+BACKEND_LABELS: tuple[str, ...] = ("xgrammar", "guidance", "auto")
+MAX_ROW_EXAMPLES = 5
+Emit = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    tokenizer: str = "qwen2.5"
+    timeout_s: float = 10.0
+    walks: int = 2
+    max_tokens: int = 256
+    audit_steps: int = 3
+    audit_tokens: int = 2000
+    forms: tuple[str, ...] = ("compact", "default")
+    any_whitespace: bool = True
+    extra_properties: bool = False
+    mask_instances: bool = True
+    diff: bool = True
+    resolve: int = 2
+    walk_budget_s: float = 15.0
+    diff_budget_s: float = 20.0
+    seed: int = 0
+    remotes: str | None = None
+
+
+@dataclass
+class ItemOracle:
+    """What an item can be judged by: a complete-output judge, maybe a prefix oracle."""
+
+    name: str
+    judge: Judge | None = None
+    prefix: PrefixOracle | None = None
+    json: JsonOracle | None = None
+    error: str = ""
+
+
+@dataclass
+class Row:
+    subset: str
+    id: str
+    kind: str
+    backend: str
+    status: str = "ok"  # ok | compile_error | timeout | crash | invalid_spec
+    error: str = ""
+    served_by: str = ""
+    reason: str = ""
+    unenforced: list[str] = field(default_factory=list)
+    compile_ms: float = 0.0
+    oracle: str = ""
+    valid_total: int = 0
+    valid_accepted: int = 0
+    valid_forms_total: dict[str, int] = field(default_factory=dict)
+    valid_forms_accepted: dict[str, int] = field(default_factory=dict)
+    over: int = 0  # valid (label and oracle) instances refused in every form
+    over_label: int = 0  # refused valid-labelled instances our validator calls invalid
+    over_closed: int = 0  # refused because of an undeclared key while objects are closed
+    invalid_total: int = 0
+    invalid_rejected: int = 0
+    under: int = 0  # invalid instances accepted in some form
+    under_known: int = 0  # ... where a declared unenforced keyword explains it
+    under_label: int = 0  # ... where our validator calls the instance valid
+    label_disagree: int = 0
+    instances_skipped: int = 0
+    samples_total: int = 0
+    samples_valid: int = 0
+    samples_invalid: int = 0
+    samples_known_gap: int = 0
+    samples_unfinished: int = 0
+    samples_unchecked: int = 0
+    samples_truncated: int = 0  # ended by stepping back to where the grammar could end
+    instances_ms: float = 0.0
+    samples_ms: float = 0.0
+    audit: dict[str, Any] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    recycle: bool = False
+
+    @property
+    def compiled(self) -> bool:
+        return self.status == "ok"
+
+    def example(self, **fields: Any) -> None:
+        if len(self.examples) < MAX_ROW_EXAMPLES:
+            self.examples.append(fields)
+
+
+def seed_for(cfg: CheckConfig, *parts: object) -> np.random.Generator:
+    return np.random.default_rng([cfg.seed, *(zlib.crc32(str(p).encode()) for p in parts)])
+
+
+def spec_for(item: Item, backend: str, cfg: CheckConfig) -> GrammarSpec:
+    forced: BackendName | None = None if backend == "auto" else backend  # type: ignore[assignment]
+    if item.kind == "json_schema":
+        return GrammarSpec.json_schema(item.source, any_whitespace=cfg.any_whitespace,
+                                       extra_properties=cfg.extra_properties, backend=forced)
+    if item.kind == "regex":
+        return GrammarSpec.regex(item.source, backend=forced)
+    if item.kind == "choice":
+        return GrammarSpec.choice(item.source, backend=forced)
+    return GrammarSpec.grammar(item.source, item.syntax, backend=forced)  # type: ignore[arg-type]
+
+
+def forms_of(inst: Instance, kind: str, cfg: CheckConfig) -> list[tuple[str, str]]:
+    """The texts an instance is fed as (see the module docstring)."""
+    if inst.text is not None:
+        return [("text", inst.text)]
+    if kind != "json_schema":
+        return []
+    out: list[tuple[str, str]] = []
+    for form in cfg.forms if cfg.any_whitespace else ("compact",):
+        try:
+            if form == "compact":
+                text = json.dumps(inst.data, separators=(",", ":"), ensure_ascii=False,
+                                  allow_nan=False)
+            else:
+                text = json.dumps(inst.data, allow_nan=False)
+        except ValueError:
+            continue
+        out.append((form, text))
+    return out
+
+
+class Checker:
+    """A worker's state: one vocabulary, one Engine, one token table."""
+
+    def __init__(self, cfg: CheckConfig, vocab: Vocabulary | None = None) -> None:
+        self.cfg = cfg
+        self.vocab = vocab if vocab is not None else load_vocabulary(cfg.tokenizer)
+        _ = self.vocab.xgrammar_info, self.vocab.llguidance_tokenizer
+        self.engine = Engine(self.vocab, timeout_s=cfg.timeout_s, max_workers=1,
+                             negative_ttl_s=0.0)
+        self.table: TokenTable = token_table(self.vocab)
+        self.reader = MaskReader(self.vocab.vocab_size)
+        self.registry = local_registry(Path(cfg.remotes) if cfg.remotes else None)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # ------------------------------------------------------------------------ oracles
+    def oracle_for(self, item: Item) -> ItemOracle:
+        try:
+            if item.kind == "json_schema":
+                js = JsonOracle(item.source, registry=self.registry)
+                return ItemOracle("jsonschema", judge=js.check, json=js)
+            if item.kind == "regex":
+                rx = RegexOracle(item.source)
+                return ItemOracle("regex", judge=complete_judge(rx), prefix=rx)
+            if item.kind == "choice":
+                ch = ChoiceOracle(item.source)
+                return ItemOracle("choice", judge=complete_judge(ch), prefix=ch)
+            lk = LarkOracle(item.source, item.syntax or "lark")
+            return ItemOracle("lark" if item.syntax == "lark" else "lark (own GBNF translation)",
+                              judge=lambda data, _gaps: lk.parses(data))
+        except Exception as exc:  # the oracle cannot read this spec: say so, check the rest
+            return ItemOracle("none", error=f"{type(exc).__name__}: {exc}"[:300])
+
+    # ------------------------------------------------------------------------- items
+    def check(self, item: Item, backends: tuple[str, ...], emit: Emit, *,
+              diff: bool = True) -> None:
+        """Check ``item`` on each backend, emitting ``start``/``row`` messages as it goes
+        (so a hang or crash later loses only what was still running), then ``diff``."""
+        oracle = self.oracle_for(item)
+        disagree = label_disagreements(item, oracle)
+        compiled: dict[str, Grammar] = {}
+        try:
+            for label in backends:
+                emit("start", {"backend": label})
+                row, grammar = self.check_backend(item, label, oracle)
+                row.label_disagree = disagree
+                if grammar is not None and label != "auto":
+                    compiled[label] = grammar
+                emit("row", asdict(row))
+            if diff and self.cfg.diff and {"xgrammar", "guidance"} <= compiled.keys():
+                emit("start", {"backend": "diff"})
+                emit("diff", self.differential(item, compiled["xgrammar"],
+                                               compiled["guidance"], oracle))
+        finally:
+            self.engine.clear()
+
+    def check_backend(self, item: Item, label: str, oracle: ItemOracle
+                      ) -> tuple[Row, Grammar | None]:
+        row = Row(item.subset, item.id, item.kind, label, oracle=oracle.name)
+        if oracle.error:
+            row.oracle = f"none ({oracle.error})"
+        count_instances(row, item, self.cfg)
+        try:
+            spec = spec_for(item, label, self.cfg)
+        except GrammarError as exc:
+            row.status, row.error = "invalid_spec", exc.message[:300]
+            return row, None
+        started = time.perf_counter()
+        try:
+            grammar = self.engine.compile(spec)
+        except CompileTimeoutError as exc:
+            row.status, row.error, row.recycle = "timeout", exc.message[:300], True
+            return row, None
+        except GrammarError as exc:
+            row.status, row.error = "compile_error", exc.message[:300]
+            return row, None
+        row.compile_ms = round((time.perf_counter() - started) * 1000, 3)
+        row.served_by, row.reason = grammar.backend, grammar.reason
+        row.unenforced = list(grammar.unenforced)
+        if label != "auto" and grammar.backend != label:
+            row.status, row.error = "compile_error", f"served by {grammar.backend}"
+            return row, None
+        self.check_grammar(row, item, grammar, oracle)
+        return row, grammar
+
+    def check_grammar(self, row: Row, item: Item, grammar: Grammar, oracle: ItemOracle
+                      ) -> None:
+        """Instances, sampled outputs and audits of one compiled grammar, into ``row``
+        (public so a test can hand in a deliberately broken grammar)."""
+        audit = AuditReport()
+        t0 = time.perf_counter()
+        self._instances(row, item, grammar, oracle, audit)
+        t1 = time.perf_counter()
+        self._samples(row, item, grammar, oracle, audit)
+        row.instances_ms = round((t1 - t0) * 1000, 1)
+        row.samples_ms = round((time.perf_counter() - t1) * 1000, 1)
+        row.audit = audit.as_dict()
+
+    def _instances(self, row: Row, item: Item, grammar: Grammar, oracle: ItemOracle,
+                   audit: AuditReport) -> None:
+        reader = self.reader if self.cfg.mask_instances else None
+        for idx, inst in enumerate(item.instances):
+            forms = forms_of(inst, item.kind, self.cfg)
+            accepted: dict[str, bool] = {}
+            where = ""
+            for form, text in forms:
+                try:
+                    ids = self.vocab.encode(text)
+                except Exception:  # lone surrogates cannot be tokenized as raw text
+                    continue
+                result = feed(grammar.matcher(), self.table, ids,
+                              reader if inst.valid else None, audit)
+                accepted[form] = result.accepted
+                where = where or result.context
+            if not accepted:
+                continue
+            if inst.valid:
+                for form, ok in accepted.items():
+                    row.valid_forms_accepted[form] = row.valid_forms_accepted.get(form, 0) + ok
+                if any(accepted.values()):
+                    row.valid_accepted += 1
+                    continue
+                label_ok = _oracle_valid(oracle, inst)
+                if label_ok is False:
+                    row.over_label += 1
+                elif (not self.cfg.extra_properties and item.kind == "json_schema"
+                      and inst.text is None and undeclared_keys(item.source, inst.data)):
+                    row.over_closed += 1
+                    continue
+                else:
+                    row.over += 1
+                row.example(what="valid instance refused", instance=idx,
+                            forms=sorted(accepted), oracle_agrees=label_ok, at=where[-80:])
+            elif any(accepted.values()):
+                verdict = _oracle_verdict(oracle, inst, tuple(grammar.unenforced))
+                row.under += 1
+                if verdict is not None and verdict.valid:
+                    row.under_label += 1
+                elif verdict is not None and verdict.known_gap:
+                    row.under_known += 1
+                row.example(what="invalid instance accepted", instance=idx,
+                            forms=[f for f, ok in accepted.items() if ok],
+                            why=verdict.detail if verdict else "", known_gap=bool(
+                                verdict and verdict.known_gap))
+            else:
+                row.invalid_rejected += 1
+
+    def _samples(self, row: Row, item: Item, grammar: Grammar, oracle: ItemOracle,
+                 audit: AuditReport) -> None:
+        cfg = self.cfg
+        for w in range(cfg.walks):
+            rng = seed_for(cfg, item.id, row.backend, w)
+            free, steps = _walk_plan(rng, cfg)
+            walk = random_walk(grammar.matcher(), self.table, self.reader, rng,
+                               max_tokens=cfg.max_tokens, free_steps=free, audit_steps=steps,
+                               audit_tokens=cfg.audit_tokens, oracle=oracle.prefix,
+                               report=audit, budget_s=cfg.walk_budget_s)
+            row.samples_truncated += walk.truncated
+            if not walk.finished:
+                row.samples_unfinished += 1
+                continue
+            row.samples_total += 1
+            if oracle.judge is None:
+                row.samples_unchecked += 1
+                continue
+            verdict = oracle.judge(walk.data, tuple(grammar.unenforced))
+            if verdict is None or verdict.reason == "oracle-error":
+                row.samples_unchecked += 1
+            elif verdict.valid:
+                row.samples_valid += 1
+            elif verdict.known_gap:
+                row.samples_known_gap += 1
+            else:
+                row.samples_invalid += 1
+                row.example(what="sampled output invalid", reason=verdict.reason,
+                            detail=verdict.detail,
+                            output=walk.data[:300].decode("utf-8", "backslashreplace"))
+
+    def differential(self, item: Item, xg: Grammar, ll: Grammar, oracle: ItemOracle
+                     ) -> dict[str, Any]:
+        cfg = self.cfg
+        report = DiffReport()
+        pairs = ((ll, xg, ("guidance", "xgrammar")), (xg, ll, ("xgrammar", "guidance")))
+        for n, (lead, follow, names) in enumerate(pairs):
+            rng = seed_for(cfg, item.id, "diff", n)
+            free, _ = _walk_plan(rng, cfg)
+            span = free + 32  # compare at most 24 steps, spread over the free part and beyond
+            steps = set(range(0, span, max(1, span // 24)))
+            differential(lead.matcher(), follow.matcher(), names,
+                         (tuple(lead.unenforced), tuple(follow.unenforced)), self.table, rng,
+                         oracle.judge, report, max_tokens=cfg.max_tokens, free_steps=free,
+                         audit_steps=steps, resolve=cfg.resolve,
+                         budget_s=cfg.diff_budget_s / 2,
+                         is_json=item.kind == "json_schema")
+        return {"subset": item.subset, "id": item.id, "kind": item.kind, **report.as_dict()}
+
+
+def _walk_plan(rng: np.random.Generator, cfg: CheckConfig) -> tuple[int, set[int]]:
+    """Free (uniform) steps before finishing, and which steps to audit (always step 0)."""
+    free = int(rng.integers(0, max(1, cfg.max_tokens // 4)))
+    span = max(2, free + 24)
+    extra = rng.choice(np.arange(1, span), min(cfg.audit_steps - 1, span - 1), replace=False)
+    return free, {0, *(int(s) for s in extra)} if cfg.audit_steps > 0 else set()
+
+
+def complete_judge(oracle: RegexOracle | ChoiceOracle) -> Judge:
+    def judge(data: bytes, _gaps: tuple[str, ...]) -> Verdict | None:
+        verdict = oracle.complete(data)
+        if verdict is None:
+            return None
+        return Verdict(verdict, "" if verdict else "no full match")
+    return judge
+
+
+def count_instances(row: Row, item: Item, cfg: CheckConfig) -> None:
+    for inst in item.instances:
+        forms = forms_of(inst, item.kind, cfg)
+        if not forms:
+            row.instances_skipped += 1
+            continue
+        if inst.valid:
+            row.valid_total += 1
+            for form, _ in forms:
+                row.valid_forms_total[form] = row.valid_forms_total.get(form, 0) + 1
+        else:
+            row.invalid_total += 1
+
+
+def _oracle_valid(oracle: ItemOracle, inst: Instance) -> bool | None:
+    verdict = _oracle_verdict(oracle, inst, ())
+    return None if verdict is None else verdict.valid
+
+
+def _oracle_verdict(oracle: ItemOracle, inst: Instance, unenforced: tuple[str, ...]
+                    ) -> Verdict | None:
+    if oracle.json is not None and inst.text is None:
+        verdict = oracle.json.check_value(inst.data, unenforced)
+        return None if verdict.reason == "oracle-error" else verdict
+    if oracle.judge is not None and inst.text is not None:
+        return oracle.judge(inst.text.encode("utf-8", "surrogatepass"), unenforced)
+    return None
+
+
+def declared_keys(schema: Any) -> set[str]:
+    """Every property name any ``properties`` in the schema declares."""
+    out: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                out.update(props)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
+def undeclared_keys(schema: Any, data: Any) -> bool:
+    """Whether ``data`` has an object key no ``properties`` of the schema declares."""
+    declared = declared_keys(schema)
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if any(k not in declared for k in node):
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def label_disagreements(item: Item, oracle: ItemOracle) -> int:
+    """Instances whose label our own validator disputes (reported, labels still rule)."""
+    return sum(1 for inst in item.instances
+               if (v := _oracle_valid(oracle, inst)) is not None and v != inst.valid)

@@ -1,0 +1,142 @@
+"""vLLM 0.33 plugin: ``GrammaskLogitsProcessor``, one class for both model runners.
+
+vLLM loads every ``vllm.logits_processors`` entry point into whichever runner it starts, so
+the class implements both interfaces and dispatches on the constructor's arguments:
+``(vllm_config, device, is_pin_memory)`` is the V1 runner (``V1Batch`` below),
+``(vllm_config, req_states)`` the V2 runner (``vllm_v2.V2Batch``).
+
+V1 runner, as vLLM drives it (``InputBatch``):
+
+- ``update_state(batch_update)`` before every forward: rows removed, added (with a *live*
+  output-token list, which the processor reads itself) and moved, in that order; then the
+  fill starts on the processor's worker thread, overlapping the forward.
+- ``apply(logits)`` in the sampler: wait for the fill, mask in place.
+- Async scheduling appends ``-1`` placeholders to the live lists and resolves them right
+  before sampling only if ``--logits-processors`` is non-empty; the processor never feeds a
+  placeholder (it re-reads the list in ``apply``). Without that flag the placeholders would
+  never resolve, so that configuration is refused at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
+
+from .vllm_common import FQCN, PluginCore, validate_sampling_params
+from .vllm_v2 import V2Batch
+
+__all__ = ["FQCN", "GrammaskLogitsProcessor", "V1Batch"]
+
+
+class V1Batch:
+    """The V1 runner's batch bookkeeping mapped onto ``BatchProcessor`` rows."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        max_batch = int(vllm_config.scheduler_config.max_num_seqs)
+        self.core = PluginCore(vllm_config, "v1", max_batch)
+        if not self.core.active:
+            return
+        scheduler = vllm_config.scheduler_config
+        if getattr(scheduler, "async_scheduling", False) and not (
+                vllm_config.model_config.logits_processors):
+            self.core.deactivate()
+            raise RuntimeError(
+                "grammask on vLLM's V1 model runner with async scheduling needs "
+                f"`--logits-processors {FQCN}` (vLLM resolves the -1 placeholders of async "
+                "scheduling only when that list is non-empty); or pass "
+                "--no-async-scheduling, or use the V2 runner, or set GRAMMASK_ENABLED=0")
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        core = self.core
+        if not core.active:
+            return
+        if batch_update is not None:
+            proc = core.proc_or_none
+            if proc is not None:
+                for index in batch_update.removed:
+                    proc.remove(index)
+            for index, params, prompt, output in batch_update.added:
+                request, grammar = core.request(params)
+                if request is not None:
+                    core.processor().add(index, request, prompt or (), output,
+                                         grammar=grammar)
+                elif proc is not None:
+                    proc.remove(index)  # the row may still hold a previous occupant
+            proc = core.proc_or_none
+            if proc is not None:
+                for a, b, direction in batch_update.moved:
+                    if direction == MoveDirectionality.SWAP:
+                        proc.swap(a, b)
+                    else:
+                        proc.move(a, b)
+        if core.has_rows:
+            core.processor().step()  # the fill runs while the forward does
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.core.active and self.core.has_rows:
+            self.core.processor().apply(logits)
+        return logits
+
+
+class GrammaskLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
+    """Grammar masks for requests whose ``extra_args`` carry a ``grammask`` constraint.
+
+    Register it once: installed, it is an entry point (both runners load it); on the V1
+    runner with async scheduling also pass ``--logits-processors`` with ``FQCN`` (the second
+    instance this makes stays inert). Requests without grammask keys are untouched.
+    """
+
+    def __init__(self, vllm_config: Any, *args: Any) -> None:
+        self._v1: V1Batch | None = None
+        self._v2: V2Batch | None = None
+        if len(args) == 2:  # V1: (device, is_pin_memory)
+            self._v1 = V1Batch(vllm_config)
+        elif len(args) == 1:  # V2: (req_states,)
+            self._v2 = V2Batch(vllm_config, args[0])
+        else:
+            raise TypeError("GrammaskLogitsProcessor(vllm_config, device, is_pin_memory) "
+                            "or (vllm_config, req_states)")
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        validate_sampling_params(sampling_params)
+
+    @property
+    def core(self) -> PluginCore:
+        batch = self._v1 if self._v1 is not None else self._v2
+        assert batch is not None
+        return batch.core
+
+    # ------------------------------------------------------------------ V1 interface
+    def is_argmax_invariant(self) -> bool:
+        return False  # masks change the argmax; True would skip us for greedy batches
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        assert self._v1 is not None, "update_state is a V1-runner hook"
+        self._v1.update_state(batch_update)
+
+    # ------------------------------------------------------------------ V2 interface
+    def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+        assert self._v2 is not None, "add_request is a V2-runner hook"
+        return self._v2.add_request(req_idx, sampling_params)
+
+    def apply_staged_writes(self) -> None:
+        assert self._v2 is not None, "apply_staged_writes is a V2-runner hook"
+        self._v2.apply_staged_writes()
+
+    # ------------------------------------------------------------------------- both
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext | None = None) -> torch.Tensor:
+        if ctx is None:
+            assert self._v1 is not None, "the V2 runner passes a LogitsContext"
+            return self._v1.apply(logits)
+        assert self._v2 is not None, "the V1 runner passes no LogitsContext"
+        return self._v2.apply(logits, ctx)
+
+    def close(self) -> None:
+        """Stop the fill thread (vLLM never calls this; tests and embedders may)."""
+        self.core.close()

@@ -1,0 +1,277 @@
+"""The V2 model runner's side of the plugin: request slots, device tokens, row mapping.
+
+V2 hands a processor per-*slot* state (slots are recycled with no removal hook) and a
+``LogitsContext`` per step whose rows are in batch order. Committed tokens live on the
+device (``req_states.all_token_ids`` up to ``total_len``), so getting them to the CPU
+matchers is the adapter's job, done without stalling the GPU:
+
+1. ``add_request(slot, params)``: reset the slot, parse, start the compile; True for ours.
+2. ``apply_staged_writes()`` (before the forward, after the runner's post-update of the
+   previous step was enqueued): gather each tracked slot's ``total_len`` and the token after
+   the last one we read, plus a new slot's prompt / resumed output, into pinned host
+   buffers with non-blocking copies and record a CUDA event. A helper thread waits for the
+   event, appends the tokens to the slots' live lists and starts the processor's fill, so
+   the copy and the fill both overlap the forward. (On CPU the copies are plain copies.)
+3. ``apply(logits, ctx)``: join the helper, wait for the fill, gather the slots' mask rows
+   into logits-row order and mask. Rows of unconstrained slots and chunked-prefill rows
+   (their sample is discarded) are left alone.
+
+A slot joins the processor once its grammar is compiled or its first mask is needed,
+whichever comes first, so a long compile overlaps a chunked prefill instead of blocking the
+batch. A resumed request (``prefill_len > prompt_len``) replays its earlier output.
+Speculative decoding is refused at start-up (one row per draft position is not built yet).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..compiler import Grammar
+from ..masks import MaskBuffers, apply_bitmask
+from ..request import ConstraintRequest
+from .vllm_common import PluginCore
+
+#: tokens read per slot per step on the fast path (a step commits one without drafts)
+_WINDOW = 1
+
+
+@dataclass
+class _Slot:
+    request: ConstraintRequest
+    grammar: Future[Grammar]
+    prompt_len: int
+    prefill_len: int
+    wants_prompt: bool
+    output: list[int] = field(default_factory=list)  # the processor's live list
+    prompt: list[int] = field(default_factory=list)
+    fetched: bool = False  # prompt / resumed output copied to the host
+    known: int = 0  # committed positions already appended to ``output`` (or placeholders)
+    added: bool = False  # in the processor
+    missing: tuple[int, int] | None = None  # positions left as placeholders (slow path)
+
+
+@dataclass
+class _Transfer:
+    """One step's device-to-host copies; read by the helper after ``event``."""
+
+    event: Any
+    fetches: list[tuple[int, torch.Tensor]]
+    slots: list[int]
+    total: torch.Tensor
+    tokens: torch.Tensor
+
+
+class V2Batch:
+    """The V2 runner's slots mapped onto ``BatchProcessor`` rows (row index = slot)."""
+
+    def __init__(self, vllm_config: Any, req_states: Any) -> None:
+        n = int(req_states.max_num_reqs)
+        self.core = PluginCore(vllm_config, "v2", n)
+        self.rs = req_states
+        self.device: torch.device = req_states.device
+        self._cuda = self.device.type == "cuda"
+        self._slots: dict[int, _Slot] = {}
+        self._tracked = np.zeros(n, dtype=bool)
+        self._prefill = np.zeros(n, dtype=np.int64)
+        self._helper: ThreadPoolExecutor | None = None
+        self._handoff: Future[None] | None = None
+        self._masks: MaskBuffers | None = None
+        pin = self._cuda
+        self._index_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._known_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._total_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self._tokens_host = torch.zeros(n, _WINDOW, dtype=torch.int32, pin_memory=pin)
+        self._event: Any = None
+        if not self.core.active:
+            return
+        spec = getattr(vllm_config, "speculative_config", None)
+        if spec is not None and int(getattr(spec, "num_speculative_tokens", 0) or 0) > 0:
+            self.core.deactivate()
+            raise RuntimeError(
+                "grammask does not support speculative decoding on vLLM's V2 model runner "
+                "yet (a mask per draft position is not implemented): start without "
+                "--speculative-config, or set GRAMMASK_ENABLED=0 to run without grammask")
+        if self._cuda:
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------------ runner hooks
+    def add_request(self, slot: int, sampling_params: Any) -> bool:
+        """Reset the (recycled) slot; True when the request is constrained."""
+        core = self.core
+        if not core.active:
+            return False
+        self._sync()
+        if slot in self._slots:
+            del self._slots[slot]
+            self._tracked[slot] = False
+            proc = core.proc_or_none
+            if proc is not None:
+                proc.remove(slot)
+        request, grammar = core.request(sampling_params)
+        if request is None or grammar is None:
+            return False
+        prompt_len = int(self.rs.prompt_len.np[slot])
+        prefill_len = int(self.rs.prefill_len.np[slot])
+        wants_prompt = request.thinking and (request.think_end is not None
+                                             or core.default_marker)
+        self._slots[slot] = _Slot(request, grammar, prompt_len, prefill_len, wants_prompt)
+        self._tracked[slot] = True
+        self._prefill[slot] = prefill_len
+        return True
+
+    def apply_staged_writes(self) -> None:
+        """Start this step's token copies and, once they land, the fill (helper thread)."""
+        if not self.core.active:
+            return
+        self._sync()
+        if not self._slots:
+            return
+        transfer = self._start_copies()
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammask-v2-tokens")
+        self._handoff = self._helper.submit(self._receive, transfer)
+
+    def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+        core = self.core
+        if not core.active or not self._slots:
+            return logits
+        self._sync()
+        slots_np = np.asarray(ctx.idx_mapping_np)
+        if logits.shape[0] != slots_np.shape[0]:
+            raise RuntimeError("grammask: one logits row per request expected (speculative "
+                               "decoding is not supported)")
+        tracked = (slots_np >= 0) & self._tracked[np.maximum(slots_np, 0)]
+        if not tracked.any():
+            return logits
+        # the final prefill chunk and decode rows sample; earlier chunks' samples are dropped
+        seq = np.asarray(ctx.seq_lens_upper_bound_np)
+        rows = np.flatnonzero(tracked & (seq >= self._prefill[slots_np]))
+        if rows.size == 0:
+            return logits
+        slots = [int(s) for s in slots_np[rows]]
+        proc = core.processor()
+        for slot, st in self._slots.items():  # rare: resolve placeholders before masking
+            if st.missing is not None:
+                self._fill_missing(st, slot)
+        for slot in slots:
+            st = self._slots[slot]
+            if not st.added:
+                self._join(slot, st)
+        bitmask, masked = proc.wait_masks()
+        ready = set(masked)
+        pairs = [(int(r), s) for r, s in zip(rows, slots, strict=True) if s in ready]
+        if not pairs:
+            return logits
+        vocab_size = proc.vocab_size
+        if self._masks is None:
+            self._masks = MaskBuffers(int(self.rs.max_num_reqs), vocab_size)
+        buffer = self._masks.acquire()
+        picked = bitmask.index_select(0, torch.tensor([s for _, s in pairs]))
+        buffer.index_copy_(0, torch.tensor([r for r, _ in pairs]), picked)
+        apply_bitmask(logits, buffer, vocab_size=vocab_size, indices=[r for r, _ in pairs],
+                      buffers=self._masks)
+        return logits
+
+    # ------------------------------------------------------------------ internals
+    def _sync(self) -> None:
+        """Join the helper's job: the processor is the host thread's again."""
+        if self._handoff is not None:
+            handoff, self._handoff = self._handoff, None
+            handoff.result()
+
+    def _start_copies(self) -> _Transfer:
+        """Enqueue this step's gathers and device-to-host copies (no host wait on CUDA)."""
+        all_ids = self.rs.all_token_ids.gpu
+        max_len = all_ids.shape[1]
+        fetches: list[tuple[int, torch.Tensor]] = []
+        for slot, st in self._slots.items():
+            if not st.fetched:
+                lo = 0 if st.wants_prompt else st.prompt_len
+                host = torch.empty(st.prefill_len - lo, dtype=all_ids.dtype,
+                                   pin_memory=self._cuda)
+                host.copy_(all_ids[slot, lo:st.prefill_len], non_blocking=self._cuda)
+                fetches.append((slot, host))
+        slots = [s for s, st in self._slots.items() if st.fetched]
+        n = len(slots)
+        if n:
+            self._index_host[:n] = torch.tensor(slots)
+            self._known_host[:n] = torch.tensor([self._slots[s].known for s in slots])
+            index = self._index_host[:n].to(self.device, non_blocking=self._cuda)
+            known = self._known_host[:n].to(self.device, non_blocking=self._cuda)
+            columns = (known.unsqueeze(1) + torch.arange(_WINDOW, device=self.device)
+                       ).clamp_(max=max_len - 1)
+            self._total_host[:n].copy_(self.rs.total_len.gpu.index_select(0, index),
+                                       non_blocking=self._cuda)
+            self._tokens_host[:n].copy_(all_ids[index.unsqueeze(1), columns],
+                                        non_blocking=self._cuda)
+        if self._event is not None:
+            self._event.record()
+        return _Transfer(self._event, fetches, slots, self._total_host[:n],
+                         self._tokens_host[:n])
+
+    def _receive(self, transfer: _Transfer) -> None:
+        """Helper thread: wait for the copies, extend the live lists, start the fill."""
+        if transfer.event is not None:
+            transfer.event.synchronize()
+        for slot, host in transfer.fetches:
+            st = self._slots[slot]
+            ids = host.tolist()
+            if st.wants_prompt:
+                st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
+            else:
+                replay = ids
+            st.output.extend(replay)  # a resumed request's earlier output
+            st.known = st.prefill_len
+            st.fetched = True
+        totals = transfer.total.tolist()
+        tokens = transfer.tokens.tolist()
+        for i, slot in enumerate(transfer.slots):
+            st = self._slots[slot]
+            new = int(totals[i]) - st.known
+            if new <= 0:
+                continue
+            take = min(new, _WINDOW)
+            st.output.extend(int(t) for t in tokens[i][:take])
+            if new > take:  # more than a step's worth: placeholders, read in apply()
+                st.output.extend([-1] * (new - take))
+                lo = st.known + take if st.missing is None else st.missing[0]
+                st.missing = (lo, st.known + new)
+            st.known += new
+        proc = self.core.processor()
+        for slot, st in self._slots.items():
+            if not st.added and st.fetched and st.grammar.done():
+                self._join(slot, st)
+        if proc.rows:
+            proc.step()
+
+    def _join(self, slot: int, st: _Slot) -> None:
+        """Put the slot in the processor (its live list replays what it holds)."""
+        if not st.fetched:  # needed before any copy ran (no apply_staged_writes yet)
+            self._fetch_now(slot, st)
+        self.core.processor().add(slot, st.request, st.prompt, st.output, grammar=st.grammar)
+        st.added = True
+
+    def _fetch_now(self, slot: int, st: _Slot) -> None:
+        lo = 0 if st.wants_prompt else st.prompt_len
+        ids = self.rs.all_token_ids.gpu[slot, lo:st.prefill_len].tolist()
+        if st.wants_prompt:
+            st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
+        else:
+            replay = ids
+        st.output.extend(replay)
+        st.known = st.prefill_len
+        st.fetched = True
+
+    def _fill_missing(self, st: _Slot, slot: int) -> None:
+        """Slow path (host sync): tokens beyond the step's window replace placeholders."""
+        assert st.missing is not None
+        lo, hi = st.missing
+        ids = self.rs.all_token_ids.gpu[slot, lo:hi].tolist()
+        start = len(st.output) - (st.known - lo)
+        st.output[start:start + len(ids)] = [int(t) for t in ids]
+        st.missing = None

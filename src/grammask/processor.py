@@ -1,0 +1,509 @@
+"""The batch engine, framework-neutral: rows come and go, masks are filled while the forward runs.
+
+One decode step, as a host drives it::
+
+    proc.add(row, request, prompt_ids, output_ids)   # compile starts now (overlaps prefill)
+    proc.remove(row) / proc.move(src, dst) / proc.swap(a, b)
+    proc.step()            # take new tokens, start advance + fill on the worker thread
+    ... model forward ...  # the fill runs meanwhile (both engines release the GIL)
+    proc.apply(logits)     # wait for the fill, mask the logits in place
+
+Row semantics (the contract the vLLM / transformers adapters are written against):
+
+- Rows are indices into the batch (``0 <= row < max_batch``); row ``i`` of the logits given
+  to ``apply`` belongs to row ``i``. Rows never added (or added with ``None``) are
+  unconstrained: never read, never masked, and cost nothing per step.
+- Tokens: ``output_ids`` is either a list the host keeps appending to (a *live* list: each step
+  reads what was appended since the last one, several tokens at once are fine) or None, in
+  which case the processor owns the list and the host calls ``advance(row, tokens)``.
+  Negative ids are placeholders of tokens not known yet (vLLM async scheduling): a step stops
+  reading at the first one and reads again, before masking, in ``apply``. A live list that got
+  shorter since the last step is rolled back by the difference.
+- Thinking gate (``reasoning.py``): until the request's thinking section ends, its row is
+  neither masked nor advanced.
+- Stop tokens are allowed only where the grammar may end; once it has ended, only stop tokens
+  are (forced EOS).
+- Errors never raise into the host. A token the grammar rejects, a failed compile or a
+  grammar still compiling ``wait_s`` seconds after its first mask was needed put that row, and
+  only that row, into a sticky error state (``error(row)`` says why). With ``on_error="stop"``
+  (default) an errored row gets a stop-only mask, so the request ends at once instead of
+  running on unconstrained and returning text that claims to follow the grammar;
+  ``on_error="free"`` leaves it unmasked. Waiting for a compile blocks the step at most
+  ``wait_s`` (the engine's own compile deadline usually decides first); it never blocks the
+  batch indefinitely. With tensor parallelism, give every rank a ``wait_s`` above the engine's
+  compile timeout so the outcome (compiled or failed) does not depend on timing.
+- Any mutation (add/remove/move/swap/advance/rollback) after ``step()`` and before
+  ``apply()`` discards that fill; ``apply`` then fills synchronously. ``apply`` without
+  ``step`` works too (no overlap).
+
+All methods are to be called from one host thread; the worker thread only runs fill jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .backends.base import Matcher
+from .compiler import Engine, Grammar
+from .errors import GrammarError
+from .masks import Filler, FillWorker, MaskBuffers, apply_bitmask, stop_only_row
+from .reasoning import ThinkGate, ThinkMarker
+from .request import ConstraintRequest
+from .spec import GrammarSpec
+
+log = logging.getLogger("grammask")
+
+RowStatus = Literal["unconstrained", "thinking", "compiling", "active", "ended", "error"]
+ErrorPolicy = Literal["stop", "free"]
+_FROM_VOCAB = "vocab"
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """A snapshot of one row, for hosts (finish reasons, logs) and tests."""
+
+    status: RowStatus
+    error: str | None = None
+    backend: str | None = None
+    unenforced: tuple[str, ...] = ()
+    constrained_tokens: int = 0
+    thinking_tokens: int = 0
+
+
+class _Row:
+    """One constrained request."""
+
+    def __init__(self, request: ConstraintRequest, future: Future[Grammar],
+                 gate: ThinkGate | None, output: list[int], owned: bool) -> None:
+        self.request = request
+        self.future = future
+        self.gate = gate
+        self.output = output
+        self.owned = owned
+        self.grammar: Grammar | None = None
+        self.matcher: Matcher | None = None
+        self.seen = 0  # output entries consumed
+        self.fed = 0  # tokens accepted by the matcher
+        self.backlog: list[int] = []  # constrained tokens that arrived before the grammar
+        self.error: str | None = None
+        self.need_since: float | None = None
+        self.late = False  # a placeholder stopped the last read
+
+    def fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+            log.warning("grammask: request %s: %s", self.request.spec.describe(), message)
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.gate is None or not self.gate.thinking
+
+
+@dataclass
+class _Step:
+    future: Future[list[int]] | None
+    buffer: torch.Tensor
+    work: list[tuple[int, _Row, list[int]]]
+
+
+class BatchProcessor:
+    """Masks for a batch of up to ``max_batch`` rows, filled on a worker thread.
+
+    ``think_end``: the thinking end marker (a token id, a token sequence or text); by default
+    the vocabulary's (``</think>`` for Qwen3.x); None disables the thinking gate. A request's
+    own ``think_end`` / ``thinking=False`` take precedence.
+    ``filler``: how rows are filled (batch-parallel thresholds, threads).
+    """
+
+    def __init__(self, engine: Engine, *, max_batch: int, wait_s: float = 30.0,
+                 on_error: ErrorPolicy = "stop",
+                 think_end: str | int | Sequence[int] | None = _FROM_VOCAB,
+                 filler: Filler | None = None) -> None:
+        if on_error not in ("stop", "free"):
+            raise ValueError(f"on_error must be 'stop' or 'free', got {on_error!r}")
+        if wait_s < 0:
+            raise ValueError("wait_s must be >= 0")
+        self.engine = engine
+        self.vocab = engine.vocab
+        self.vocab_size = engine.vocab.vocab_size
+        self.max_batch = max_batch
+        self.wait_s = wait_s
+        self.on_error: ErrorPolicy = on_error
+        self._buffers = MaskBuffers(max_batch, self.vocab_size)
+        self._worker = FillWorker()
+        self._filler = filler or Filler()
+        self._stop_row = stop_only_row(self.vocab.stop_ids, self.vocab_size)
+        self._rows: dict[int, _Row] = {}
+        self._pending: _Step | None = None
+        self._default_marker = (ThinkMarker.for_vocab(self.vocab) if think_end == _FROM_VOCAB
+                                else None if think_end is None
+                                else ThinkMarker.for_vocab(self.vocab, think_end))
+        self._markers: dict[str, ThinkMarker | None] = {}
+        #: Milliseconds the last fill job spent advancing matchers and filling (metrics).
+        self.last_advance_ms = 0.0
+        self.last_fill_ms = 0.0
+
+    # ------------------------------------------------------------------ batch membership
+    def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
+            prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None, *,
+            grammar: Grammar | Future[Grammar] | None = None) -> None:
+        """Put a request in ``row`` (replacing whatever was there); None = unconstrained.
+
+        The compile starts now unless ``grammar`` (compiled, or a future of one) is given.
+        ``output_ids``: a live list the host appends to, or None to use ``advance``.
+        Raises only for host mistakes (row out of range, wrong request type)."""
+        self._check_row(row)
+        self._mutate()
+        self._rows.pop(row, None)
+        if request is None:
+            return
+        if isinstance(request, GrammarSpec):
+            request = ConstraintRequest(request)
+        if not isinstance(request, ConstraintRequest):
+            raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
+                            f"{type(request).__name__}")
+        future = self._grammar_future(request.spec, grammar)
+        gate = self._gate(request, prompt_ids)
+        owned = output_ids is None
+        self._rows[row] = _Row(request, future, gate, [] if output_ids is None else output_ids,
+                               owned)
+
+    def remove(self, row: int) -> None:
+        self._mutate()
+        self._rows.pop(row, None)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped."""
+        self._check_row(src)
+        self._check_row(dst)
+        self._mutate()
+        moved = self._rows.pop(src, None)
+        if moved is None:
+            self._rows.pop(dst, None)
+        else:
+            self._rows[dst] = moved
+
+    def swap(self, a: int, b: int) -> None:
+        self._check_row(a)
+        self._check_row(b)
+        self._mutate()
+        ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
+        if ra is not None:
+            self._rows[b] = ra
+        if rb is not None:
+            self._rows[a] = rb
+
+    def advance(self, row: int, tokens: Sequence[int]) -> None:
+        """Append sampled tokens to a row whose output list the processor owns."""
+        r = self._rows.get(row)
+        if r is None:
+            return
+        if not r.owned:
+            raise ValueError(f"row {row} reads a live output list; append to it instead")
+        self._mutate()
+        r.output.extend(int(t) for t in tokens)
+
+    def rollback(self, row: int, num_tokens: int) -> None:
+        """Retract the last ``num_tokens`` tokens of the row's output.
+
+        Owned lists lose them here (unread ones first); for a live list the host truncates
+        its list itself and this rewinds what was already read."""
+        r = self._rows.get(row)
+        if r is None or num_tokens <= 0:
+            return
+        self._mutate()
+        if r.owned:
+            unread = min(num_tokens, len(r.output) - r.seen)
+            del r.output[max(0, len(r.output) - num_tokens):]
+            num_tokens -= unread
+        self._rewind(r, num_tokens)
+
+    # ----------------------------------------------------------------------- per step
+    def step(self) -> None:
+        """Read each constrained row's new tokens and start advance + fill on the worker."""
+        self._settle()
+        self._pending = None
+        work = [(index, r, self._take(r)) for index, r in self._rows.items()]
+        buffer = self._buffers.acquire()
+        future = (self._worker.submit(lambda: self._run(work, buffer)) if work else None)
+        self._pending = _Step(future, buffer, work)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Wait for this step's fill and mask ``logits`` (rows = batch rows) in place."""
+        bitmask, rows = self.wait_masks()
+        if rows:
+            apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
+                          buffers=self._buffers)
+
+    def wait_masks(self) -> tuple[torch.Tensor, list[int]]:
+        """Wait for this step's fill; the bitmask and the sorted rows it masks.
+
+        For hosts that apply masks themselves (e.g. on the device, in their own sampler).
+        The bitmask is the processor's buffer: valid until the next ``step()``; rows not
+        listed hold stale bits and must stay unmasked. Ends the step like ``apply``."""
+        if self._pending is None:
+            self.step()
+        step = self._pending
+        assert step is not None
+        self._pending = None
+        if step.future is None:
+            return step.buffer, []
+        try:
+            indices = set(step.future.result())
+        except BaseException as exc:  # a bug in the job: contain it to this step's rows
+            indices = self._contain(step, exc)
+        late = [(index, r, self._take(r)) for index, r, _ in step.work if r.late]
+        if late:  # placeholders resolved since step(): advance and fill these rows here
+            indices.difference_update(index for index, _, _ in late)
+            indices.update(self._run(late, step.buffer))
+            for index, r, _ in late:
+                if r.late and r.needs_mask and r.error is None:
+                    r.fail("an output token was still a placeholder (negative id) when its "
+                           "mask was needed")
+                    indices.discard(index)
+                    if self.on_error == "stop":
+                        step.buffer[index].copy_(self._stop_row)
+                        indices.add(index)
+        return step.buffer, sorted(indices)
+
+    # ------------------------------------------------------------------------- queries
+    def info(self, row: int) -> RowInfo:
+        r = self._rows.get(row)
+        if r is None:
+            return RowInfo("unconstrained")
+        self._settle()
+        grammar = r.grammar
+        return RowInfo(
+            status=self._status(r), error=r.error,
+            backend=grammar.backend if grammar else None,
+            unenforced=grammar.unenforced if grammar else (),
+            constrained_tokens=r.fed + len(r.backlog),
+            thinking_tokens=r.gate.thinking_tokens if r.gate else 0)
+
+    def status(self, row: int) -> RowStatus:
+        return self.info(row).status
+
+    def error(self, row: int) -> str | None:
+        return self.info(row).error
+
+    @property
+    def errors(self) -> dict[int, str]:
+        self._settle()
+        return {i: r.error for i, r in self._rows.items() if r.error is not None}
+
+    @property
+    def rows(self) -> list[int]:
+        """The constrained rows."""
+        return sorted(self._rows)
+
+    @property
+    def fill_thread_id(self) -> int | None:
+        return self._worker.thread_id
+
+    def close(self) -> None:
+        self._settle()
+        self._pending = None
+        self._worker.close()
+
+    def __enter__(self) -> BatchProcessor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------- internals
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_batch:
+            raise IndexError(f"row {row} outside 0..{self.max_batch - 1}")
+
+    def _settle(self) -> None:
+        """Wait for an in-flight fill so the host thread may touch matchers again."""
+        if self._pending is not None and self._pending.future is not None:
+            try:
+                self._pending.future.result()
+            except BaseException as exc:
+                done: Future[list[int]] = Future()
+                done.set_result(sorted(self._contain(self._pending, exc)))
+                self._pending.future = done
+
+    def _mutate(self) -> None:
+        self._settle()
+        self._pending = None
+
+    def _grammar_future(self, spec: GrammarSpec, grammar: Grammar | Future[Grammar] | None
+                        ) -> Future[Grammar]:
+        if isinstance(grammar, Future):
+            return grammar
+        if isinstance(grammar, Grammar):
+            done: Future[Grammar] = Future()
+            done.set_result(grammar)
+            return done
+        try:
+            return self.engine.compile_async(spec)
+        except Exception as exc:  # an engine closed or a bad spec: an errored row, no raise
+            failed: Future[Grammar] = Future()
+            failed.set_exception(exc)
+            return failed
+
+    def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int]) -> ThinkGate | None:
+        if not request.thinking:
+            return None
+        marker = self._default_marker
+        if request.think_end is not None:
+            if request.think_end not in self._markers:
+                self._markers[request.think_end] = ThinkMarker.for_vocab(
+                    self.vocab, request.think_end)
+            marker = self._markers[request.think_end]
+        if marker is None:
+            return None
+        gate = ThinkGate(marker, self.vocab.tokens, prompt_ids=prompt_ids)
+        return None if gate.from_prompt else gate
+
+    def _take(self, r: _Row) -> list[int]:
+        """The tokens appended since the last read, up to the first placeholder."""
+        out = r.output
+        end = len(out)
+        if end < r.seen:
+            self._rewind(r, r.seen - end)
+        new = [int(t) for t in out[r.seen:end]]
+        r.late = False
+        for i, tid in enumerate(new):
+            if tid < 0:
+                new = new[:i]
+                r.late = True
+                break
+        r.seen += len(new)
+        return new
+
+    def _rewind(self, r: _Row, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` read tokens: backlog, then matcher, then thinking."""
+        k = min(num_tokens, r.seen)
+        r.seen -= k
+        if r.error is not None:
+            return  # errors are sticky
+        drop = min(k, len(r.backlog))
+        del r.backlog[len(r.backlog) - drop:]
+        k -= drop
+        undo = min(k, r.fed)
+        try:
+            if undo:
+                assert r.matcher is not None
+                r.matcher.rollback(undo)
+                r.fed -= undo
+                k -= undo
+            if k and r.gate is not None:
+                r.gate.rollback(k)
+        except Exception as exc:
+            r.fail(f"rollback of {num_tokens} tokens failed: {exc}")
+
+    def _run(self, work: list[tuple[int, _Row, list[int]]], buffer: torch.Tensor) -> list[int]:
+        """The fill job (worker thread, or the host thread for late rows): advance every row
+        by its new tokens, attach grammars that are needed now, fill; returns the rows to
+        mask."""
+        started = time.perf_counter()
+        for _, r, tokens in work:
+            self._advance(r, tokens)
+        for _, r, _ in work:
+            if r.error is None and r.needs_mask and r.matcher is None:
+                self._attach(r)
+        advanced = time.perf_counter()
+        indices: list[int] = []
+        fills: list[tuple[Matcher, int]] = []
+        for index, r, _ in work:
+            if r.error is not None:
+                if self.on_error == "stop":
+                    buffer[index].copy_(self._stop_row)
+                    indices.append(index)
+            elif r.needs_mask and r.matcher is not None:
+                fills.append((r.matcher, index))
+        try:
+            self._filler.fill(fills, buffer)
+        except Exception:  # find the culprit row by row; the others still get their masks
+            for matcher, index in fills:
+                try:
+                    matcher.fill(buffer, index)
+                except Exception as exc:
+                    row = next(r for i, r, _ in work if i == index)
+                    row.fail(f"mask fill failed: {exc}")
+                    buffer[index].copy_(self._stop_row)
+        indices.extend(index for _, index in fills)
+        self.last_advance_ms = (advanced - started) * 1000
+        self.last_fill_ms = (time.perf_counter() - advanced) * 1000
+        return indices
+
+    def _advance(self, r: _Row, tokens: list[int]) -> None:
+        if r.error is not None or not tokens:
+            return
+        if r.gate is not None and r.gate.thinking:
+            tokens = r.gate.feed(tokens)
+            if not tokens:
+                return
+        if r.matcher is None:
+            r.backlog.extend(tokens)
+        else:
+            self._feed(r, tokens)
+
+    def _feed(self, r: _Row, tokens: list[int]) -> None:
+        assert r.matcher is not None
+        for tid in tokens:
+            try:
+                accepted = r.matcher.accept(tid)
+            except Exception as exc:
+                accepted = False
+                reason = f": {exc}"
+            else:
+                reason = ""
+            if not accepted:
+                text = (repr(self.vocab.tokens[tid]) if 0 <= tid < len(self.vocab.tokens)
+                        else "out of the vocabulary")
+                r.fail(f"token {tid} ({text}) rejected by the grammar after {r.fed} "
+                       f"constrained tokens{reason}")
+                return
+            r.fed += 1
+
+    def _attach(self, r: _Row) -> None:
+        """Wait (bounded) for the row's grammar, make its matcher and feed the backlog."""
+        now = time.monotonic()
+        if r.need_since is None:
+            r.need_since = now
+        remaining = r.need_since + self.wait_s - now
+        try:
+            grammar = r.future.result(timeout=max(0.0, remaining))
+        except TimeoutError:
+            r.fail(f"grammar not compiled within wait_s={self.wait_s:g} s of its first mask")
+            return
+        except GrammarError as exc:
+            r.fail(f"grammar failed to compile: {exc}")
+            return
+        except BaseException as exc:
+            r.fail(f"grammar unavailable: {type(exc).__name__}: {exc}")
+            return
+        r.grammar = grammar
+        r.matcher = grammar.matcher()
+        backlog, r.backlog = r.backlog, []
+        self._feed(r, backlog)
+
+    def _contain(self, step: _Step, exc: BaseException) -> set[int]:
+        indices = set()
+        for index, r, _ in step.work:
+            r.fail(f"fill job failed: {type(exc).__name__}: {exc}")
+            if self.on_error == "stop":
+                step.buffer[index].copy_(self._stop_row)
+                indices.add(index)
+        return indices
+
+    def _status(self, r: _Row) -> RowStatus:
+        if r.error is not None:
+            return "error"
+        if r.gate is not None and r.gate.thinking:
+            return "thinking"
+        if r.matcher is None:
+            return "compiling"
+        return "ended" if r.matcher.is_terminated() else "active"

@@ -1,0 +1,165 @@
+"""The benchmark scripts run end to end on a tiny sample, so they never rot.
+
+No timing is asserted (numbers belong in bench/ and docs/benchmarks.md): only the shape of the
+JSON they write, and that every spec is accounted for as served, refused or timed out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+from bench import compile as compile_bench  # noqa: E402
+from bench import mask as mask_bench  # noqa: E402
+
+DIST_KEYS = {"n", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
+
+
+# ------------------------------------------------------------------ pure helpers
+def _pools(sizes: dict[str, int]) -> dict[str, list[common.Case]]:
+    return {name: [common.Case(f"{name}/{i}", name, "json_schema", "{}") for i in range(n)]
+            for name, n in sizes.items()}
+
+
+def test_stratified_sample_is_exact_proportional_and_seeded() -> None:
+    pools = _pools({"big": 900, "mid": 90, "small": 3, "tiny": 1})
+    first = common.stratified(pools, 40, seed=7)
+    assert len(first) == 40
+    per = {name: sum(c.group == name for c in first) for name in pools}
+    assert per["big"] > per["mid"] > 0 and per["tiny"] == 1 and per["small"] == 2
+    assert first == common.stratified(pools, 40, seed=7)
+    assert first != common.stratified(pools, 40, seed=8)
+    assert len({c.id for c in first}) == 40
+    assert len(common.stratified(pools, 10_000, seed=0)) == 994  # capped by the corpus
+
+
+def test_percentiles_interpolate_like_numpy() -> None:
+    assert common.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert common.percentile([5.0], 99) == 5.0
+    d = common.dist([float(i) for i in range(1, 101)])
+    assert d["n"] == 100 and d["max_ms"] == 100 and d["p50_ms"] == 50.5
+    assert abs(d["p99_ms"] - 99.01) < 1e-9
+
+
+def test_corpus_cases_cover_every_kind(corpus: Path) -> None:
+    cases = common.load_maskbench(corpus, 30, 0, need_instances=True)
+    assert len(cases) == 30 and all(c.instances for c in cases)
+    assert len({c.group for c in cases}) >= 10  # stratified over the subsets
+    for c in cases:
+        json.loads(c.source)
+    extras = common.extra_cases(corpus)
+    assert {c.kind for c in extras} == {"regex", "choice", "grammar"}
+    assert {c.syntax for c in extras if c.kind == "grammar"} == {"ebnf", "lark"}
+
+
+# ------------------------------------------------------------------- end to end
+def _check_summary(summary: dict[str, object], systems: list[str], cases: int) -> None:
+    assert list(summary) == systems
+    for name in systems:
+        s = summary[name]
+        assert isinstance(s, dict)
+        assert s["ok"] + s["errors"] + s["timeouts"] == s["cases"] == cases, name
+        for block in ("cold_compile", "ttfm"):
+            assert set(s[block]) >= DIST_KEYS, (name, block)
+            assert s[block]["n"] == s["ok"]
+
+
+def test_compile_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:
+    out, png = tmp_path / "compile.json", tmp_path / "ttfm.png"
+    systems = ["xgrammar", "llguidance", "grammask-auto", "grammask-guidance"]
+    rc = compile_bench.main([
+        "--corpus", str(corpus), "--sample", "3", "--subsets", "Glaiveai2K,BFCL_simple",
+        "--systems", ",".join(systems), "--repeats", "2", "--timeout", "60",
+        "--json", str(out), "--plot", str(png), "--quiet", "--log-dir", str(tmp_path)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    cases = payload["config"]["cases"]
+    assert cases == 3 + len(common.extra_cases(corpus))
+    _check_summary(payload["summary"], systems, cases)
+    rows = payload["rows"]
+    assert len(rows) == cases * len(systems)
+    assert {r["system"] for r in rows} == set(systems)
+    for r in rows:
+        assert r["status"] in ("ok", "error", "timeout")
+        if r["status"] == "ok":
+            assert 0 < r["cold_ms"] <= r["ttfm_ms"] and r["allowed"] > 0
+        else:
+            assert r["error"]
+    auto = [r for r in rows if r["system"] == "grammask-auto" and r["status"] == "ok"]
+    assert auto and all(r["backend"] in ("xgrammar", "guidance") and r["reason"] for r in auto)
+    assert all("hit_ms" in r for r in auto)  # grammask serves a repeat from its cache
+    ratios = payload["ratios"]
+    assert "grammask-auto vs the raw engine it routed to (ttfm)" in ratios["overhead"]
+    assert ratios["auto"]["n"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "versions" in payload["machine"]
+
+
+def test_compile_bench_counts_timeouts_and_restarts_the_worker(corpus: Path) -> None:
+    """A deadline nothing can meet: every spec is a timeout (the worker is killed and
+    restarted each time), none is dropped."""
+    cases = common.load_maskbench(corpus, 2, 0, ["Glaiveai2K"])
+    result = compile_bench.run(cases, ["llguidance"], {
+        "timeout": 1e-6, "grace_s": 0.0, "tokenizer": "qwen2.5"}, quiet=True)
+    rows = result["rows"]
+    assert [r["status"] for r in rows] == ["timeout", "timeout"]
+    assert result["setup"]["llguidance"]["restarts"] >= 1
+    summary = compile_bench.summarize(rows, ["llguidance"], result["unavailable"])
+    assert summary["llguidance"]["timeouts"] == 2 and summary["llguidance"]["ok"] == 0
+
+
+def test_unknown_system_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        common.parse_systems("xgrammar,outlines")
+
+
+def test_mask_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "mask.json"
+    systems = ["llguidance", "grammask-auto"]
+    rc = mask_bench.main([
+        "--corpus", str(corpus), "--quick", "--sample", "2", "--subsets", "Glaiveai2K",
+        "--no-extras", "--systems", ",".join(systems), "--batch-sizes", "1,4",
+        "--steps", "2", "--json", str(out), "--quiet", "--log-dir", str(tmp_path)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    per_token = payload["summary"]["per_token"]
+    assert list(per_token) == systems
+    for s in per_token.values():
+        assert s["instances"] == 2 and s["complete"] + s["refused"] == s["instances"]
+        assert s["fill"]["n"] >= s["tokens"] > 0  # one fill before each accepted token
+        assert set(s["fill"]) >= {"p50_us", "p99_us"}
+        assert s["masked_but_accepted"] == 0  # the mask allowed every token it accepted
+    per_step = payload["summary"]["per_step"]
+    assert set(per_step["llguidance"]["4"]) == {"loop", "LLExecutor"}
+    assert set(per_step["grammask-auto"]["1"]) == {"loop", "engine-batch"}
+    for per in per_step.values():
+        for methods in per.values():
+            for d in methods.values():
+                assert d["n"] == 2 and d["p50_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+def test_vllm_backends_run_in_both_benchmarks(corpus: Path, tmp_path: Path) -> None:
+    """vLLM's own backends (about a minute of set-up each on two cores)."""
+    systems = ["vllm-xgrammar", "vllm-guidance"]
+    assert compile_bench.main([
+        "--corpus", str(corpus), "--sample", "1", "--subsets", "Glaiveai2K", "--no-extras",
+        "--systems", ",".join(systems), "--json", str(tmp_path / "c.json"), "--quiet"]) == 0
+    summary = json.loads((tmp_path / "c.json").read_text())["summary"]
+    _check_summary(summary, systems, 1)
+    assert summary["vllm-xgrammar"]["ok"] == 1 and "cache_hit" in summary["vllm-xgrammar"]
+    assert mask_bench.main([
+        "--corpus", str(corpus), "--quick", "--sample", "1", "--subsets", "Glaiveai2K",
+        "--no-extras", "--systems", ",".join(systems), "--batch-sizes", "2", "--steps", "2",
+        "--json", str(tmp_path / "m.json"), "--quiet"]) == 0
+    per_step = json.loads((tmp_path / "m.json").read_text())["summary"]["per_step"]
+    assert set(per_step["vllm-guidance"]["2"]) == {"loop", "grammar_bitmask"}

@@ -1,0 +1,208 @@
+"""Mask buffers, the fill worker, batch-parallel fills and the apply kernel (CPU paths).
+
+The CUDA branch of ``apply_bitmask`` cannot run here (no GPU); it is not covered.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from grammask import Engine, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask.backends import Matcher
+from grammask.masks import Filler, FillWorker, MaskBuffers, apply_bitmask, stop_only_row
+
+from .helpers import feed
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "n": {"type": "integer"}}, "required": ["name", "n"]}
+INSTANCE = json.dumps({"name": "grammask", "tags": ["a", "bc"], "n": 12},
+                      separators=(",", ":"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small tensors on a shared 2-core machine: one intra-op thread is much faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """Bool (rows, width): bit set = allowed."""
+    words = bitmask.to(torch.int64) & 0xFFFFFFFF
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int64)) & 1
+    return bits.flatten(1)[:, :width].bool()
+
+
+def reference_apply(logits: torch.Tensor, bitmask: torch.Tensor, vocab: int,
+                    rows: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    width = logits.shape[1]
+    covered = min(width, vocab, bitmask.shape[1] * 32)
+    allowed = unpack(bitmask, covered)
+    for r in rows:
+        out[r, :covered] = torch.where(allowed[r], logits[r, :covered],
+                                       torch.tensor(float("-inf"), dtype=logits.dtype))
+        out[r, covered:] = float("-inf")
+    return out
+
+
+def test_buffers_are_allocated_once_and_alternate() -> None:
+    bufs = MaskBuffers(4, 151_936)
+    first, second, third = bufs.acquire(), bufs.acquire(), bufs.acquire()
+    assert first.shape == (4, 4748) and first.dtype == torch.int32
+    assert first.data_ptr() != second.data_ptr()
+    assert third.data_ptr() == first.data_ptr()  # reused, not reallocated
+    assert bufs.count == 2
+
+
+def make_bitmask(kind: str, rows: int, words: int, gen: torch.Generator) -> torch.Tensor:
+    """random: every word mixed; sparse: a few allowed tokens (the save/fill/restore path);
+    mixed: sparse and free-text-like rows in one batch."""
+    dense = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
+    if kind == "random":
+        return dense
+    sparse = torch.zeros(rows, words, dtype=torch.int32)
+    for r in range(rows):
+        for w in torch.randint(0, words, (3,), generator=gen).tolist():
+            sparse[r, w] = int(dense[r, w])
+    sparse[:, -1] = -1  # bits past the vocabulary set too: they must not leak
+    if kind == "sparse":
+        return sparse
+    return torch.where(torch.arange(rows).unsqueeze(1) % 2 == 0, sparse, dense)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(("width", "vocab"), [(320, 320), (352, 320), (300, 320), (333, 333)])
+@pytest.mark.parametrize("rows", [None, [0, 3], [2]])
+@pytest.mark.parametrize("kind", ["random", "sparse", "mixed"])
+def test_apply_matches_reference(dtype: torch.dtype, width: int, vocab: int,
+                                 rows: list[int] | None, kind: str) -> None:
+    gen = torch.Generator().manual_seed(width * 7 + vocab)
+    logits = torch.randn(4, width, generator=gen).to(dtype)
+    bitmask = make_bitmask(kind, 4, (vocab + 31) // 32, gen)
+    expected = reference_apply(logits, bitmask, vocab, rows if rows is not None else [0, 1, 2, 3])
+    apply_bitmask(logits, bitmask, vocab_size=vocab, indices=rows)
+    assert torch.equal(logits, expected)
+
+
+def test_apply_on_real_masks(advanced: list[Matcher], qwen25: Vocabulary) -> None:
+    """Masks of real matchers (structural rows allow a few tokens, string rows most)."""
+    n = len(advanced)
+    bitmask = allocate_bitmask(n, qwen25.vocab_size)
+    for row, m in enumerate(advanced):
+        m.fill(bitmask, row)
+    for width in (qwen25.vocab_size, qwen25.vocab_size + 128):
+        logits = torch.randn(n, width, dtype=torch.bfloat16)
+        expected = reference_apply(logits, bitmask, qwen25.vocab_size, list(range(n)))
+        apply_bitmask(logits, bitmask, vocab_size=qwen25.vocab_size)
+        assert torch.equal(logits, expected)
+
+
+def test_apply_one_dimensional_and_non_contiguous_logits() -> None:
+    bitmask = torch.tensor([[0b101, 0]], dtype=torch.int32)
+    vec = torch.zeros(40)
+    apply_bitmask(vec, bitmask, vocab_size=40)
+    assert torch.isfinite(vec).nonzero().flatten().tolist() == [0, 2]
+    wide = torch.zeros(40, 2).t()  # stride (1, 2): goes through the torch fallback
+    apply_bitmask(wide, bitmask.expand(2, 2).contiguous(), vocab_size=40, indices=[1])
+    assert torch.isfinite(wide[1]).nonzero().flatten().tolist() == [0, 2]
+    assert torch.isfinite(wide[0]).all()
+
+
+@pytest.mark.parametrize("kind", ["random", "sparse", "mixed"])
+def test_apply_to_row_strided_logits(kind: str) -> None:
+    """Logits that are a column slice of a wider buffer (rows strided apart)."""
+    gen = torch.Generator().manual_seed(3)
+    storage = torch.randn(5, 400, generator=gen)
+    logits = storage[1:, 16:336]  # 4 rows of 320, row stride 400
+    before = storage.clone()
+    bitmask = make_bitmask(kind, 4, 10, gen)
+    expected = reference_apply(logits, bitmask, 320, [0, 2, 3])
+    apply_bitmask(logits, bitmask, vocab_size=320, indices=[0, 2, 3])
+    assert torch.equal(logits, expected)
+    outside = torch.ones_like(storage, dtype=torch.bool)
+    outside[1:, 16:336] = False
+    assert torch.equal(storage[outside], before[outside])  # nothing written around it
+
+
+def test_apply_rejects_rows_outside_the_logits() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        apply_bitmask(torch.zeros(2, 64), torch.zeros(4, 2, dtype=torch.int32), vocab_size=64,
+                      indices=[3])
+
+
+def test_stop_only_row(qwen25: Vocabulary) -> None:
+    row = stop_only_row(qwen25.stop_ids, qwen25.vocab_size)
+    allowed = unpack(row.unsqueeze(0), qwen25.vocab_size)[0]
+    assert sorted(allowed.nonzero().flatten().tolist()) == sorted(qwen25.stop_ids)
+
+
+@pytest.fixture(scope="module")
+def advanced(engine: Engine, qwen25: Vocabulary) -> list[Matcher]:
+    """Matchers of both engines at many different states (one terminated per engine)."""
+    matchers = []
+    ids = qwen25.encode(INSTANCE)
+    for backend in ("xgrammar", "guidance"):
+        grammar = engine.compile(GrammarSpec.json_schema(SCHEMA, any_whitespace=False,
+                                                         backend=backend))
+        for cut in range(0, len(ids) + 1, 2):
+            m = grammar.matcher()
+            assert all(m.accept(t) for t in ids[:cut])
+            matchers.append(m)
+        done = grammar.matcher()
+        assert all(done.accept(t) for t in ids) and done.accept(qwen25.stop_ids[0])
+        matchers.append(done)
+    return matchers
+
+
+@pytest.mark.parametrize("parallel_min", [1, 4, 1000])
+def test_batch_parallel_fill_equals_the_loop(advanced: list[Matcher], qwen25: Vocabulary,
+                                             parallel_min: int) -> None:
+    n = len(advanced)
+    rows = [(i * 7) % n for i in range(n)]  # scattered row order
+    expected = allocate_bitmask(n, qwen25.vocab_size)
+    for m, row in zip(advanced, rows, strict=True):
+        m.fill(expected, row)
+    got = torch.zeros_like(expected)
+    Filler(parallel_min=parallel_min, threads=2).fill(list(zip(advanced, rows, strict=True)),
+                                                       got)
+    assert torch.equal(got, expected)
+    assert not torch.equal(expected[rows[0]], expected[rows[-1]])  # the states differ
+
+
+def test_worker_runs_jobs_in_order_on_its_own_thread() -> None:
+    worker = FillWorker()
+    seen: list[tuple[int, int]] = []
+    futures = [worker.submit(lambda i=i: seen.append((i, threading.get_ident())) or i)
+               for i in range(20)]
+    assert [f.result(timeout=10) for f in futures] == list(range(20))
+    assert [i for i, _ in seen] == list(range(20))
+    assert {t for _, t in seen} == {worker.thread_id} != {threading.get_ident()}
+
+    def boom() -> None:
+        raise RuntimeError("job failed")
+
+    with pytest.raises(RuntimeError, match="job failed"):
+        worker.submit(boom).result(timeout=10)
+    assert worker.submit(lambda: 5).result(timeout=10) == 5  # still alive after a failure
+    worker.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit(lambda: 1)
+
+
+def test_helpers_agree(engine: Engine, qwen25: Vocabulary) -> None:
+    """The reference unpacker used here reads masks the way the matchers write them."""
+    m = engine.compile(GrammarSpec.regex("ab")).matcher()
+    assert feed(m, qwen25, "a")
+    bm = allocate_bitmask(1, qwen25.vocab_size)
+    m.fill(bm, 0)
+    allowed = unpack(bm, qwen25.vocab_size)[0].nonzero().flatten().tolist()
+    assert allowed == [qwen25.token_id("b")]

@@ -1,0 +1,369 @@
+"""The batch processor: masks, stop handling, churn against reference matchers, errors, overlap."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from grammask import Engine, Grammar, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask.backends import Matcher
+from grammask.masks import Filler
+from grammask.processor import BatchProcessor
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3},
+    "n": {"type": "integer"}}, "required": ["name", "n"]}
+INSTANCE = json.dumps({"name": "grammask", "tags": ["x"], "n": 12}, separators=(",", ":"))
+SPECS = [
+    GrammarSpec.json_schema(SCHEMA, any_whitespace=False, backend="guidance"),
+    GrammarSpec.json_schema(SCHEMA, any_whitespace=False, backend="xgrammar"),
+    GrammarSpec.regex(r"(ab|cd)[0-9]{1,4}", backend="guidance"),
+    GrammarSpec.choice(["alpha", "beta", "gamma"], backend="xgrammar"),
+    GrammarSpec.json_schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 4}),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small tensors on a shared 2-core machine: one intra-op thread is much faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def allowed(logits_row: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(logits_row)
+
+
+_BITS = torch.tensor([(1 << i) - (1 << 32) if i == 31 else 1 << i for i in range(32)],
+                     dtype=torch.int32)
+
+
+def ref_allowed(matcher: Matcher, vocab: Vocabulary) -> torch.Tensor:
+    bm = allocate_bitmask(1, vocab.vocab_size)
+    matcher.fill(bm, 0)
+    return (bm[0].unsqueeze(-1) & _BITS).ne(0).flatten()[:vocab.vocab_size]
+
+
+def run_step(proc: BatchProcessor, batch: int, vocab: Vocabulary) -> torch.Tensor:
+    proc.step()
+    logits = torch.zeros(batch, vocab.vocab_size)
+    proc.apply(logits)
+    return logits
+
+
+def only(logits_row: torch.Tensor) -> list[int]:
+    return sorted(allowed(logits_row).nonzero().flatten().tolist())
+
+
+@pytest.fixture(scope="module")
+def grammars(engine: Engine) -> list[Grammar]:
+    return [engine.compile(s) for s in SPECS]
+
+
+def test_masks_follow_the_grammar_and_force_eos(engine: Engine, qwen25: Vocabulary) -> None:
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ref = engine.compile(spec).matcher()
+    out: list[int] = []
+    with BatchProcessor(engine, max_batch=3) as proc:
+        proc.add(1, spec, prompt_ids=[1, 2, 3], output_ids=out)
+        for tid in qwen25.encode(INSTANCE):
+            logits = run_step(proc, 3, qwen25)
+            assert torch.equal(allowed(logits[1]), ref_allowed(ref, qwen25))
+            assert allowed(logits[1])[tid]
+            if not ref.can_terminate():
+                assert not any(allowed(logits[1])[s] for s in qwen25.stop_ids)
+            assert allowed(logits[0]).all() and allowed(logits[2]).all()  # unconstrained rows
+            out.append(tid)
+            assert ref.accept(tid)
+        logits = run_step(proc, 3, qwen25)
+        assert all(allowed(logits[1])[s] for s in qwen25.stop_ids)  # the grammar may end here
+        out.append(qwen25.stop_ids[0])
+        for _ in range(2):  # after the end only stop tokens, and they keep being accepted
+            logits = run_step(proc, 3, qwen25)
+            assert only(logits[1]) == sorted(qwen25.stop_ids)
+            assert proc.status(1) == "ended"
+            out.append(qwen25.stop_ids[1])
+        assert proc.errors == {}
+
+
+def test_several_tokens_per_step_and_unconstrained_rows_untouched(
+        engine: Engine, qwen25: Vocabulary) -> None:
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ids = qwen25.encode(INSTANCE)
+    ref = engine.compile(spec).matcher()
+    with BatchProcessor(engine, max_batch=4) as proc:
+        proc.add(2, spec)
+        proc.add(3, None)
+        noise = torch.randn(4, qwen25.vocab_size)
+        for chunk in (ids[:3], ids[3:4], ids[4:9]):
+            proc.advance(2, chunk)
+            assert all(ref.accept(t) for t in chunk)
+            logits = noise.clone()
+            proc.step()
+            proc.apply(logits)
+            assert torch.equal(logits[[0, 1, 3]], noise[[0, 1, 3]])  # bit for bit
+            assert torch.equal(allowed(logits[2]), ref_allowed(ref, qwen25))
+        assert proc.info(2).constrained_tokens == 9
+        assert proc.rows == [2]
+
+
+def test_placeholders_are_read_when_resolved(engine: Engine, qwen25: Vocabulary) -> None:
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ids = qwen25.encode(INSTANCE)
+    ref = engine.compile(spec).matcher()
+    live: list[int] = []
+    with BatchProcessor(engine, max_batch=2) as proc:
+        proc.add(0, spec, output_ids=live)
+        run_step(proc, 2, qwen25)
+        live.extend([ids[0], -1])  # async scheduling: the last token is not known yet
+        proc.step()
+        live[1] = ids[1]  # resolved before the logits are masked
+        logits = torch.zeros(2, qwen25.vocab_size)
+        proc.apply(logits)
+        assert ref.accept(ids[0]) and ref.accept(ids[1])
+        assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
+        live.append(-1)
+        proc.step()
+        logits = torch.zeros(2, qwen25.vocab_size)
+        proc.apply(logits)  # still unknown when the mask is needed: an error, not a guess
+        assert proc.status(0) == "error" and "placeholder" in (proc.error(0) or "")
+        assert only(logits[0]) == sorted(qwen25.stop_ids)
+
+
+def test_rollback_explicit_and_by_shrinking_list(engine: Engine, qwen25: Vocabulary) -> None:
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ids = qwen25.encode(INSTANCE)
+    g = engine.compile(spec)
+    live: list[int] = []
+    with BatchProcessor(engine, max_batch=2) as proc:
+        proc.add(0, spec)
+        proc.add(1, spec, output_ids=live)
+        proc.advance(0, ids[:6])
+        live.extend(ids[:6])
+        run_step(proc, 2, qwen25)
+        proc.advance(0, ids[6:8])  # unread tokens are dropped first
+        proc.rollback(0, 4)
+        del live[4:]  # a live list that got shorter is rolled back by itself
+        logits = run_step(proc, 2, qwen25)
+        ref = g.matcher()
+        assert all(ref.accept(t) for t in ids[:4])
+        assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
+        assert torch.equal(allowed(logits[1]), ref_allowed(ref, qwen25))
+        assert proc.info(0).constrained_tokens == 4 == proc.info(1).constrained_tokens
+
+
+def test_row_errors_are_isolated(engine: Engine, qwen25: Vocabulary) -> None:
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ids = qwen25.encode(INSTANCE)
+    g = engine.compile(spec)
+    never: Future[Grammar] = Future()  # a compile that does not finish in time
+    with BatchProcessor(engine, max_batch=6, wait_s=0.05) as proc:
+        for row in (0, 2, 4):
+            proc.add(row, spec)
+        proc.add(1, GrammarSpec.regex("(unclosed"))  # fails to compile
+        proc.add(3, spec, grammar=never)
+        proc.add(5, spec, grammar=g)
+        proc.advance(0, ids[:2])
+        proc.advance(2, [ids[0], qwen25.encode("zz")[0], ids[1]])  # a token the grammar refuses
+        proc.advance(4, ids[:2])
+        proc.advance(5, ids[:2])
+        logits = run_step(proc, 6, qwen25)  # no exception reaches the host
+        ref = g.matcher()
+        assert all(ref.accept(t) for t in ids[:2])
+        for row in (0, 4, 5):
+            assert proc.status(row) == "active"
+            assert torch.equal(allowed(logits[row]), ref_allowed(ref, qwen25))
+        errors = proc.errors
+        assert set(errors) == {1, 2, 3}
+        assert "compile" in errors[1] and "rejected" in errors[2] and "wait_s" in errors[3]
+        for row in (1, 2, 3):
+            assert only(logits[row]) == sorted(qwen25.stop_ids)
+        never.set_result(g)  # too late: errors are sticky
+        logits = run_step(proc, 6, qwen25)
+        assert proc.status(3) == "error" and only(logits[3]) == sorted(qwen25.stop_ids)
+        assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
+
+
+def test_free_policy_leaves_errored_rows_unmasked(engine: Engine, qwen25: Vocabulary) -> None:
+    with BatchProcessor(engine, max_batch=2, on_error="free") as proc:
+        proc.add(0, GrammarSpec.regex("(unclosed"))
+        proc.add(1, GrammarSpec.regex("[0-9]+"))
+        logits = run_step(proc, 2, qwen25)
+        assert proc.status(0) == "error" and allowed(logits[0]).all()
+        assert not allowed(logits[1]).all()
+
+
+def test_grammar_compiled_meanwhile_is_used(engine: Engine, qwen25: Vocabulary) -> None:
+    """A compile that finishes within wait_s: the step waits for it (bounded), no error."""
+    spec = GrammarSpec.regex("[a-f]{2,9}z")
+    pending: Future[Grammar] = Future()
+    with BatchProcessor(engine, max_batch=1, wait_s=60) as proc:
+        proc.add(0, spec, grammar=pending)
+        proc.step()
+        threading.Thread(target=lambda: pending.set_result(engine.compile(spec))).start()
+        logits = torch.zeros(1, qwen25.vocab_size)
+        proc.apply(logits)
+        assert proc.status(0) == "active"
+        ref = engine.compile(spec).matcher()
+        assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
+
+
+def ref_words(matcher: Matcher, vocab: Vocabulary) -> torch.Tensor:
+    bm = allocate_bitmask(1, vocab.vocab_size)
+    matcher.fill(bm, 0)
+    return bm[0]
+
+
+def test_churn_against_reference_matchers(grammars: list[Grammar], qwen25: Vocabulary,
+                                          engine: Engine) -> None:
+    """1,000 steps of add/remove/move/swap/rollback and 1-3 tokens per step; every mask of
+    every row must equal its own reference matcher's, bit for bit (every 100th step through
+    ``apply`` on full logits, else by comparing the bitmask words)."""
+    rng = random.Random(20240601)
+    batch = 8
+    refs: dict[int, Matcher] = {}
+    lives: dict[int, list[int] | None] = {}
+    counts = {"add": 0, "remove": 0, "move": 0, "swap": 0, "rollback": 0, "multi": 0,
+              "ended": 0}
+
+    def pick(words: torch.Tensor) -> int:
+        """A random allowed token (stop tokens favoured where allowed)."""
+        good = [s for s in qwen25.stop_ids if (int(words[s >> 5]) >> (s & 31)) & 1]
+        if good and rng.random() < 0.3:
+            return rng.choice(good)
+        nz = words.nonzero().flatten().tolist()
+        w = rng.choice(nz)
+        bits = [b for b in range(32) if (int(words[w]) >> b) & 1]
+        return w * 32 + rng.choice(bits)
+
+    with BatchProcessor(engine, max_batch=batch, think_end=None) as proc:
+        for step in range(1000):
+            op = rng.random()
+            free = [r for r in range(batch) if r not in refs]
+            taken = sorted(refs)
+            if op < 0.12 and free:
+                row = rng.choice(free)
+                g = rng.choice(grammars)
+                live: list[int] | None = [] if rng.random() < 0.5 else None
+                proc.add(row, g.spec, prompt_ids=[1, 2], output_ids=live)
+                refs[row], lives[row] = g.matcher(), live
+                counts["add"] += 1
+            elif op < 0.18 and taken:
+                row = rng.choice(taken)
+                proc.remove(row)
+                del refs[row], lives[row]
+                counts["remove"] += 1
+            elif op < 0.24 and taken:
+                src, dst = rng.choice(taken), rng.randrange(batch)
+                proc.move(src, dst)
+                if src != dst:
+                    refs[dst], lives[dst] = refs.pop(src), lives.pop(src)
+                counts["move"] += 1
+            elif op < 0.30 and taken:
+                a, b = rng.choice(taken), rng.randrange(batch)
+                proc.swap(a, b)
+                ra, la = refs.pop(a), lives.pop(a)
+                if b in refs:
+                    refs[a], lives[a] = refs.pop(b), lives.pop(b)
+                refs[b], lives[b] = ra, la
+                counts["swap"] += 1
+            proc.step()
+            if step % 100 == 0:
+                logits = torch.zeros(batch, qwen25.vocab_size)
+                proc.apply(logits)
+                for row in range(batch):
+                    expected = (ref_allowed(refs[row], qwen25) if row in refs else
+                                torch.ones(qwen25.vocab_size, dtype=torch.bool))
+                    assert torch.equal(allowed(logits[row]), expected), (row, step)
+            else:
+                bitmask, rows = proc.wait_masks()
+                assert rows == sorted(refs), step
+                for row in rows:
+                    assert torch.equal(bitmask[row], ref_words(refs[row], qwen25)), (row, step)
+            for row, ref in refs.items():
+                tokens = [pick(ref_words(ref, qwen25))]
+                assert ref.accept(tokens[0])
+                while rng.random() < 0.25:  # speculative-style: more than one token per step
+                    tokens.append(pick(ref_words(ref, qwen25)))
+                    assert ref.accept(tokens[-1])
+                    counts["multi"] += 1
+                counts["ended"] += ref.is_terminated()
+                live = lives[row]
+                if live is None:
+                    proc.advance(row, tokens)
+                else:
+                    live.extend(tokens)
+                if rng.random() < 0.04:
+                    n = rng.randint(1, len(tokens) + 1)
+                    if proc.info(row).constrained_tokens + len(tokens) >= n:
+                        ref.rollback(n)
+                        if live is None:
+                            proc.rollback(row, n)
+                        else:
+                            del live[len(live) - n:]
+                        counts["rollback"] += 1
+        assert proc.errors == {}
+    assert min(counts.values()) > 5, counts
+
+
+class SpyFiller(Filler):
+    """The real filler, recording which thread fills and whether the host thread was busy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_busy = threading.Event()
+        self.done = threading.Event()
+        self.thread: int | None = None
+        self.saw_host_busy = False
+
+    def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        self.thread = threading.get_ident()
+        # a fill run inline by step() would wait here in vain: the host is not busy yet
+        self.saw_host_busy = self.host_busy.wait(timeout=20)
+        super().fill(entries, bitmask)
+        self.done.set()
+
+
+def test_fill_runs_on_the_worker_during_the_forward(engine: Engine, qwen25: Vocabulary) -> None:
+    spy = SpyFiller()
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ref = engine.compile(spec).matcher()
+    a = torch.randn(256, 256)
+    with BatchProcessor(engine, max_batch=4, filler=spy) as proc:
+        for row in range(4):
+            proc.add(row, spec)
+        proc.step()  # returns while the fill job waits for the host to be busy
+        spy.host_busy.set()
+        matmuls = 0
+        while not spy.done.is_set() and matmuls < 1_000_000:
+            a = torch.tanh(a @ a)  # the "forward": torch kernels, GIL released inside
+            matmuls += 1
+        logits = torch.zeros(4, qwen25.vocab_size)
+        proc.apply(logits)
+        assert spy.saw_host_busy and spy.done.is_set()
+        assert spy.thread == proc.fill_thread_id != threading.get_ident()
+        assert matmuls >= 1
+        assert torch.equal(allowed(logits[3]), ref_allowed(ref, qwen25))
+
+
+def test_host_mistakes_raise(engine: Engine) -> None:
+    with BatchProcessor(engine, max_batch=2) as proc:
+        with pytest.raises(IndexError):
+            proc.add(2, GrammarSpec.regex("a"))
+        with pytest.raises(TypeError):
+            proc.add(0, "a")  # type: ignore[arg-type]
+        proc.add(0, GrammarSpec.regex("a"), output_ids=[])
+        with pytest.raises(ValueError, match="live"):
+            proc.advance(0, [1])
+        with pytest.raises(ValueError, match="outside"):
+            proc.step()
+            proc.apply(torch.zeros(0, 8))

@@ -1,0 +1,191 @@
+"""The thinking gate with the real Qwen3.6 vocabulary (``<think>`` 248068, ``</think>`` 248069)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from grammask import ConstraintRequest, Engine, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask.backends import Matcher
+from grammask.processor import BatchProcessor
+from grammask.reasoning import ThinkGate, ThinkMarker
+
+THINK, END_THINK, IM_START, IM_END = 248068, 248069, 248045, 248046
+SPEC = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                "required": ["a"]}, any_whitespace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small tensors on a shared 2-core machine: one intra-op thread is much faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def chat(vocab: Vocabulary, *parts: str | int) -> list[int]:
+    """Token ids of a prompt: strings are encoded as text, ints are special tokens."""
+    ids: list[int] = []
+    for part in parts:
+        ids.extend([part] if isinstance(part, int) else vocab.encode(part))
+    return ids
+
+
+def user_turn(vocab: Vocabulary) -> list[int]:
+    return chat(vocab, IM_START, "user\nGive me JSON.", IM_END, "\n")
+
+
+@pytest.fixture(scope="module")
+def marker(qwen36: Vocabulary) -> ThinkMarker:
+    m = ThinkMarker.for_vocab(qwen36)
+    assert m is not None
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine36(qwen36: Vocabulary) -> Iterator[Engine]:
+    eng = Engine(qwen36, timeout_s=60, backend="guidance")
+    yield eng
+    eng.close()
+
+
+def test_default_marker_is_the_single_token(qwen36: Vocabulary, marker: ThinkMarker) -> None:
+    assert qwen36.token_id("<think>") == THINK and qwen36.token_id("</think>") == END_THINK
+    assert marker.end_id == END_THINK and marker.end_bytes is None
+    assert THINK in marker.start_ids and IM_START in marker.reset_ids
+
+
+def test_thinking_on_until_the_marker(qwen36: Vocabulary, marker: ThinkMarker) -> None:
+    prompt = user_turn(qwen36) + chat(qwen36, IM_START, "assistant\n", THINK, "\n")
+    gate = ThinkGate(marker, qwen36.tokens, prompt_ids=prompt)
+    assert gate.thinking and not gate.from_prompt
+    assert gate.feed(qwen36.encode("Let me think about {\"a\": 1}")) == []
+    after = qwen36.encode('\n\n{"a":1}')
+    # the marker and the answer in one step: only what follows the marker is returned
+    assert gate.feed([*qwen36.encode(" done."), END_THINK, *after]) == after
+    assert not gate.thinking
+    assert gate.feed([5, 6]) == [5, 6]
+
+
+def test_marker_text_as_plain_tokens_does_not_end_a_single_token_marker(
+        qwen36: Vocabulary, marker: ThinkMarker) -> None:
+    gate = ThinkGate(marker, qwen36.tokens)
+    assert gate.feed(qwen36.encode("a</think>b")) == []  # "</" "think" ">" are not </think>
+    assert gate.thinking
+
+
+def test_thinking_disabled_in_the_prompt(qwen36: Vocabulary, marker: ThinkMarker) -> None:
+    prompt = user_turn(qwen36) + chat(qwen36, IM_START, "assistant\n", THINK, "\n\n",
+                                      END_THINK, "\n\n")
+    gate = ThinkGate(marker, qwen36.tokens, prompt_ids=prompt)
+    assert gate.from_prompt and not gate.thinking
+    assert gate.feed([1, 2]) == [1, 2]
+
+
+def test_think_end_of_an_earlier_turn_does_not_count(qwen36: Vocabulary,
+                                                     marker: ThinkMarker) -> None:
+    earlier = chat(qwen36, IM_START, "assistant\n", THINK, "\nhm\n", END_THINK, '\n\n{"a":1}',
+                   IM_END, "\n")
+    prompt = user_turn(qwen36) + earlier + user_turn(qwen36) + chat(qwen36, IM_START,
+                                                                     "assistant\n")
+    assert ThinkGate(marker, qwen36.tokens, prompt_ids=prompt).thinking
+    # ...while the same history ending with the closed block of the last turn is closed
+    closed = prompt + chat(qwen36, THINK, "\n\n", END_THINK, "\n\n")
+    assert not ThinkGate(marker, qwen36.tokens, prompt_ids=closed).thinking
+    # a thinking block opened again after a closed one leaves the model thinking
+    reopened = [*closed, THINK]
+    assert ThinkGate(marker, qwen36.tokens, prompt_ids=reopened).thinking
+
+
+def test_per_request_switch_constrains_from_the_start(qwen36: Vocabulary,
+                                                      marker: ThinkMarker) -> None:
+    prompt = chat(qwen36, IM_START, "assistant\n", THINK, "\n")
+    assert not ThinkGate(marker, qwen36.tokens, prompt_ids=prompt, thinking=False).thinking
+
+
+def test_multi_token_text_marker_matched_on_bytes(qwen36: Vocabulary) -> None:
+    marker = ThinkMarker.for_vocab(qwen36, "</reasoning>")
+    assert marker is not None and marker.end_bytes == b"</reasoning>"
+    ids = qwen36.encode("x</reasoning>\n\n{")  # x, </, reason, ing, >, \n\n, {
+    gate = ThinkGate(marker, qwen36.tokens)
+    for tid in ids[:4]:  # fed one token per step: the marker spans steps
+        assert gate.feed([tid]) == []
+    assert gate.feed(ids[4:]) == ids[5:]
+    assert gate.leftover == b""
+    # the marker ends inside a token ("hmm </reasoning>{" ends with the token ">{")
+    ids = qwen36.encode("hmm </reasoning>{")
+    assert qwen36.tokens[ids[-1]] == b">{"
+    gate = ThinkGate(marker, qwen36.tokens)
+    assert gate.feed([*ids, 7]) == [7]
+    assert gate.leftover == b"{"  # outside the grammar: constrained from the next token
+    # a token sequence is a byte marker too; the prompt scan reads bytes as well
+    seq = ThinkMarker.for_vocab(qwen36, qwen36.encode("</reasoning>"))
+    assert seq == marker
+    prompt = chat(qwen36, IM_START, "assistant\nI thought</reason", "ing>\n")
+    assert not ThinkGate(marker, qwen36.tokens, prompt_ids=prompt).thinking
+
+
+def test_gate_rollback_reopens(qwen36: Vocabulary, marker: ThinkMarker) -> None:
+    gate = ThinkGate(marker, qwen36.tokens)
+    assert gate.feed([11, 12, END_THINK, 13]) == [13]
+    gate.rollback(1)  # the marker token goes: thinking again
+    assert gate.thinking and gate.thinking_tokens == 2
+    assert gate.feed([END_THINK]) == [] and not gate.thinking
+    byte_marker = ThinkMarker.for_vocab(qwen36, "</reasoning>")
+    assert byte_marker is not None
+    ids = qwen36.encode("x</reasoning>")
+    gate = ThinkGate(byte_marker, qwen36.tokens)
+    assert gate.feed(ids) == [] and not gate.thinking
+    gate.rollback(1)  # drop ">": the byte tail is rebuilt so ">" closes it again
+    assert gate.thinking and gate.feed([qwen36.token_id(">")]) == [] and not gate.thinking
+
+
+def mask_words(m: Matcher, vocab: Vocabulary) -> torch.Tensor:
+    bm = allocate_bitmask(1, vocab.vocab_size)
+    m.fill(bm, 0)
+    return bm[0]
+
+
+def fill(proc: BatchProcessor) -> tuple[torch.Tensor, list[int]]:
+    proc.step()
+    return proc.wait_masks()
+
+
+def test_processor_with_thinking_rows(engine36: Engine, qwen36: Vocabulary) -> None:
+    open_prompt = user_turn(qwen36) + chat(qwen36, IM_START, "assistant\n", THINK, "\n")
+    closed_prompt = open_prompt + chat(qwen36, "\n", END_THINK, "\n\n")
+    ref = engine36.compile(SPEC).matcher()
+    answer = qwen36.encode('{"a":7')
+    with BatchProcessor(engine36, max_batch=4) as proc:
+        proc.add(0, SPEC, open_prompt)  # thinking
+        proc.add(1, SPEC, closed_prompt)  # thinking disabled by the template
+        proc.add(2, ConstraintRequest(SPEC, thinking=False), open_prompt)  # per-request switch
+        proc.add(3, ConstraintRequest(SPEC, think_end="</reasoning>"), open_prompt)
+        start = mask_words(ref, qwen36)
+        bitmask, rows = fill(proc)
+        assert rows == [1, 2]
+        assert torch.equal(bitmask[1], start) and torch.equal(bitmask[2], start)
+        assert proc.status(0) == proc.status(3) == "thinking"
+        proc.advance(0, qwen36.encode("I should answer with an object, no markers."))
+        proc.advance(3, qwen36.encode("Done thinking</think>"))  # not this row's marker
+        logits = torch.zeros(4, qwen36.vocab_size)
+        proc.step()
+        proc.apply(logits)
+        assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[3]).all()
+        # marker and answer tokens in one step: the answer is fed to the matcher
+        proc.advance(0, [*qwen36.encode(" ok"), END_THINK, *answer])
+        proc.advance(3, [*qwen36.encode("</reasoning>"), *answer])
+        assert all(ref.accept(t) for t in answer)
+        bitmask, rows = fill(proc)
+        assert rows == [0, 1, 2, 3]
+        for row in (0, 3):
+            assert torch.equal(bitmask[row], mask_words(ref, qwen36))
+            assert proc.info(row).constrained_tokens == len(answer)
+        # rolling back over the marker reopens the gate; the row is unmasked again
+        proc.rollback(0, len(answer) + 1)
+        bitmask, rows = fill(proc)
+        assert proc.status(0) == "thinking" and 0 not in rows
+        assert proc.errors == {}

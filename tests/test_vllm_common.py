@@ -1,0 +1,210 @@
+"""Plugin pieces both runners share: registration, settings, vocabulary, request validation.
+
+Everything runs against the installed vLLM 0.33 (CPU platform): the entry point is found
+by vLLM's own loaders, validation goes through vLLM's own frontend validator
+(``InputProcessor``) and its error-to-HTTP mapping.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
+from .vllm_fixtures import END_THINK, EOS, FQCN, IM_END, IM_START, VOCAB, vllm_config, xargs
+
+# isort: split
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.sample.logits_processor import (
+    _load_logitsprocs_plugins,
+    validate_logits_processors_parameters,
+)
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    build_custom_logits_processors_params_validator,
+)
+from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
+
+from grammask.integrations import vllm_common
+from grammask.integrations.vllm_common import (
+    Settings,
+    load_settings,
+    request_of,
+    settings_for,
+    settings_table,
+    validate_sampling_params,
+    vocabulary_from_vllm,
+)
+from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+# ----------------------------------------------------------------------- registration
+def test_the_installed_entry_point_loads_into_both_runners() -> None:
+    eps = [e for e in md.entry_points(group="vllm.logits_processors") if e.name == "grammask"]
+    assert [e.value for e in eps] == [FQCN]
+    assert eps[0].load() is GrammaskLogitsProcessor
+    assert GrammaskLogitsProcessor in _load_logitsprocs_plugins()  # V1 loader
+    assert GrammaskLogitsProcessor in _load_v2_logitsprocs_plugins()  # V2: type-checked
+
+
+# --------------------------------------------------------------------------- settings
+def test_settings_defaults_env_and_additional_config() -> None:
+    assert load_settings(None, {}) == Settings()
+    env = {"GRAMMASK_BACKEND": "llguidance", "GRAMMASK_CACHE_MB": "64",
+           "GRAMMASK_ENABLED": "false", "GRAMMASK_THINK_END": "None"}
+    s = load_settings(None, env)
+    assert (s.backend, s.cache_mb, s.enabled, s.think_end) == ("guidance", 64, False, "none")
+    s = load_settings({"grammask": {"cache_mb": 8, "think_end": "</answer>"}}, env)
+    assert (s.cache_mb, s.think_end, s.backend) == (8, "</answer>", "guidance")  # config wins
+
+
+@pytest.mark.parametrize(("config", "env", "message"), [
+    ({"grammask": {"cache_mbs": 1}}, {}, "unknown grammask settings"),
+    ({"grammask": {"wait_s": -1}}, {}, "grammask.wait_s"),
+    ({"grammask": "fast"}, {}, "must be an object"),
+    (None, {"GRAMMASK_BACKEND": "outlines"}, "GRAMMASK_BACKEND"),
+    (None, {"GRAMMASK_ENABLED": "maybe"}, "GRAMMASK_ENABLED"),
+])
+def test_bad_settings_name_their_source(config: Any, env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_settings(config, env)
+
+
+def test_tensor_parallel_defaults_keep_timeouts_out_of_reach() -> None:
+    s = load_settings(None, {}, tensor_parallel_size=4)
+    assert s.compile_timeout_s == vllm_common.TP_COMPILE_TIMEOUT_S
+    assert s.wait_s > s.compile_timeout_s
+    s = load_settings(None, {"GRAMMASK_COMPILE_TIMEOUT_S": "30"}, tensor_parallel_size=2)
+    assert (s.compile_timeout_s, s.wait_s) == (30.0, 90.0)
+    assert load_settings(None, {}, tensor_parallel_size=1).compile_timeout_s == 10.0
+
+
+def test_settings_come_from_the_vllm_config() -> None:
+    config = vllm_config(additional_config={"grammask": {"on_error": "free"}})
+    assert settings_for(config).on_error == "free"
+
+
+def test_docs_show_the_current_settings_table() -> None:
+    assert settings_table() in DOCS.read_text()
+
+
+# ------------------------------------------------------------------------- vocabulary
+def test_vocabulary_comes_from_the_models_tokenizer() -> None:
+    vocab = vocabulary_from_vllm(vllm_config().model_config)
+    assert vocab.vocab_size == VOCAB and len(vocab.tokens) == 151_669
+    assert vocab.stop_ids == (IM_END, EOS)  # tokenizer EOS, then generation_config's
+    assert vocab.think_end == "</think>" and vocab.token_id("</think>") == END_THINK
+    assert {IM_START, IM_END, EOS} <= vocab.special_ids and END_THINK not in vocab.special_ids
+    text = 'héllo {"a": 1}\n'
+    assert vocab.decode(vocab.encode(text)) == text.encode()
+
+
+# ------------------------------------------------------------------------- requests
+def test_request_parsing_is_cached_and_ignores_foreign_keys() -> None:
+    args = xargs({"regex": "[ab]+"}, thinking="off")
+    first = request_of({**args, "other_plugin": 3})
+    assert first is not None and first is request_of(dict(args))
+    assert first.spec.kind == "regex" and first.thinking is False
+    assert request_of({"other_plugin": 3}) is None and request_of(None) is None
+    offline = request_of({"grammask": {"choice": ["x", "y"]}})  # SamplingParams(extra_args=)
+    assert offline is not None and offline.spec.choices == ["x", "y"]
+
+
+GOOD = [
+    None,
+    {"unrelated": "x"},
+    xargs({"json": SCHEMA}),
+    xargs({"json": SCHEMA, "disable_any_whitespace": True}, backend="guidance", strict=1),
+    xargs({"regex": "[0-9]{3}"}, thinking="off", think_end="</reasoning>"),
+    xargs({"choice": ["a", "b"]}),
+    xargs({"grammar": 'root ::= "yes" | "no"'}),
+    xargs({"json_object": True}),
+]
+BAD = [
+    ({"grammask": "{nope"}, "grammask", "not valid JSON"),
+    (xargs({"json": SCHEMA, "colour": 1}), "grammask", "unknown structured-output keys"),
+    (xargs({"regex": "(ab"}), "grammask", "(?i)regex"),
+    (xargs({"json": {"type": "nope"}}), "grammask", "nope"),
+    (xargs({"grammar": "root ::= ("}), "grammask", "."),
+    (xargs({"choice": []}), "grammask", "empty"),
+    ({"grammask_thinking": "off"}, "grammask_thinking", "without a 'grammask'"),
+    (xargs({"regex": "a"}, thinking="maybe"), "grammask_thinking", "auto"),
+    (xargs({"regex": "a"}, backend="outlines"), "grammask", "backend"),
+]
+
+
+def frontend_validators() -> dict[str, Any]:
+    """vLLM's own request validators: the frontend's, and each runner's loader-built one."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    processor = InputProcessor(vllm_config())
+    return {
+        "frontend": lambda sp: processor._validate_params(sp, ("generate",)),
+        "v1": lambda sp: validate_logits_processors_parameters(None, sp),
+        "v1+fqcn": lambda sp: validate_logits_processors_parameters([FQCN], sp),
+        "v2": build_custom_logits_processors_params_validator(None),
+    }
+
+
+@pytest.fixture(scope="module")
+def validators() -> dict[str, Any]:
+    return frontend_validators()
+
+
+@pytest.mark.parametrize("extra", GOOD)
+def test_good_requests_pass_validation(validators: dict[str, Any], extra: Any) -> None:
+    for validate in validators.values():
+        validate(SamplingParams(max_tokens=8, extra_args=extra))
+
+
+@pytest.mark.parametrize(("extra", "parameter", "message"), BAD)
+def test_bad_requests_are_a_400_naming_the_key(validators: dict[str, Any], extra: Any,
+                                               parameter: str, message: str) -> None:
+    from vllm.entrypoints.serve.exception_handling.error_response import (
+        create_error_response,
+    )
+
+    for name, validate in validators.items():
+        with pytest.raises(VLLMValidationError, match=message) as info:
+            validate(SamplingParams(max_tokens=8, extra_args=extra))
+        assert info.value.parameter == parameter, name
+        response = create_error_response(info.value)
+        assert (response.error.code, response.error.param) == (400, parameter)
+
+
+def test_validation_never_compiles_for_the_tokenizer() -> None:
+    engines = list(vllm_common._ENGINES.values())
+    before = [dict(e.stats.compiles) for e in engines]
+    for extra in GOOD:
+        validate_sampling_params(SamplingParams(max_tokens=8, extra_args=extra))
+    assert [dict(e.stats.compiles) for e in engines] == before
+    checker = vllm_common._checker("auto", "auto")
+    assert len(checker.vocab.tokens) == 1 and checker.stats.compiles == {
+        "xgrammar": 0, "guidance": 0}
+
+
+def test_one_constraint_mechanism_per_request() -> None:
+    sp = SamplingParams(max_tokens=8, extra_args=xargs({"regex": "a+"}),
+                        structured_outputs=StructuredOutputsParams(regex="b+"))
+    with pytest.raises(VLLMValidationError, match="not both"):
+        validate_sampling_params(sp)
+
+
+def test_disabled_plugin_refuses_constrained_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAMMASK_ENABLED", "0")
+    vllm_common._frontend_settings.cache_clear()
+    try:
+        with pytest.raises(VLLMValidationError, match="disabled"):
+            validate_sampling_params(SamplingParams(extra_args=xargs({"regex": "a"})))
+        validate_sampling_params(SamplingParams(extra_args=None))  # others are fine
+    finally:
+        monkeypatch.undo()
+        vllm_common._frontend_settings.cache_clear()
+

@@ -1,0 +1,414 @@
+"""The plugin on vLLM's V1 model runner, driven through vLLM's own classes on CPU.
+
+Real: ``build_logitsprocs`` (installed entry point and ``--logits-processors`` FQCN), the
+runner's ``InputBatch`` (add_request, remove_request, condense, swap_states,
+refresh_metadata, the async-scheduling placeholder repair) and
+``Sampler.apply_logits_processors``. Not run: the model forward and the final sampling step
+(the CPU wheel has no ``vllm._C`` sampling kernels); tokens are picked by the test from the
+allowed set, as a sampler would.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+# first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
+from .vllm_fixtures import (
+    END_THINK,
+    FQCN,
+    IM_END,
+    IM_START,
+    THINK,
+    VOCAB,
+    allowed,
+    ref_allowed,
+    vllm_config,
+    xargs,
+)
+
+# isort: split
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+from grammask import Engine, GrammarSpec, Vocabulary
+from grammask.backends import Matcher
+from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"]}
+CONSTRAINTS: list[tuple[dict[str, Any], GrammarSpec]] = [
+    ({"json": SCHEMA, "disable_any_whitespace": True},
+     GrammarSpec.json_schema(SCHEMA, any_whitespace=False)),
+    ({"json": SCHEMA, "disable_any_whitespace": True, "backend": "guidance"},
+     GrammarSpec.json_schema(SCHEMA, any_whitespace=False, backend="guidance")),
+    ({"regex": "(ab|cd)[0-9]{1,3}"}, GrammarSpec.regex("(ab|cd)[0-9]{1,3}")),
+    ({"choice": ["alpha", "beta", "gamma"]}, GrammarSpec.choice(["alpha", "beta", "gamma"])),
+]
+
+
+class _Ready:
+    """Stands in for the CUDA event of the runner's device-to-host copy (already done)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def ours(lps: Any) -> list[GrammaskLogitsProcessor]:
+    return [p for p in lps.all if isinstance(p, GrammaskLogitsProcessor)]
+
+
+class Runner:
+    """The V1 runner's batch bookkeeping around a real ``InputBatch`` (no forward)."""
+
+    def __init__(self, config: Any, *, use_async: bool = False) -> None:
+        self.config = config
+        self.lps = build_logitsprocs(config, torch.device("cpu"), False, False,
+                                     tuple(config.model_config.logits_processors or ()))
+        self.batch = InputBatch(
+            max_num_reqs=config.scheduler_config.max_num_seqs, max_model_len=256,
+            max_num_batched_tokens=256, device=torch.device("cpu"), vocab_size=VOCAB,
+            block_sizes=[16], max_num_blocks_per_req=[16], logitsprocs=self.lps,
+            logitsprocs_need_output_token_ids=bool(config.model_config.logits_processors))
+        self.use_async = use_async
+        self.states: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+
+    @property
+    def plugin(self) -> GrammaskLogitsProcessor:
+        active = [p for p in ours(self.lps) if p.core.active]
+        assert len(active) == 1
+        return active[0]
+
+    def add(self, rid: str, extra_args: dict[str, Any] | None, prompt: list[int],
+            output: list[int] | None = None) -> None:
+        state = CachedRequestState(
+            req_id=rid, prompt_token_ids=prompt, mm_features=[],
+            sampling_params=SamplingParams(max_tokens=64, extra_args=extra_args or None),
+            generator=None, block_ids=([0],), num_computed_tokens=0,
+            output_token_ids=[] if output is None else output)
+        self.states[rid] = state
+        self.batch.add_request(state)
+
+    def remove(self, rid: str) -> None:
+        self.batch.remove_request(rid)
+        del self.states[rid]
+
+    def schedule(self, swap: tuple[int, int] | None = None) -> None:
+        """``_update_states``: condense, optional reorder, ``refresh_metadata``."""
+        self.batch.condense()
+        if swap is not None:
+            self.batch.swap_states(*swap)
+        self.batch.refresh_metadata()
+
+    def logits(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        """``_sample``: resolve async placeholders, then the sampler's processor stage."""
+        self.batch.update_async_output_token_ids()
+        n = self.batch.num_reqs
+        logits = torch.zeros(n, VOCAB) if base is None else base.clone()
+        return self.sampler.apply_logits_processors(logits, self.batch.sampling_metadata,
+                                                    predict_bonus_token=False)
+
+    def commit(self, tokens: dict[str, int]) -> None:
+        """``_bookkeeping_sync``: real ids, or ``-1`` placeholders under async scheduling."""
+        ids = self.batch.req_ids
+        for rid in ids:
+            self.states[rid].output_token_ids.append(-1 if self.use_async else tokens[rid])
+        if self.use_async:
+            self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(ids)}
+            sampled = torch.tensor([[tokens[rid]] for rid in ids], dtype=torch.int64)
+            self.batch.set_async_sampled_token_ids(sampled, _Ready())
+
+    def close(self) -> None:
+        for p in ours(self.lps):
+            p.close()
+
+
+def chat_prompt(vocab: Vocabulary, user: str, *, closed_thinking: bool = False) -> list[int]:
+    ids = [IM_START, *vocab.encode(f"user\n{user}"), IM_END, *vocab.encode("\n"), IM_START,
+           *vocab.encode("assistant\n")]
+    if closed_thinking:  # what Qwen3's template writes with enable_thinking=False
+        ids += [THINK, *vocab.encode("\n\n"), END_THINK, *vocab.encode("\n\n")]
+    return ids
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Any:
+    """Full-vocabulary checks are tiny ops: intra-op threads only contend on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runner() -> Any:
+    made: list[Runner] = []
+
+    def make(*, use_async: bool = False, fqcn: bool = False, **config: Any) -> Runner:
+        r = Runner(vllm_config(logits_processors=[FQCN] if fqcn else None, **config),
+                   use_async=use_async)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def engine(runner: Any) -> Engine:
+    engine = runner().plugin.core.engine
+    assert engine is not None
+    return engine
+
+
+@pytest.fixture(scope="module")
+def vocab(engine: Engine) -> Vocabulary:
+    return engine.vocab
+
+
+def test_entry_point_alone_masks_a_request_and_leaves_others_alone(
+        runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+    r = runner()
+    assert len(ours(r.lps)) == 1  # found through the installed entry point only
+    assert r.plugin in r.lps.non_argmax_invariant and not r.plugin.is_argmax_invariant()
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    r.add("plain", None, chat_prompt(vocab, "hi"))
+    r.add("json", xargs({"json": SCHEMA, "disable_any_whitespace": True}, thinking="off"),
+          chat_prompt(vocab, "a json please"))
+    ref = engine.compile(spec).matcher()
+    noise = torch.randn(2, VOCAB)
+    for tid in [*vocab.encode('{"n":12,"ok":true}'), IM_END]:
+        r.schedule()
+        logits = r.logits(noise)
+        assert torch.equal(logits[0], noise[0])  # the unconstrained row, bit for bit
+        assert torch.equal(allowed(logits[1]), ref_allowed(ref))
+        assert ref.accept(tid)
+        r.commit({"plain": 9, "json": tid})
+    r.schedule()
+    assert sorted(allowed(r.logits()[1]).nonzero().flatten().tolist()) == sorted(
+        vocab.stop_ids)  # after the grammar ended only stop tokens
+    assert r.plugin.core.processor().errors == {}
+
+
+def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> None:
+    r = runner(fqcn=True)
+    both = ours(r.lps)
+    assert len(both) == 2 and [p.core.active for p in both] == [False, True]
+    r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
+    r.schedule()
+    logits = torch.zeros(1, VOCAB)
+    assert both[0].apply(logits) is logits and allowed(logits[0]).all()  # inert: untouched
+    assert both[0].core.proc_or_none is None  # and it never built a processor
+    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    assert torch.equal(allowed(r.logits()[0]), ref_allowed(ref))
+
+
+def test_batch_changes_follow_rows(runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+    """remove + condense moves a row, an add reuses a freed row, swap exchanges two rows."""
+    r = runner()
+    regex, choice = CONSTRAINTS[2], CONSTRAINTS[3]
+    r.add("r0", xargs(regex[0], thinking="off"), [1])
+    r.add("r1", None, [2])
+    r.add("r2", xargs(choice[0], thinking="off"), [3])
+    r.schedule()
+    ref_regex, ref_choice = engine.compile(regex[1]).matcher(), engine.compile(choice[1]).matcher()
+
+    def check(expected: dict[str, Matcher | None]) -> None:
+        logits = r.logits()
+        for row, rid in enumerate(r.batch.req_ids):
+            ref = expected[rid]
+            want = torch.ones(VOCAB, dtype=torch.bool) if ref is None else ref_allowed(ref)
+            assert torch.equal(allowed(logits[row]), want), (rid, row)
+
+    check({"r0": ref_regex, "r1": None, "r2": ref_choice})
+    r.remove("r1")
+    r.schedule()  # condense: r2 moves from row 2 to row 1
+    assert r.batch.req_ids == ["r0", "r2"]
+    check({"r0": ref_regex, "r2": ref_choice})
+    r.remove("r0")
+    r.add("r3", None, [4])  # takes the freed row 0, which held a constrained request
+    r.schedule(swap=(0, 1))
+    assert r.batch.req_ids == ["r2", "r3"]
+    check({"r2": ref_choice, "r3": None})
+
+
+def test_resumed_request_replays_its_output(runner: Any, engine: Engine,
+                                            vocab: Vocabulary) -> None:
+    r = runner()
+    text = vocab.encode('{"n":4')
+    r.add("again", xargs(CONSTRAINTS[0][0], thinking="off"), [1, 2], output=list(text))
+    r.schedule()
+    ref = engine.compile(CONSTRAINTS[0][1]).matcher()
+    assert all(ref.accept(t) for t in text)
+    assert torch.equal(allowed(r.logits()[0]), ref_allowed(ref))
+
+
+def test_async_placeholders_are_never_fed(runner: Any, engine: Engine,
+                                          vocab: Vocabulary) -> None:
+    r = runner(fqcn=True, use_async=True)
+    spec_args, spec = CONSTRAINTS[0]
+    r.add("a", xargs(spec_args, thinking="off"), [1])
+    ref = engine.compile(spec).matcher()
+    for tid in vocab.encode('{"n":7,"ok":false}'):
+        r.schedule()  # update_state sees the trailing -1 of the previous step
+        assert -1 not in r.states["a"].output_token_ids[:-1]
+        logits = r.logits()  # the placeholder is resolved just before this
+        assert -1 not in r.states["a"].output_token_ids
+        assert torch.equal(allowed(logits[0]), ref_allowed(ref))
+        assert ref.accept(tid)
+        r.commit({"a": tid})
+    assert r.plugin.core.processor().errors == {}
+
+
+def test_async_scheduling_without_the_flag_is_refused_at_start() -> None:
+    config = vllm_config()
+    config.scheduler_config.async_scheduling = True
+    with pytest.raises(RuntimeError, match="--logits-processors"):
+        build_logitsprocs(config, torch.device("cpu"), False, False, ())
+
+
+@pytest.mark.parametrize(("case", "gated"), [
+    ("thinking", True), ("request_off", False), ("closed_in_prompt", False),
+    ("settings_none", False), ("custom_marker", True)])
+def test_thinking_gate(runner: Any, engine: Engine, vocab: Vocabulary, case: str,
+                       gated: bool) -> None:
+    """Unmasked while thinking; masked from the token after the end marker."""
+    config: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    closed = case == "closed_in_prompt"
+    if case == "request_off":
+        flat["thinking"] = "off"
+    if case == "settings_none":
+        config["additional_config"] = {"grammask": {"think_end": "none"}}
+    if case == "custom_marker":
+        flat["think_end"] = "DONE:"
+    r = runner(**config)
+    r.add("t", xargs(CONSTRAINTS[3][0], **flat), chat_prompt(vocab, "pick", closed_thinking=closed))
+    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    thoughts = (vocab.encode("hmm DONE") + vocab.encode(":") if case == "custom_marker"
+                else [*vocab.encode("hmm ok"), END_THINK]) if gated else []
+    masked_at = None
+    for step, tid in enumerate([*thoughts, *vocab.encode("beta")]):
+        r.schedule()
+        row = allowed(r.logits()[0])
+        if row.all():
+            assert masked_at is None, "masked once, masked for good"
+        else:
+            masked_at = masked_at if masked_at is not None else step
+            assert torch.equal(row, ref_allowed(ref))
+            assert ref.accept(tid)
+        r.commit({"t": tid})
+    assert masked_at == len(thoughts)
+
+
+def test_a_bad_request_past_validation_only_stops_its_own_row(
+        runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+    r = runner()
+    r.add("bad", {"grammask": "{not json"}, [1])
+    r.add("good", xargs(CONSTRAINTS[3][0], thinking="off"), [1])
+    r.schedule()
+    logits = r.logits()
+    assert sorted(allowed(logits[0]).nonzero().flatten().tolist()) == sorted(vocab.stop_ids)
+    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    assert torch.equal(allowed(logits[1]), ref_allowed(ref))
+    proc = r.plugin.core.processor()
+    assert proc.status(0) == "error" and proc.status(1) == "active"
+
+
+def test_disabled_plugin_is_inert(runner: Any) -> None:
+    r = runner(additional_config={"grammask": {"enabled": False}})
+    r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1])
+    r.schedule()
+    assert allowed(r.logits()[0]).all()
+    assert all(not p.core.active for p in ours(r.lps))
+
+
+# ------------------------------------------------------------------------ churn
+@dataclass
+class _Req:
+    rid: str
+    constraint: int | None  # index into CONSTRAINTS
+    thinking: bool
+    truth: list[int] = field(default_factory=list)  # the real output ids
+    ref: Matcher | None = None
+    gate_open: bool = True  # thinking not ended yet
+
+
+def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engine,
+                                                       vocab: Vocabulary) -> None:
+    """100 random sequences of adds, removals, resumes, swaps and decode steps (half of them
+    under async scheduling): every row's mask equals its own reference matcher's."""
+    rng = random.Random(1234)
+    grammars = [engine.compile(spec) for _, spec in CONSTRAINTS]
+    stops = set(vocab.stop_ids)
+    runners = [runner(fqcn=True), runner(fqcn=True, use_async=True)]
+    counter = 0
+    for seq in range(100):
+        r = runners[seq % 2]
+        live: dict[str, _Req] = {}
+        for _ in range(rng.randint(4, 10)):
+            # batch changes of this step
+            if live and rng.random() < 0.25:
+                victim = rng.choice(sorted(live))
+                r.remove(victim)
+                if rng.random() < 0.5:  # preempted and resumed at once: replay
+                    req = live[victim]
+                    r.add(victim, _xargs_of(req), [1, 2], output=list(req.truth))
+                else:
+                    del live[victim]
+            while len(live) < 4 and rng.random() < 0.6:
+                counter += 1
+                rid = f"s{seq}r{counter}"
+                c = rng.choice([None, 0, 1, 2, 3])
+                req = _Req(rid, c, thinking=c is not None and rng.random() < 0.3)
+                req.gate_open = req.thinking
+                if c is not None:
+                    req.ref = grammars[c].matcher()
+                live[rid] = req
+                r.add(rid, _xargs_of(req), [1, 2, 3])
+            if not live:
+                continue
+            swap = (0, 1) if len(live) > 1 and rng.random() < 0.3 else None
+            r.schedule(swap)
+            logits = r.logits()
+            tokens: dict[str, int] = {}
+            for row, rid in enumerate(r.batch.req_ids):
+                req = live[rid]
+                got = allowed(logits[row])
+                if req.ref is None or req.gate_open:
+                    assert got.all(), (seq, rid)
+                    tid = (END_THINK if req.gate_open and rng.random() < 0.4
+                           else rng.randrange(0, 151_643))
+                else:
+                    assert torch.equal(got, ref_allowed(req.ref)), (seq, rid)
+                    choices = got.nonzero().flatten().tolist()
+                    tid = rng.choice(choices)
+                    assert req.ref.accept(tid)
+                if req.gate_open and tid == END_THINK:
+                    req.gate_open = False
+                tokens[rid] = tid
+                req.truth.append(tid)
+            r.commit(tokens)
+            for rid, tid in tokens.items():  # a request that sampled a stop token finishes
+                if tid in stops and live[rid].ref is not None:
+                    r.remove(rid)
+                    del live[rid]
+        proc = r.plugin.core.proc_or_none
+        assert proc is None or proc.errors == {}
+        for rid in live:  # the next sequence starts from an empty batch
+            r.remove(rid)
+        r.schedule()
+
+
+def _xargs_of(req: _Req) -> dict[str, Any] | None:
+    if req.constraint is None:
+        return None
+    return xargs(CONSTRAINTS[req.constraint][0], thinking="auto" if req.thinking else "off")

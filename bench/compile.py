@@ -394,14 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grammask bench compile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    p.add_argument("--sample", type=int, default=150,
+    p.add_argument("--sample", type=int, default=80,
                    help="maskbench schemas, stratified by subset (0: all of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--subsets", default="", help="comma-separated maskbench subsets")
     p.add_argument("--no-extras", action="store_true",
                    help="leave out the regex / choice / grammar specs")
     p.add_argument("--systems", default="all", help="comma-separated; default: all")
-    p.add_argument("--timeout", type=float, default=20.0, help="per-spec deadline (s)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per-spec deadline (s)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs (median kept) of specs whose first TTFM is under 100 ms")
     p.add_argument("--tokenizer", default="qwen2.5")

@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=300, help="tokens walked per instance")
     p.add_argument("--batch-sizes", help="default 1,16,64,256 (--quick: 1,16)")
     p.add_argument("--steps", type=int, help="decode steps timed per batch size (default 30)")
-    p.add_argument("--timeout", type=float, default=30.0, help="per-spec deadline (s)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per-spec deadline (s)")
     p.add_argument("--tokenizer", default="qwen2.5")
     p.add_argument("--quick", action="store_true",
                    help="defaults for a smoke run: 10 schemas, 1 instance, batch sizes 1,16, "

@@ -40,7 +40,8 @@ from grammask.harness.walk import (
     token_table,
 )
 
-FAST = CheckConfig(walks=2, max_tokens=64, audit_steps=2, audit_tokens=300, resolve=1)
+FAST = CheckConfig(walks=2, max_tokens=64, audit_steps=2, audit_tokens=300, resolve=1,
+                   walk_budget_s=5.0, diff_budget_s=6.0)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,8 @@ def test_lark_oracle_reads_llguidance_dialect(corpus: Path) -> None:
     assert rfc.parses(xml).valid
     assert not rfc.parses(xml.replace(b"</rfc>", b"</rfx>")).valid
     lark_of_lark = LarkOracle((corpus / "lark" / "lark.lark").read_text(), "lark")
-    assert lark_of_lark.parses((corpus / "lark" / "lark.lark").read_bytes()).valid
+    # ``"\""`` needs the every-tokenization fallback (the grammar's string regex is lazy)
+    assert lark_of_lark.parses(b'start: "\\"" name\nname: /[a-z]+/ // note\n').valid
     assert not lark_of_lark.parses(b"start: (((").valid
 
 

@@ -110,8 +110,12 @@ def test_strict_mode_refuses_with_pointer(eng: Engine) -> None:
 
 
 def test_remote_ref_is_a_clear_error(eng: Engine) -> None:
-    with pytest.raises(GrammarError):
-        eng.compile(GrammarSpec.json_schema({"$ref": "http://example.com/s.json"}))
+    schema = {"type": "object", "properties": {"x": {"$ref": "http://example.com/s.json"}}}
+    with pytest.raises(GrammarError, match="never fetches") as info:
+        eng.compile(GrammarSpec.json_schema(schema))
+    assert info.value.where == "/properties/x"
+    with pytest.raises(GrammarError, match="never fetches"):
+        eng.check(GrammarSpec.json_schema(schema))
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
@@ -140,6 +144,16 @@ def test_pattern_search_semantics_on_xgrammar(eng: Engine, qwen25: Vocabulary) -
     grammar = eng.compile(GrammarSpec.json_schema({"type": "string", "pattern": "abc"},
                                                   backend="xgrammar"))
     assert _complete(grammar, qwen25, "xxabcyy") and not _complete(grammar, qwen25, "xxab")
+
+
+def test_guidance_refusal_falls_back_to_xgrammar(eng: Engine, qwen25: Vocabulary) -> None:
+    """llguidance cannot decide whether this pattern is empty; xgrammar serves it."""
+    schema = {"type": "object", "patternProperties": {"^a": {"type": "integer"},
+                                                      "^ab": {"type": "string"}},
+              "additionalProperties": False}
+    grammar = eng.compile(GrammarSpec.json_schema(schema))
+    assert grammar.fallback_from == "guidance" and grammar.backend == "xgrammar"
+    assert _complete(grammar, qwen25, {"a1": 1})
 
 
 def test_xgrammar_refusal_falls_back(eng: Engine, qwen25: Vocabulary) -> None:

@@ -351,6 +351,8 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engi
     stops = set(vocab.stop_ids)
     runners = [runner(fqcn=True), runner(fqcn=True, use_async=True)]
     counter = 0
+    counts = {"masked_rows": 0, "async_masked_rows": 0, "resumed": 0, "swaps": 0,
+              "thinking_closed": 0, "finished": 0}
     for seq in range(100):
         r = runners[seq % 2]
         live: dict[str, _Req] = {}
@@ -362,6 +364,7 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engi
                 if rng.random() < 0.5:  # preempted and resumed at once: replay
                     req = live[victim]
                     r.add(victim, _xargs_of(req), [1, 2], output=list(req.truth))
+                    counts["resumed"] += 1
                 else:
                     del live[victim]
             while len(live) < 4 and rng.random() < 0.6:
@@ -377,6 +380,7 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engi
             if not live:
                 continue
             swap = (0, 1) if len(live) > 1 and rng.random() < 0.3 else None
+            counts["swaps"] += swap is not None
             r.schedule(swap)
             logits = r.logits()
             tokens: dict[str, int] = {}
@@ -389,11 +393,13 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engi
                            else rng.randrange(0, 151_643))
                 else:
                     assert torch.equal(got, ref_allowed(req.ref)), (seq, rid)
+                    counts["async_masked_rows" if r.use_async else "masked_rows"] += 1
                     choices = got.nonzero().flatten().tolist()
                     tid = rng.choice(choices)
                     assert req.ref.accept(tid)
                 if req.gate_open and tid == END_THINK:
                     req.gate_open = False
+                    counts["thinking_closed"] += 1
                 tokens[rid] = tid
                 req.truth.append(tid)
             r.commit(tokens)
@@ -401,11 +407,13 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engi
                 if tid in stops and live[rid].ref is not None:
                     r.remove(rid)
                     del live[rid]
+                    counts["finished"] += 1
         proc = r.plugin.core.proc_or_none
         assert proc is None or proc.errors == {}
         for rid in live:  # the next sequence starts from an empty batch
             r.remove(rid)
         r.schedule()
+    assert counts["masked_rows"] > 150 and min(counts.values()) > 5, counts
 
 
 def _xargs_of(req: _Req) -> dict[str, Any] | None:

@@ -266,37 +266,46 @@ class Engine:
         try:
             return self._attempt(spec, decision.backend, decision)
         except GrammarError as first:
-            other = decision.fallback or self._rescue(spec, decision, first)
-            if other is None:
-                raise
-            log.warning("grammask: %s on %s failed (%s); falling back to %s",
-                        spec.describe(), decision.backend, first.message, other)
-            self.stats.fallbacks += 1
-            lenient = other == "guidance"
-            reason = f"{decision.backend} failed ({first.message}); fell back to {other}"
-            unenforced = decision.unenforced
-            if other != decision.backend:
-                unenforced = tuple(route(spec.with_backend(other)).unenforced)
-                if spec.strict and unenforced:
-                    raise first from None
-            fallback = Route(other, reason, unenforced=unenforced, lenient=lenient)
-            try:
-                grammar = self._attempt(spec, other, fallback)
-            except GrammarError:
-                raise first from None
-            return Grammar(spec, grammar.backend, reason, grammar.unenforced,
-                           grammar.compile_ms, grammar.compiled, fallback_from=decision.backend)
+            for fallback in self._fallbacks(spec, decision):
+                log.warning("grammask: %s on %s failed (%s); trying %s%s", spec.describe(),
+                            decision.backend, first.message, fallback.backend,
+                            " (lenient)" if fallback.lenient else "")
+                try:
+                    grammar = self._attempt(spec, fallback.backend, fallback)
+                except GrammarError:
+                    continue
+                with self._lock:
+                    self.stats.fallbacks += 1
+                reason = (f"{decision.backend} failed ({first.message}); "
+                          f"fell back to {fallback.backend}")
+                return Grammar(spec, grammar.backend, reason, grammar.unenforced,
+                               grammar.compile_ms, grammar.compiled,
+                               fallback_from=decision.backend)
+            raise
 
-    def _rescue(self, spec: GrammarSpec, decision: Route, error: GrammarError
-                ) -> BackendName | None:
-        """After a refusal, which engine could still serve the spec (or None)."""
+    def _fallbacks(self, spec: GrammarSpec, decision: Route) -> list[Route]:
+        """What may still serve a spec its routed engine refused, best first.
+
+        Order: the route's own fallback (the other engine enforces everything too); llguidance
+        in lenient mode (e.g. overlapping oneOf); the other engine with its gaps listed. Strict
+        specs never fall back to an engine with gaps; forced backends never fall back.
+        """
         if spec.backend is not None:
-            return None
-        if decision.backend == "guidance" and not decision.lenient and spec.kind == "json_schema":
-            return "guidance"  # retry lenient (e.g. overlapping oneOf), gaps reported
-        if isinstance(error, CompileTimeoutError) and decision.backend == "xgrammar":
-            return "guidance"
-        return None
+            return []
+        out: list[Route] = []
+        if decision.fallback is not None:
+            out.append(Route(decision.fallback, "fallback", unenforced=decision.unenforced))
+        if spec.kind == "json_schema":
+            if decision.backend == "guidance" and not decision.lenient:
+                out.append(Route("guidance", "fallback", unenforced=decision.unenforced,
+                                 lenient=True))
+            other: BackendName = "xgrammar" if decision.backend == "guidance" else "guidance"
+            if all(r.backend != other for r in out):
+                gaps = route(spec.with_backend(other)).unenforced
+                if not (spec.strict and gaps):
+                    out.append(Route(other, "fallback", unenforced=gaps,
+                                     lenient=other == "guidance" and bool(gaps)))
+        return out
 
     def _attempt(self, spec: GrammarSpec, backend: BackendName, decision: Route) -> Grammar:
         engine = get_backend(backend)

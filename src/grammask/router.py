@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import UnsupportedError
+from .errors import InvalidSchemaError, UnsupportedError
 from .spec import BackendName, GrammarSpec
 
 #: What xgrammar 0.2.8 ignores, gets wrong or refuses, keyword by keyword (measured with
@@ -97,6 +97,10 @@ Preference = Literal["auto", "xgrammar", "guidance"]
 
 def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
     features = schema_features(spec.schema) if spec.kind == "json_schema" else {}
+    if "$ref (remote)" in features:
+        raise InvalidSchemaError(
+            "remote $ref is not supported: grammask never fetches schemas over the network; "
+            "inline the referenced schema under $defs", where=features["$ref (remote)"])
     if spec.whitespace_pattern is not None:
         features["whitespace_pattern"] = "options"
     if spec.backend is not None:

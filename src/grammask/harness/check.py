@@ -376,11 +376,18 @@ def _walk_plan(rng: np.random.Generator, cfg: CheckConfig) -> tuple[int, set[int
 
 
 def complete_judge(oracle: RegexOracle | ChoiceOracle) -> Judge:
+    """Full match of a complete output; a miss that another regex dialect (ASCII classes,
+    ``.`` matching newline) explains is reported as a declared gap, not a bug."""
     def judge(data: bytes, _gaps: tuple[str, ...]) -> Verdict | None:
         verdict = oracle.complete(data)
         if verdict is None:
             return None
-        return Verdict(verdict, "" if verdict else "no full match")
+        if verdict:
+            return Verdict(True)
+        dialects = [n for n, v in oracle.dialects(data, complete=True).items() if v]
+        if dialects:
+            return Verdict(False, "regex dialect", tuple(dialects), True)
+        return Verdict(False, "no full match")
     return judge
 
 

@@ -60,6 +60,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--audit-steps", type=int, default=3, help="audited steps per walk")
     p.add_argument("--audit-tokens", type=int, default=2000,
                    help="allowed (and forbidden) tokens offered per audited step")
+    p.add_argument("--walk-budget", type=float, default=15.0,
+                   help="seconds per sampled walk before it steps back to an end")
+    p.add_argument("--diff-budget", type=float, default=20.0,
+                   help="seconds per item for the differential")
     p.add_argument("--compact-only", action="store_true",
                    help="JSON without free whitespace (compact form only)")
     p.add_argument("--open-objects", action="store_true",
@@ -81,7 +85,8 @@ def config_of(ns: argparse.Namespace, remotes: Path | None) -> CheckConfig:
         tokenizer=ns.tokenizer, timeout_s=ns.timeout, walks=ns.walks, max_tokens=ns.max_tokens,
         audit_steps=ns.audit_steps, audit_tokens=ns.audit_tokens,
         any_whitespace=not ns.compact_only, extra_properties=ns.open_objects,
-        diff=not ns.no_diff, seed=ns.seed,
+        diff=not ns.no_diff, seed=ns.seed, walk_budget_s=ns.walk_budget,
+        diff_budget_s=ns.diff_budget,
         remotes=str(remotes) if remotes is not None and remotes.is_dir() else None)
 
 

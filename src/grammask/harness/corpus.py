@@ -170,13 +170,17 @@ def load_items(corpus: Path, subsets: Iterable[str] | None, *, sample: int | Non
     """Items of the chosen subsets; with ``sample``, a seeded random ``sample`` per subset
     (stratified: every subset keeps its share, small ones are taken whole), except the
     subsets in ``whole``, which are always taken whole."""
-    items: list[Item] = []
+    per_subset: list[list[Item]] = []
     keep = set(expand_subsets(corpus, whole)) if whole else set()
     for subset in expand_subsets(corpus, subsets):
         chosen = load_subset(corpus, subset)
         if sample is not None and len(chosen) > sample and subset not in keep:
             chosen = random.Random(f"{seed}:{subset}").sample(chosen, sample)
-        items.extend(chosen)
+        per_subset.append(chosen)
+    # round-robin across subsets: a run cut short still covers every subset evenly
+    items: list[Item] = []
+    for rank in range(max((len(c) for c in per_subset), default=0)):
+        items.extend(c[rank] for c in per_subset if rank < len(c))
     return items
 
 

@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from ..compiler import Engine, Grammar
-from ..errors import GrammarError, InvalidSpecError
+from ..errors import GrammarError
 from ..masks import Filler
 from ..processor import BatchProcessor
 from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
@@ -438,6 +438,6 @@ class PluginCore:
 
 def _invalid(exc: GrammarError) -> tuple[ConstraintRequest, Future[Grammar]]:
     failed: Future[Grammar] = Future()
-    failed.set_exception(exc if isinstance(exc, GrammarError) else InvalidSpecError(str(exc)))
+    failed.set_exception(exc)
     # a stand-in spec: the row only ever reports the failure above
     return ConstraintRequest(GrammarSpec.json_object(), thinking=False), failed

@@ -595,20 +595,21 @@ class VllmBackend(System):
                          max_model_len=4096, seed=0, enforce_eager=True)
         sc = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096,
                              max_model_len=4096, is_encoder_decoder=False)
+        which: Any = self.which
         self.vc = VllmConfig(model_config=mc, scheduler_config=sc,
                              structured_outputs_config=StructuredOutputsConfig(
-                                 backend=self.which, disable_any_whitespace=False))
+                                 backend=which, disable_any_whitespace=False))
         self.tok = cached_tokenizer_from_config(mc)
         self.vocab_size = mc.get_vocab_size()
         if self.vocab_size != vocab.vocab_size:
             raise RuntimeError(f"vLLM vocab size {self.vocab_size} != {vocab.vocab_size}")
         if self.tok.encode('{"a": [1, 2]}') != vocab.encode('{"a": [1, 2]}'):
             raise RuntimeError("the converted Hugging Face tokenizer disagrees with grammask's")
-        if self.which == "xgrammar":
-            from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend as Be
-        else:
-            from vllm.v1.structured_output.backend_guidance import GuidanceBackend as Be
-        self.backend = Be(self.vc, tokenizer=self.tok, vocab_size=self.vocab_size)
+        from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+        backend_cls: Any = XgrammarBackend if self.which == "xgrammar" else GuidanceBackend
+        self.backend = backend_cls(self.vc, tokenizer=self.tok, vocab_size=self.vocab_size)
         self.options_enum = StructuredOutputOptions
         self.stop_ids = set(vocab.stop_ids)
         self._manager: Any = None
@@ -733,8 +734,9 @@ def hf_model_dir(tokenizer: str) -> Path:
         specials = specials[:n_special]
     tmp = Path(tempfile.mkdtemp(prefix=f"{tokenizer}-", dir=_mkdir(CACHE_DIR)))
     tik = Path(qt.__file__).parent / "resources" / file
-    converted = TikTokenConverter(vocab_file=str(tik), pattern=getattr(qt, pattern),
-                                  extra_special_tokens=specials).converted()
+    converter: Any = TikTokenConverter
+    converted = converter(vocab_file=str(tik), pattern=getattr(qt, pattern),
+                          extra_special_tokens=specials).converted()
     converted.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",

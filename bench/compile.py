@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,8 @@ def _row(case: Case, system: str, status: str, result: Any, error: str,
         if row["status"] == "ok" and row["ttfm_ms"] > timeout * 1e3:
             row["status"] = "timeout"
             row["error"] = f"first mask after {row['ttfm_ms'] / 1e3:.1f} s > {timeout} s"
-    else:
-        row.update(status=status, error=error)
+    else:  # a crash, or a worker that could not be restarted, is an error of that spec
+        row.update(status="timeout" if status == "timeout" else "error", error=error)
     return row
 
 
@@ -201,10 +202,12 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The ratios the targets are stated in."""
     cases = _by_case(rows)
     out: dict[str, Any] = {"overhead": {}, "auto": {}}
-    pairs = {"grammask-xgrammar vs xgrammar": ("grammask-xgrammar", lambda r: "xgrammar"),
-             "grammask-guidance vs llguidance": ("grammask-guidance", lambda r: "llguidance"),
-             "grammask-auto vs the raw engine it routed to": (
-                 "grammask-auto", lambda r: RAW_OF_BACKEND.get(r.get("backend", ""), ""))}
+    pairs: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+        "grammask-xgrammar vs xgrammar": ("grammask-xgrammar", lambda r: "xgrammar"),
+        "grammask-guidance vs llguidance": ("grammask-guidance", lambda r: "llguidance"),
+        "grammask-auto vs the raw engine it routed to": (
+            "grammask-auto", lambda r: RAW_OF_BACKEND.get(r.get("backend", ""), "")),
+    }
     for label, (mine, raw_of) in pairs.items():
         for metric in ("cold_ms", "ttfm_ms"):
             ours, theirs = [], []

@@ -7,8 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from grammask import Engine, Vocabulary, load_vocabulary
+
+# two xdist workers on two cores: one intra-op thread each avoids oversubscription
+torch.set_num_threads(1)
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("GRAMMASK_CORPUS", ROOT.parent / "shared" / "corpus"))

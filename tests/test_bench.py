@@ -101,6 +101,10 @@ def test_compile_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:
     assert ratios["auto"]["n"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "versions" in payload["machine"]
+    # --report re-derives the same summary from the rows, measuring nothing
+    again = tmp_path / "again.json"
+    assert compile_bench.main(["--report", str(out), "--json", str(again)]) == 0
+    assert json.loads(again.read_text())["summary"] == payload["summary"]
 
 
 def test_compile_bench_counts_timeouts_and_restarts_the_worker(corpus: Path) -> None:

@@ -19,7 +19,7 @@ from grammask import Engine, GrammarSpec, Vocabulary
 from grammask.backends import Matcher
 from grammask.harness import cli as check_cli
 from grammask.harness.check import CheckConfig, Checker, Emit, Row, complete_judge
-from grammask.harness.corpus import Instance, Item, load_items
+from grammask.harness.corpus import Instance, Item, load_items, read_instances
 from grammask.harness.diff import DiffReport, classify, differential, json_context
 from grammask.harness.gbnf import GbnfError, gbnf_to_lark
 from grammask.harness.oracles import (
@@ -146,7 +146,7 @@ def test_lark_oracle_reads_llguidance_dialect(corpus: Path) -> None:
     rfc = LarkOracle((corpus / "lark" / "rfc.lark").read_text(), "lark")
     xml = (corpus / "lark" / "rfc.xml").read_bytes()
     assert rfc.parses(xml).valid
-    assert not rfc.parses(xml.replace(b"</rfc>", b"</rfx>")).valid
+    assert not rfc.parses(b"<rfx>\n").valid
     lark_of_lark = LarkOracle((corpus / "lark" / "lark.lark").read_text(), "lark")
     # ``"\""`` needs the every-tokenization fallback (the grammar's string regex is lazy)
     assert lark_of_lark.parses(b'start: "\\"" name\nname: /[a-z]+/ // note\n').valid
@@ -386,6 +386,21 @@ def test_pool_records_crashes_and_hangs_and_goes_on() -> None:
 
 
 # ---------------------------------------------------------------------------- corpus + CLI
+def test_corpus_sampling_is_stratified_and_seeded(corpus: Path, tmp_path: Path) -> None:
+    items = load_items(corpus, ["BFCL_sql", "gbnf", "lark"], sample=3, seed=1, whole=["gbnf"])
+    subsets = [i.subset for i in items]
+    assert subsets.count("BFCL_sql") == 3 and subsets.count("gbnf") == 8
+    assert subsets[:3] == ["BFCL_sql", "gbnf", "lark"]  # round-robin across subsets
+    assert [i.id for i in items] == [i.id for i in load_items(
+        corpus, ["BFCL_sql", "gbnf", "lark"], sample=3, seed=1, whole=["gbnf"])]
+    rfc = next(i for i in items if i.id == "rfc.lark")
+    assert rfc.kind == "grammar" and rfc.syntax == "lark" and rfc.instances[0].valid
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"data": 1}\n')
+    with pytest.raises(ValueError, match="boolean 'valid'"):
+        read_instances(bad, "json_schema")
+
+
 def test_corpus_sample_runs_clean(checker: Checker, corpus: Path) -> None:
     items = load_items(corpus, ["Github_easy", "jsts", "choices"], sample=2, seed=0)
     results = run_serial(checker, items, ("xgrammar", "guidance", "auto"))

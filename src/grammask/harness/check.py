@@ -55,6 +55,12 @@ Emit = Callable[[str, dict[str, Any]], None]
 
 @dataclass(frozen=True)
 class CheckConfig:
+    """How hard to look (picklable: it travels to the workers). ``walks`` sampled outputs
+    per spec and backend, each at most ``max_tokens`` long and ``walk_budget_s`` seconds;
+    ``audit_steps`` audited steps per walk offering ``audit_tokens`` allowed and as many
+    forbidden tokens; the differential resolves ``resolve`` differing tokens per compared
+    step within ``diff_budget_s`` seconds per item."""
+
     tokenizer: str = "qwen2.5"
     timeout_s: float = 10.0
     walks: int = 2
@@ -86,11 +92,13 @@ class ItemOracle:
 
 @dataclass
 class Row:
+    """One spec on one backend: what the report's table and JSON rows are made of."""
+
     subset: str
     id: str
     kind: str
     backend: str
-    status: str = "ok"  # ok | compile_error | timeout | crash | invalid_spec
+    status: str = "ok"  # ok | compile_error | invalid_spec | timeout | crash | harness_error
     error: str = ""
     served_by: str = ""
     reason: str = ""

@@ -394,9 +394,10 @@ class LarkOracle:
     def __init__(self, text: str, syntax: str) -> None:
         if syntax == "ebnf":
             self.lark_text, self.start = gbnf_to_lark(text), START_RULE
+            self.parser = _build_lark(self.lark_text, self.start, "dynamic")
         else:
-            self.lark_text, self.start = _loadable_lark(text), "start"
-        self.parser = _build_lark(self.lark_text, self.start, "dynamic")
+            self.start = "start"
+            self.lark_text, self.parser = _loadable_lark(text)
         self._complete: Any = None
 
     def parses(self, data: bytes) -> Verdict:
@@ -421,12 +422,12 @@ class LarkOracle:
 _EMPTY_LITERAL = re.compile(r'(?<=[\s(|:])""(?=[\s)|]|$)', re.MULTILINE)
 
 
-def _loadable_lark(text: str) -> str:
+def _loadable_lark(text: str) -> tuple[str, Any]:
+    """The rewritten text and its parser (see ``LarkOracle``)."""
     text = _EMPTY_LITERAL.sub("", text)
     for _ in range(64):
         try:
-            _build_lark(text, "start", "dynamic")
-            return text
+            return text, _build_lark(text, "start", "dynamic")
         except lark.exceptions.GrammarError as exc:
             args = exc.args
             term = args[1] if len(args) > 1 else None
@@ -434,7 +435,7 @@ def _loadable_lark(text: str) -> str:
             if not name or "zero-width" not in str(args[0]):
                 raise
             text = re.sub(rf"(?<![\w]){re.escape(name)}(?![\w])", f"zw_{name.lower()}", text)
-    return text
+    raise lark.exceptions.GrammarError("too many zero-width terminals")
 
 
 _REGEX_LITERAL = re.compile(r"/(?!/)(?:\\/|\\\\|[^/\n])*?/[imslux]*")

@@ -168,7 +168,7 @@ def test_xgrammar_refusal_falls_back(eng: Engine, qwen25: Vocabulary) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "backend"),
-    [(GrammarSpec.regex("a+"), "xgrammar"), (GrammarSpec.choice(["a", "b"]), "xgrammar"),
+    [(GrammarSpec.regex("a+"), "guidance"), (GrammarSpec.choice(["a", "b"]), "xgrammar"),
      (GrammarSpec.grammar('start: "a"'), "guidance"), (GrammarSpec.json_object(), "guidance"),
      (GrammarSpec.json_object(whitespace_pattern=" ?"), "guidance"),
      (GrammarSpec.json_schema(OBJ_AB, whitespace_pattern=" ?"), "guidance"),

@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -69,13 +71,44 @@ class Stats:
     abandoned: int = 0
 
 
+class _Job:
+    """One engine call handed to a compile worker."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: object = None
+        self.error: BaseException | None = None
+        self.abandoned = False
+        self.keeps_slot = False
+
+
+_RUNNING: set[_Job] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+@atexit.register
+def _finish_running_compiles() -> None:
+    """Workers are daemons (idle ones must not block exit), but a native compile torn down
+    mid-flight aborts the process: let running ones finish first (bounded)."""
+    deadline = time.monotonic() + 120
+    with _RUNNING_LOCK:
+        jobs = list(_RUNNING)
+    for job in jobs:
+        job.done.wait(max(0.0, deadline - time.monotonic()))
+
+
 class _Runner:
-    """Runs native compiles on their own threads with a concurrency bound and a deadline."""
+    """Runs native compiles on persistent worker threads with a concurrency bound and a
+    deadline. A worker whose job is abandoned finishes it and exits; a new worker is started
+    on demand, so capacity survives runaways (up to ``max_abandoned`` of them at once)."""
 
     def __init__(self, max_running: int, max_abandoned: int) -> None:
         self._slots = threading.BoundedSemaphore(max_running)
         self._max_abandoned = max_abandoned
         self._abandoned = 0
+        self._idle = 0
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     @property
@@ -86,42 +119,47 @@ class _Runner:
         start = time.monotonic()
         if not self._slots.acquire(timeout=timeout):
             raise CompileTimeoutError(f"no compile slot free within {timeout:.1f} s for {what}")
-        state = {"abandoned": False}
-        box: dict[str, object] = {}
-        done = threading.Event()
-
-        def target() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # handed to the caller
-                box["error"] = exc
-            finally:
-                with self._lock:
-                    if state["abandoned"]:
-                        self._abandoned -= 1
-                        if state.get("keeps_slot"):
-                            self._slots.release()
-                    else:
-                        self._slots.release()
-                    done.set()
-
-        # not a daemon: a native compile killed at interpreter exit aborts the process
-        threading.Thread(target=target, name=f"grammask-compile-{what}", daemon=False).start()
-        remaining = max(0.0, timeout - (time.monotonic() - start))
-        if not done.wait(remaining):
+        job = _Job(fn)
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._work, name="grammask-compile", daemon=True).start()
+        self._jobs.put(job)
+        if not job.done.wait(max(0.0, timeout - (time.monotonic() - start))):
             with self._lock:
-                if not done.is_set():
-                    state["abandoned"] = True
+                if not job.done.is_set():
+                    job.abandoned = True
                     self._abandoned += 1
                     if self._abandoned <= self._max_abandoned:
                         self._slots.release()  # a fresh compile may start meanwhile
                     else:
-                        state["keeps_slot"] = True
-                    raise CompileTimeoutError(
-                        f"{what} compile exceeded {timeout:.1f} s")
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        return box["value"]  # type: ignore[return-value]
+                        job.keeps_slot = True
+                    raise CompileTimeoutError(f"{what} compile exceeded {timeout:.1f} s")
+        if job.error is not None:
+            raise job.error
+        return job.value  # type: ignore[return-value]
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            with _RUNNING_LOCK:
+                _RUNNING.add(job)
+            try:
+                job.value = job.fn()
+            except BaseException as exc:  # handed to the caller
+                job.error = exc
+            with _RUNNING_LOCK:
+                _RUNNING.discard(job)
+            with self._lock:
+                job.done.set()
+                if job.abandoned:
+                    self._abandoned -= 1
+                    if job.keeps_slot:
+                        self._slots.release()
+                    return  # the caller moved on; a fresh worker replaces this one
+                self._slots.release()
+                self._idle += 1
 
 
 class Engine:
@@ -163,10 +201,31 @@ class Engine:
 
     # ----------------------------------------------------------------------- public
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> Grammar:
-        """Blocking compile (cache first)."""
-        return self.compile_async(spec).result(timeout)
+        """Blocking compile. A cache hit returns at once; a miss is routed and compiled on the
+        calling thread (the engine call itself still runs under the compile deadline)."""
+        if isinstance(spec, GrammarSpec):
+            spec = self._effective(spec)
+            with self._lock:
+                hit = self._cache.get(spec.key)
+                if hit is not None:
+                    self._cache.move_to_end(spec.key)
+                    self.stats.hits += 1
+                    return hit
+        fut, build = self._lookup(spec)
+        if build is not None:
+            self._build(build, fut)
+        return fut.result(timeout)
 
     def compile_async(self, spec: GrammarSpec) -> Future[Grammar]:
+        """Start compiling now (e.g. at request admission, overlapping the prefill)."""
+        fut, build = self._lookup(spec)
+        if build is not None:
+            self._pool.submit(self._build, build, fut)
+        return fut
+
+    def _lookup(self, spec: GrammarSpec) -> tuple[Future[Grammar], GrammarSpec | None]:
+        """The request's future, and the effective spec when the caller must build it (a
+        miss: the future is already registered in flight, so concurrent requests join it)."""
         if not isinstance(spec, GrammarSpec):
             raise InvalidSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
         spec = self._effective(spec)
@@ -178,24 +237,23 @@ class Engine:
                 self.stats.hits += 1
                 done: Future[Grammar] = Future()
                 done.set_result(hit)
-                return done
+                return done, None
             failed = self._failed.get(key)
             if failed is not None:
                 if failed[0] > time.monotonic():
                     self.stats.negative_hits += 1
                     err: Future[Grammar] = Future()
                     err.set_exception(failed[1])
-                    return err
+                    return err, None
                 del self._failed[key]
             running = self._inflight.get(key)
             if running is not None:
                 self.stats.joined += 1
-                return running
+                return running, None
             self.stats.misses += 1
             fut: Future[Grammar] = Future()
             self._inflight[key] = fut
-        self._pool.submit(self._build, spec, fut)
-        return fut
+        return fut, spec
 
     def cached(self, spec: GrammarSpec) -> Grammar | None:
         with self._lock:

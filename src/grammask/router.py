@@ -13,8 +13,8 @@ the same request gives the same backend on every rank. The policy:
    llguidance (``free_text_pointer`` decides; deterministic), the rest to xgrammar;
 3. when neither enforces everything: the one with fewer gaps (ties to llguidance), the gaps
    listed in ``Route.unenforced``; in strict mode that is an ``UnsupportedError`` instead;
-4. other kinds: xgrammar for regex/choice/structural tags, llguidance for grammars (both
-   measured; xgrammar's Lark/EBNF compile is 5-80x slower).
+4. other kinds: xgrammar for choice lists and structural tags, llguidance for regexes and
+   grammars (measured: xgrammar's regex/Lark/EBNF compiles are 5-80x slower).
 """
 
 from __future__ import annotations
@@ -172,8 +172,12 @@ def _route_other(spec: GrammarSpec, features: dict[str, str]) -> Route:
         legacy = "structures" in json.loads(spec.source)
         return Route("xgrammar", "structural tags are native to xgrammar",
                      fallback="guidance" if legacy else None, features=features)
-    return Route("xgrammar", f"{spec.kind}: xgrammar compiles it in ~1-4 ms and fills fastest",
-                 fallback="guidance", features=features)
+    if spec.kind == "regex":
+        return Route("guidance", "regex: llguidance compiles it lazily (~2 ms); xgrammar's "
+                     "compile grows with the pattern (64 ms for an email regex here)",
+                     fallback="xgrammar", features=features)
+    return Route("xgrammar", "choice: a finite set, xgrammar compiles it in ~1-4 ms and fills "
+                 "fastest", fallback="guidance", features=features)
 
 
 def free_text_pointer(schema: Any) -> str | None:

@@ -14,6 +14,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal, cast
 
 from .errors import InvalidGrammarError, InvalidSchemaError, InvalidSpecError
@@ -64,7 +65,9 @@ class GrammarSpec:
 
     def _key_material(self) -> str:
         canonical = self.source
-        if self.kind in ("json_schema", "structural_tag", "choice"):
+        if self.kind == "json_schema":
+            canonical = canonical_json(self.schema)
+        elif self.kind in ("structural_tag", "choice"):
             canonical = canonical_json(json.loads(self.source))
         return json.dumps(
             [self.kind, canonical, self.syntax, self.any_whitespace, self.whitespace_pattern,
@@ -81,9 +84,10 @@ class GrammarSpec:
     def with_backend(self, backend: BackendName | None) -> GrammarSpec:
         return replace(self, backend=_check_backend(backend))
 
-    @property
+    @cached_property
     def schema(self) -> Any:
-        """The parsed JSON schema (json_schema kind only)."""
+        """The parsed JSON schema (json_schema kind only), parsed once and shared: read it,
+        never modify it (normalization makes copies)."""
         if self.kind != "json_schema":
             raise InvalidSpecError(f"a {self.kind} spec has no JSON schema")
         return json.loads(self.source)

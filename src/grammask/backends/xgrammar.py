@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from typing import Any
@@ -17,6 +18,7 @@ from ..vocab import Vocabulary
 from .base import Matcher, _EndTracking
 
 _COMPACT = (",", ":")
+_THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large grammars
 # "[11:27:52] /project/cpp/grammar_compiler.cc:1207: Check failed: (...) is false: " prefixes
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
@@ -92,7 +94,7 @@ class XGrammarBackend:
             comp = self._compilers.get(vocab.digest)
             if comp is None:
                 # grammask caches compiled grammars itself; xgrammar's cache would double memory.
-                comp = xgr.GrammarCompiler(vocab.xgrammar_info, max_threads=2,
+                comp = xgr.GrammarCompiler(vocab.xgrammar_info, max_threads=_THREADS,
                                            cache_enabled=False)
                 self._compilers[vocab.digest] = comp
             return comp

@@ -113,6 +113,7 @@ class DiffReport:
     tokens_differ: int = 0
     classes: Counter[str] = field(default_factory=Counter)
     resolved: Counter[str] = field(default_factory=Counter)
+    resolved_by_class: Counter[str] = field(default_factory=Counter)
     divergences: int = 0  # the follower refused a token the leader took
     budget_hit: int = 0  # walks cut short by the time budget
     examples: list[dict[str, Any]] = field(default_factory=list)
@@ -120,7 +121,9 @@ class DiffReport:
     def as_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "steps_differ": self.steps_differ,
                 "tokens_differ": self.tokens_differ, "classes": dict(self.classes),
-                "resolved": dict(self.resolved), "divergences": self.divergences,
+                "resolved": dict(self.resolved),
+                "resolved_by_class": dict(self.resolved_by_class),
+                "divergences": self.divergences,
                 "budget_hit": self.budget_hit,
                 "examples": self.examples}
 
@@ -199,10 +202,10 @@ def differential(leader: Matcher, follower: Matcher, names: tuple[str, str],
                         label = verdict.replace("allowing side", names[side]).replace(
                             "other side", names[1 - side])
                         report.resolved[label] += 1
+                        cls = classify(table.text(tid), table.is_special(tid), context)
+                        report.resolved_by_class[f"{label} | {cls}"] += 1
                         if "under" in label or "over" in label:
-                            _example(report, label, prefix, tid, table,
-                                     classify(table.text(tid), table.is_special(tid), context),
-                                     ids)
+                            _example(report, label, prefix, tid, table, cls, ids)
         token = choose(bits_l, table, rng, finish=step >= free_steps or step == max_tokens)
         if token is None or not leader.accept(token):
             return

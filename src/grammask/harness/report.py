@@ -15,9 +15,10 @@ from ..router import schema_features
 from .corpus import Item
 
 SUM_KEYS = ("valid_total", "valid_accepted", "invalid_total", "invalid_rejected", "over",
-            "over_label", "over_closed", "under", "under_known", "under_label", "label_disagree",
-            "instances_skipped", "samples_total", "samples_valid", "samples_invalid",
-            "samples_known_gap", "samples_unfinished", "samples_unchecked", "samples_truncated")
+            "over_label", "over_closed", "over_order", "under", "under_known", "under_label",
+            "label_disagree", "instances_skipped", "samples_total", "samples_valid",
+            "samples_invalid", "samples_known_gap", "samples_unfinished", "samples_unchecked",
+            "samples_truncated")
 AUDIT_KEYS = ("steps", "tokens", "mismatches", "allowed_refused", "forbidden_taken",
               "special_allowed", "stop_inconsistent", "empty_masks", "oracle_tokens",
               "oracle_over", "oracle_under", "oracle_dialect", "oracle_undecided",
@@ -125,13 +126,18 @@ def targets(rows: list[dict[str, Any]], items: dict[str, Item]) -> dict[str, Any
         for b in ("xgrammar", "guidance", "auto"):
             totals[f"valid_{b}"] += r[b]["valid_accepted"]
             totals[f"under_{b}"] += r[b]["under"]
+        totals["valid_bound"] += max(xg["valid_accepted"], ll["valid_accepted"])
         if au["valid_accepted"] < max(xg["valid_accepted"], ll["valid_accepted"]):
             misses["valid"].append(_miss(subset, item_id, r, items))
         compiled_unders = [r[b]["under"] for b in ("xgrammar", "guidance") if ok[b]]
-        if ok["auto"] and compiled_unders and au["under"] > min(compiled_unders):
-            misses["under"].append(_miss(subset, item_id, r, items))
+        if ok["auto"] and compiled_unders:
+            totals["under_bound"] += min(compiled_unders)
+            totals["under_auto_bounded"] += au["under"]
+            if au["under"] > min(compiled_unders):
+                misses["under"].append(_miss(subset, item_id, r, items))
     best_valid = max(totals["valid_xgrammar"], totals["valid_guidance"])
     best_under = min(totals["under_xgrammar"], totals["under_guidance"])
+    common = _common(full)
     return {
         "items": len(full),
         "compiled": {"auto": auto_compiled, "union": union,
@@ -140,13 +146,29 @@ def targets(rows: list[dict[str, Any]], items: dict[str, Item]) -> dict[str, Any
         "valid_accepted": {"auto": totals["valid_auto"], "xgrammar": totals["valid_xgrammar"],
                            "guidance": totals["valid_guidance"], "best": best_valid,
                            "met": totals["valid_auto"] >= best_valid,
+                           "per_item_bound": totals["valid_bound"],
                            "items_below_best": misses["valid"]},
         "invalid_accepted": {"auto": totals["under_auto"], "xgrammar": totals["under_xgrammar"],
                              "guidance": totals["under_guidance"], "best": best_under,
                              "met": totals["under_auto"] <= best_under,
+                             "per_item_bound": totals["under_bound"],
+                             "auto_where_bounded": totals["under_auto_bounded"],
                              "items_above_best": misses["under"]},
+        "common": common,
         "feedback": feedback(misses, items),
     }
+
+
+def _common(full: dict[tuple[str, str], dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Totals over the items every backend compiled: the fair comparison of quality, since
+    raw totals also count coverage (a schema not compiled accepts no invalid instance)."""
+    rows = [r for r in full.values() if all(r[b]["status"] == "ok" for b in r)]
+    out: dict[str, Any] = {"items": len(rows)}
+    for b in ("xgrammar", "guidance", "auto"):
+        out[b] = {k: sum(r[b][k] for r in rows) for k in
+                  ("valid_total", "valid_accepted", "invalid_total", "under", "under_known",
+                   "samples_total", "samples_valid", "samples_invalid")}
+    return out
 
 
 def _miss(subset: str, item_id: str, r: dict[str, dict[str, Any]], items: dict[str, Item]
@@ -180,6 +202,7 @@ def feedback(misses: dict[str, list[dict[str, Any]]], items: dict[str, Item]
 def differential_summary(diffs: list[dict[str, Any]]) -> dict[str, Any]:
     classes: Counter[str] = Counter()
     resolved: Counter[str] = Counter()
+    by_class: Counter[str] = Counter()
     out: dict[str, Any] = {"items": 0, "steps": 0, "steps_differ": 0, "divergences": 0,
                            "failed": 0}
     examples: list[dict[str, Any]] = []
@@ -192,11 +215,13 @@ def differential_summary(diffs: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] += d[key]
         classes.update(d["classes"])
         resolved.update(d["resolved"])
+        by_class.update(d.get("resolved_by_class", {}))
         for ex in d["examples"]:
             if ("under" in ex["label"] or "over" in ex["label"]) and len(examples) < 20:
                 examples.append({"id": d["id"], **ex})
     out["classes"] = dict(classes.most_common())
     out["resolved"] = dict(resolved.most_common())
+    out["resolved_by_class"] = dict(by_class.most_common())
     out["examples"] = examples
     return out
 
@@ -227,6 +252,18 @@ def render(report: dict[str, Any]) -> str:
             f"  invalid accepted  auto {u['auto']} vs best {u['best']} (xgrammar "
             f"{u['xgrammar']}, guidance {u['guidance']}): {'met' if u['met'] else 'MISSED'}"
             f" ({len(u['items_above_best'])} items above the better backend)")
+        cm = t["common"]
+        if cm["items"]:
+            parts.append(
+                f"  on the {cm['items']} items all three compiled: valid accepted auto "
+                f"{cm['auto']['valid_accepted']}, xgrammar {cm['xgrammar']['valid_accepted']}, "
+                f"guidance {cm['guidance']['valid_accepted']} (of {cm['auto']['valid_total']});"
+                f" invalid accepted auto {cm['auto']['under']}, xgrammar "
+                f"{cm['xgrammar']['under']}, guidance {cm['guidance']['under']} "
+                f"(of {cm['auto']['invalid_total']})\n"
+                f"  per-item bound (the better backend on each item): valid "
+                f"{v['per_item_bound']} vs auto {v['auto']}; invalid accepted "
+                f"{u['per_item_bound']} vs auto {u['auto_where_bounded']}")
     d = report["differential"]
     if d["items"]:
         parts.append(f"\ndifferential: {d['items']} items, {d['steps_differ']}/{d['steps']} "

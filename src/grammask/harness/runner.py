@@ -12,6 +12,7 @@ inside the Engine (the runaway thread keeps burning CPU) is replaced after its i
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 import traceback
 from collections import deque
@@ -46,10 +47,16 @@ class Results:
 
 
 def _worker_main(conn: Connection, cfg: CheckConfig, factory: CheckerFactory) -> None:
+    # A group signal (``timeout`` stopping the run) must reach the parent only: it stops the
+    # workers itself and still writes its report. An orphaned worker exits on EOF.
+    os.setpgrp()
     checker = factory(cfg)
     conn.send(("ready", {}))
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
         if msg is None:
             break
         task, item, backends, no_diff = msg
@@ -87,6 +94,7 @@ class _Worker:
         self.deadline = time.monotonic() + STARTUP_S
 
     def kill(self) -> None:
+        """Terminate, then kill if it ignores that (a native hang may)."""
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(2)
@@ -96,6 +104,7 @@ class _Worker:
         self.conn.close()
 
     def stop(self) -> None:
+        """Ask politely (the worker closes its Engine), then make sure."""
         try:
             self.conn.send(None)
             self.proc.join(10)
@@ -106,6 +115,7 @@ class _Worker:
 
 def failed_row(item: Item, backend: str, status: str, error: str, cfg: CheckConfig
                ) -> dict[str, Any]:
+    """The row of a phase that never reported (its instances still count as totals)."""
     row = Row(item.subset, item.id, item.kind, backend, status=status, error=error)
     count_instances(row, item, cfg)
     return asdict(row)
@@ -154,6 +164,7 @@ class Pool:
                         try:
                             kind, payload = w.conn.recv()
                         except (EOFError, OSError):
+                            w.proc.join(1)  # reap it, so the exit code (or signal) is known
                             code = w.proc.exitcode
                             finished = self._lost(w, results, queue, "crash",
                                                   f"worker died (exit code {code})")
@@ -222,7 +233,7 @@ class Pool:
         task = w.task
         w.task = None
         if task is None:
-            if not w.ready and status == "crash":
+            if not w.ready and status == "crash" and not self._stopping:
                 raise RuntimeError(f"a harness worker failed to start ({error})")
             return None
         phase = task.phase

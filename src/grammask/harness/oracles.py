@@ -347,9 +347,12 @@ _KEYWORDS = frozenset({
 
 
 def error_keywords(err: ValidationError) -> set[str]:
-    """The failing keyword and every keyword on its schema path (``$ref``, ``allOf`` ...)."""
+    """The failing keyword, every keyword on its schema path (``$ref``, ``allOf`` ...), and
+    those of its sub-errors (an ``anyOf`` fails because of what failed in its branches)."""
     words = {str(err.validator)}
     words.update(p for p in err.schema_path if isinstance(p, str) and p in _KEYWORDS)
+    for sub in err.context or ():
+        words |= error_keywords(sub)
     return words
 
 

@@ -152,17 +152,20 @@ def _show(data: bytes) -> str:
 
 # ------------------------------------------------------------------------------ audit
 class LongerPrefixes:
-    """Whether the mask forbids a token but allows a longer token spelling the same bytes.
+    """Whether the mask forbids a token that spells the same forced text as an allowed one.
 
-    llguidance forbids non-canonical tokenizations of forced text (after ``{"`` with one
-    possible key it allows ``name`` and forbids ``nam``) while ``accept`` takes them: a
-    deliberate narrowing, counted apart from mismatches. Decided only for masks allowing at
-    most ``limit`` tokens (forced text allows few); the prefix set is built on first use."""
+    llguidance allows only the canonical tokenization of forced text (after ``{"`` with one
+    possible key it allows ``name`` and forbids ``nam``; for ``GeometryPresentation`` it may
+    allow ``ent`` and forbid ``enta``) while ``accept`` takes the others: a deliberate
+    narrowing, counted apart from mismatches. The token counts as such when an allowed token
+    starts with it or is a proper prefix of it. Decided only for masks allowing at most
+    ``limit`` tokens (forced text allows few); the sets are built on first use."""
 
     def __init__(self, bits: np.ndarray[Any, np.dtype[np.bool_]], table: TokenTable,
                  limit: int = 5000) -> None:
         self._bits, self._table, self._limit = bits, table, limit
         self._prefixes: set[bytes] | None = None
+        self._allowed: set[bytes] = set()
 
     def __call__(self, token: int) -> bool:
         if self._prefixes is None:
@@ -171,8 +174,13 @@ class LongerPrefixes:
             if allowed.size <= self._limit:
                 for a in allowed.tolist():
                     u = self._table.text(a)
+                    self._allowed.add(u)
                     self._prefixes.update(u[:k] for k in range(1, len(u)))
-        return self._table.text(token) in self._prefixes
+        text = self._table.text(token)
+        if not text:
+            return False
+        return text in self._prefixes or any(
+            text[:k] in self._allowed for k in range(1, len(text)))
 
 
 def audit_step(matcher: Matcher, table: TokenTable, bits: np.ndarray[Any, np.dtype[np.bool_]],

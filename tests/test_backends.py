@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grammask import Engine, GrammarSpec, InvalidGrammarError, Vocabulary
+from grammask import Engine, GrammarSpec, InvalidGrammarError, UnsupportedError, Vocabulary
 from grammask.spec import BackendName
 
 from .conftest import CORPUS
@@ -119,8 +119,37 @@ def test_corpus_grammars_on_xgrammar(eng: Engine, qwen25: Vocabulary) -> None:
     samples = {"json.gbnf": '{"a": [1, 2]}', "json_arr.gbnf": '[\n{"a": 1}]'}
     for name, sample in samples.items():
         auto = eng.compile(GrammarSpec.grammar((CORPUS / "gbnf" / name).read_text()))
-        assert auto.backend == "guidance"
+        assert auto.backend == "guidance" and auto.fallback_from == "xgrammar"
         assert accepts_complete(auto.matcher(), qwen25, sample), name
+
+
+def test_gbnf_keeps_its_language_under_auto(eng: Engine, qwen25: Vocabulary) -> None:
+    """llguidance's GBNF-to-Lark conversion folds the trailing newline of arithmetic.gbnf into
+    a terminal, so a complete expression ending in a newline is refused; auto serves GBNF on
+    xgrammar, which reads it natively."""
+    source = (CORPUS / "gbnf" / "arithmetic.gbnf").read_text()
+    text = "1=1\n"
+    auto = eng.compile(GrammarSpec.grammar(source, "ebnf"))
+    assert auto.backend == "xgrammar"
+    assert accepts_complete(auto.matcher(), qwen25, text)
+    converted = eng.compile(GrammarSpec.grammar(source, "ebnf", backend="guidance"))
+    assert not accepts_complete(converted.matcher(), qwen25, text)
+
+
+EMPTY_FOR_GUIDANCE = {"type": "number", "allOf": [
+    {"anyOf": [{"multipleOf": 33}, {"multipleOf": 12}]}, {"exclusiveMaximum": -100000}]}
+
+
+def test_guidance_grammar_with_no_output_is_a_compile_error(eng: Engine, qwen25: Vocabulary
+                                                            ) -> None:
+    """llguidance builds this grammar but fails on its first mask (it used to hand out a
+    stop-only mask whose stop token ``accept`` then refused): now a clear compile error, and
+    auto routing serves the schema on xgrammar instead."""
+    with pytest.raises(UnsupportedError, match="can produce no output"):
+        eng.compile(GrammarSpec.json_schema(EMPTY_FOR_GUIDANCE, backend="guidance"))
+    auto = eng.compile(GrammarSpec.json_schema(EMPTY_FOR_GUIDANCE))
+    assert auto.backend == "xgrammar" and auto.fallback_from == "guidance"
+    assert accepts_complete(auto.matcher(), qwen25, "-100032")
 
 
 def test_rfc_lark_accepts_its_sample(eng: Engine, qwen25: Vocabulary) -> None:

@@ -293,6 +293,31 @@ def test_instances_forms_and_gap_classification(checker: Checker) -> None:
     assert row.samples_invalid == 0
 
 
+def test_auto_reuses_the_forced_row_of_the_same_grammar(checker: Checker) -> None:
+    """Auto routed to an engine with the same mode and gaps compiles the very grammar the
+    forced row checked: the row is copied (and says so); a different mode is checked anew."""
+    same = Item("same", "hand", "json_schema", {"type": "object", "properties": {
+        "s": {"type": "string"}}, "required": ["s"]}, instances=(
+        Instance(True, data={"s": "x"}), Instance(False, data={"s": 1})))
+    rows: list[dict[str, Any]] = []
+    checker.check(same, ("xgrammar", "guidance", "auto"),
+                  lambda kind, p: rows.append(p) if kind == "row" else None, diff=False)
+    by = {r["backend"]: r for r in rows}
+    assert by["auto"]["reused_from"] == "guidance" == by["auto"]["served_by"]
+    assert by["auto"]["valid_accepted"] == by["guidance"]["valid_accepted"] == 1
+    assert by["auto"]["invalid_rejected"] == 1 and by["auto"]["reason"] != by["guidance"]["reason"]
+    # an overlapping oneOf: forced llguidance refuses it, auto's lenient fallback serves it,
+    # so there is no forced row to reuse and auto is checked for real
+    rescued = Item("rescued", "hand", "json_schema",
+                   {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+                   instances=(Instance(True, data=1.5),))
+    rows.clear()
+    checker.check(rescued, ("guidance", "auto"),
+                  lambda kind, p: rows.append(p) if kind == "row" else None, diff=False)
+    by = {r["backend"]: r for r in rows}
+    assert by["auto"]["reused_from"] == "" and by["auto"]["status"] == "ok"
+
+
 @pytest.mark.parametrize("kind,source", [
     ("choice", ["yes", "no", "maybe"]),
     ("regex", r"[a-c]{2,5}-\d"),

@@ -63,6 +63,17 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
     ("not", {"type": "integer", "not": {"const": 3}}, "guidance", "not", 2, 3),
     ("if-then-else", {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}},
      "guidance", "if/then/else", 12, 13),
+    # found by `grammask check`: xgrammar lets raw control characters into length-bounded
+    # strings, ignores an untyped format and anchors inside a pattern
+    ("string-maxLength", {"type": "string", "maxLength": 5}, "guidance", "", "a b", "abcdef"),
+    ("string-minLength", {"type": "string", "minLength": 2}, "guidance", "", "ab", "a"),
+    ("format-untyped", {"format": "email"}, "guidance", "", "a@b.co", "not-an-email"),
+    ("pattern-inner-anchor", {"type": "string", "pattern": "^(a|b$)"}, "guidance", "",
+     "b", "bc"),
+    ("format-xgrammar-only", {"type": "string", "format": "json-pointer"}, "xgrammar", "",
+     "/a/b", "abc"),
+    ("format-neither", {"type": "string", "format": "iri"}, "guidance",
+     "format (neither engine)", "http://x.org/a", 5),
 ]
 
 
@@ -169,7 +180,9 @@ def test_xgrammar_refusal_falls_back(eng: Engine, qwen25: Vocabulary) -> None:
 @pytest.mark.parametrize(
     ("spec", "backend"),
     [(GrammarSpec.regex("a+"), "guidance"), (GrammarSpec.choice(["a", "b"]), "xgrammar"),
-     (GrammarSpec.grammar('start: "a"'), "guidance"), (GrammarSpec.json_object(), "guidance"),
+     (GrammarSpec.grammar('start: "a"'), "guidance"),
+     (GrammarSpec.grammar('root ::= "a"', "ebnf"), "xgrammar"),
+     (GrammarSpec.json_object(), "guidance"),
      (GrammarSpec.json_object(whitespace_pattern=" ?"), "guidance"),
      (GrammarSpec.json_schema(OBJ_AB, whitespace_pattern=" ?"), "guidance"),
      (GrammarSpec.json_schema(OBJ_AB, extra_properties=True), "guidance"),
@@ -187,6 +200,26 @@ def test_preference_is_configurable(qwen25: Vocabulary) -> None:
     numbers = GrammarSpec.json_schema(OBJ_AB)
     assert route(numbers).backend == "xgrammar"
     assert Engine(qwen25, prefer="guidance").route(numbers).backend == "guidance"
+
+
+def test_length_bounded_strings_refuse_raw_control_characters(eng: Engine,
+                                                              qwen25: Vocabulary) -> None:
+    """xgrammar 0.2.8 accepts a raw tab inside a string with minLength/maxLength (invalid
+    JSON); the route avoids it, and the forced xgrammar grammar shows why."""
+    schema = {"type": "string", "maxLength": 5}
+    raw = '"a\tb"'
+    assert not accepts_complete(eng.compile(GrammarSpec.json_schema(schema)).matcher(),
+                                qwen25, raw)
+    forced = eng.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
+    assert "string minLength/maxLength" in " ".join(forced.unenforced)
+    assert accepts_complete(forced.matcher(), qwen25, raw)  # the engine bug, still there
+
+
+def test_inner_anchor_detection() -> None:
+    from grammask.router import _inner_anchor
+
+    assert not _inner_anchor("^[^a-z]+$") and not _inner_anchor("a\\$") and not _inner_anchor("x")
+    assert _inner_anchor("(^a|b)") and _inner_anchor("a$|b") and _inner_anchor("^(a|b$)")
 
 
 def test_route_is_deterministic() -> None:

@@ -13,8 +13,9 @@ the same request gives the same backend on every rank. The policy:
    llguidance (``free_text_pointer`` decides; deterministic), the rest to xgrammar;
 3. when neither enforces everything: the one with fewer gaps (ties to llguidance), the gaps
    listed in ``Route.unenforced``; in strict mode that is an ``UnsupportedError`` instead;
-4. other kinds: xgrammar for choice lists and structural tags, llguidance for regexes and
-   grammars (measured: xgrammar's regex/Lark/EBNF compiles are 5-80x slower).
+4. other kinds: xgrammar for choice lists, structural tags and GBNF (its native syntax; the
+   llguidance conversion changes the language), llguidance for regexes and Lark (measured:
+   xgrammar's regex/Lark compiles are 5-80x slower).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ XGRAMMAR_GAPS: dict[str, str] = {
     "patternProperties": "refuses keys that match when additionalProperties is absent",
     "whitespace_pattern": "not supported",
     "required (undeclared names)": "ignored for names not in properties",
+    "string minLength/maxLength": "admits raw control characters (invalid JSON)",
+    "format (untyped)": "ignored without type: string",
+    "pattern (inner anchors)": "^ and $ inside the pattern are ignored",
 }
 
 #: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
@@ -64,21 +68,31 @@ GUIDANCE_GAPS: dict[str, str] = {
     "$ref (remote)": "refused",
     "$anchor / $dynamicRef": "refused ($dynamicRef)",
     "minProperties/maxProperties": "refused unless every property is required",
+    "format (llguidance unknown)": "refused as unknown (lenient mode ignores it)",
 }
 
 #: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
 #: (unknown formats are annotations in JSON Schema 2020-12).
-GUIDANCE_LENIENT_SAFE = frozenset({"format (unknown)"})
+GUIDANCE_LENIENT_SAFE = frozenset({"format (unknown)", "format (neither engine)"})
 
+#: Formats both engines enforce (``date`` with the common gap below).
 _KNOWN_FORMATS = frozenset({
-    "date", "date-time", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
-    "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
-    "json-pointer", "relative-json-pointer", "regex",
+    "date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid",
 })
+#: xgrammar enforces these; llguidance 1.7 calls them unknown (measured by the harness).
+_XGRAMMAR_ONLY_FORMATS = frozenset({
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+#: Neither engine enforces these: xgrammar ignores them, llguidance calls them unknown.
+_UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
 
 #: Neither engine enforces these; listed in ``unenforced`` but not a reason to switch engines
 #: (nor to refuse in strict mode: both engines accept the impossible date 2023-02-29).
-COMMON_GAPS: dict[str, str] = {"format: date": "day-of-month not checked (2023-02-29 passes)"}
+COMMON_GAPS: dict[str, str] = {
+    "format: date": "day-of-month not checked (2023-02-29 passes)",
+    "format (neither engine)": "idn-email, idn-hostname, iri, iri-reference and regex are "
+                               "not checked",
+}
 
 @dataclass(frozen=True)
 class Route:
@@ -165,8 +179,13 @@ def _route_other(spec: GrammarSpec, features: dict[str, str]) -> Route:
             return Route("guidance", "whitespace_pattern needs llguidance", features=features)
         return Route("guidance", "json_object: llguidance compiles it in ~1 ms "
                      "(xgrammar ~30 ms)", fallback="xgrammar", features=features)
+    if spec.kind == "grammar" and spec.syntax == "ebnf":
+        return Route("xgrammar", "GBNF is native to xgrammar (2-160 ms for llama.cpp's "
+                     "grammars); llguidance's GBNF-to-Lark conversion folds trailing "
+                     "whitespace into terminals and refuses some valid texts",
+                     fallback="guidance", features=features)
     if spec.kind == "grammar":
-        return Route("guidance", "grammars: llguidance compiles Lark/EBNF 5-80x faster",
+        return Route("guidance", "Lark is native to llguidance (compiles 5-80x faster)",
                      fallback="xgrammar", features=features)
     if spec.kind == "structural_tag":
         legacy = "structures" in json.loads(spec.source)
@@ -259,8 +278,14 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
             yield "$ref with siblings"
     if "$dynamicRef" in node or "$dynamicAnchor" in node:
         yield "$anchor / $dynamicRef"
-    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+    has_length = "minLength" in node or "maxLength" in node
+    pattern = node.get("pattern")
+    if "pattern" in node and has_length:
         yield "pattern with minLength/maxLength"
+    elif has_length and node.get("type", "string") == "string":
+        yield "string minLength/maxLength"
+    if isinstance(pattern, str) and _inner_anchor(pattern):
+        yield "pattern (inner anchors)"
     required = node.get("required")
     if isinstance(required, list):
         props = node.get("properties")
@@ -273,10 +298,36 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
     if isinstance(fmt, str) and node.get("type") in ("string", None):
         if fmt == "date":
             yield "format: date"
+        elif fmt in _XGRAMMAR_ONLY_FORMATS:
+            yield "format (llguidance unknown)"
+        elif fmt in _UNENFORCED_FORMATS:
+            yield "format (neither engine)"
         elif fmt not in _KNOWN_FORMATS:
             yield "format (unknown)"
+        if "type" not in node and fmt not in _UNENFORCED_FORMATS:
+            yield "format (untyped)"
     if ("minProperties" in node or "maxProperties" in node) and _has_optional(node):
         yield "minProperties/maxProperties"
+
+
+def _inner_anchor(pattern: str) -> bool:
+    """A ``^`` or ``$`` anchor anywhere but the pattern's two ends (outside classes)."""
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    in_class = escaped = False
+    for ch in body:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch in "^$":
+            return True
+    return False
 
 
 def _has_optional(node: dict[str, Any]) -> bool:

@@ -36,8 +36,10 @@ class GuidanceMatcher(_EndTracking):
         self._m = inner
 
     def accept(self, token_id: int) -> bool:
-        if self._m.is_stopped():
-            if token_id in self._stop_ids and not self._m.is_error():
+        if self._m.is_stopped() or self._m.is_error():
+            # an error state (llguidance lost the parse) ends the output like a stop: its
+            # mask allows only the stop tokens, so accepting one must agree with that mask
+            if token_id in self._stop_ids:
                 self._extra_stops += 1
                 return True
             return False
@@ -47,7 +49,7 @@ class GuidanceMatcher(_EndTracking):
         return bool(self._m.consume_token(token_id))
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._m.is_stopped() and not self._m.is_error():
+        if self._m.is_stopped() or self._m.is_error():
             self._stop_only(bitmask, row)
             return
         out = bitmask[row]
@@ -60,10 +62,10 @@ class GuidanceMatcher(_EndTracking):
             self._m.rollback(num_tokens - undo_extra)
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_stopped())
+        return bool(self._m.is_stopped() or self._m.is_error())
 
     def can_terminate(self) -> bool:
-        return bool(self._m.is_stopped() or self._m.is_accepting())
+        return bool(self._m.is_stopped() or self._m.is_error() or self._m.is_accepting())
 
     def fork(self) -> Matcher:
         twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids)
@@ -106,6 +108,7 @@ class GuidanceBackend:
         template = llg.LLMatcher(vocab.llguidance_tokenizer, grammar, log_level=0)
         if template.is_error():
             raise _translate(spec, template.get_error())
+        _first_mask_check(spec, template, vocab)
         return GuidanceCompiled(template, grammar, vocab.stop_ids,
                                 list(template.get_grammar_warnings()))
 
@@ -114,6 +117,20 @@ class GuidanceBackend:
         message = llg.LLMatcher.validate_grammar(grammar)
         if message:
             raise _translate(spec, message)
+
+
+def _first_mask_check(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary) -> None:
+    """Some grammars llguidance accepts can produce no token at all (e.g. an ``allOf`` of
+    ``multipleOf`` and a bound): the error only shows when the first mask is computed, and a
+    request would get a stop-only mask. Find out at compile time, so routing can fall back."""
+    probe = template.deep_copy()
+    words = torch.zeros((vocab.vocab_size + 31) // 32, dtype=torch.int32)
+    probe.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+    if probe.is_error():
+        reason = str(probe.get_error()).strip().splitlines()[0][:200]
+        raise UnsupportedError(f"llguidance: the compiled grammar can produce no output "
+                               f"(first mask failed: {reason})", where="/" if spec.kind ==
+                               "json_schema" else None)
 
 
 def json_options(spec: GrammarSpec, *, lenient: bool) -> JsonCompileOptions:

@@ -28,7 +28,7 @@ import json
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class CheckConfig:
     diff_budget_s: float = 20.0
     seed: int = 0
     remotes: str | None = None
+    reuse_auto: bool = True
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Row:
     audit: dict[str, Any] = field(default_factory=dict)
     examples: list[dict[str, Any]] = field(default_factory=list)
     recycle: bool = False
+    reused_from: str = ""  # auto's row copied from the forced row of the very same grammar
 
     @property
     def compiled(self) -> bool:
@@ -222,10 +224,14 @@ class Checker:
         oracle = self.oracle_for(item)
         disagree = label_disagreements(item, oracle)
         compiled: dict[str, Grammar] = {}
+        rows: dict[str, Row] = {}
         try:
             for label in backends:
                 emit("start", {"backend": label})
-                row, grammar = self.check_backend(item, label, oracle)
+                reused = self.reused_auto_row(item, rows) if label == "auto" else None
+                row, grammar = (reused, None) if reused else self.check_backend(
+                    item, label, oracle)
+                rows[label] = row
                 row.label_disagree = disagree
                 if grammar is not None and label != "auto":
                     compiled[label] = grammar
@@ -236,6 +242,26 @@ class Checker:
                                                compiled["guidance"], oracle))
         finally:
             self.engine.clear()
+
+    def reused_auto_row(self, item: Item, rows: dict[str, Row]) -> Row | None:
+        """Auto's row when auto routes to an engine whose forced row was already checked with
+        the very same compiled grammar (same engine, same lenient flag, same gaps: the
+        engine compile depends on nothing else). Checking it again would repeat the same
+        walks; a fallback, a failed forced row or a different mode is checked for real."""
+        if not self.cfg.reuse_auto:
+            return None
+        try:
+            spec = spec_for(item, "auto", self.cfg)
+            decision = self.engine.route(spec)
+            forced = self.engine.route(spec.with_backend(decision.backend))
+        except GrammarError:
+            return None
+        base = rows.get(decision.backend)
+        if (base is None or not base.compiled or forced.lenient != decision.lenient
+                or set(forced.unenforced) != set(decision.unenforced)):
+            return None
+        return replace(base, backend="auto", reason=decision.reason,
+                       reused_from=decision.backend, examples=list(base.examples))
 
     def check_backend(self, item: Item, label: str, oracle: ItemOracle
                       ) -> tuple[Row, Grammar | None]:

@@ -70,6 +70,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="JSON Schema semantics (undeclared keys allowed) instead of grammask's "
                         "default closed objects")
     p.add_argument("--no-diff", action="store_true", help="skip the differential")
+    p.add_argument("--recheck-auto", action="store_true",
+                   help="check auto's grammar even when it is the very grammar a forced "
+                        "backend row already checked (default: reuse that row)")
     p.add_argument("--json", type=Path, dest="json_out", help="write the full report here")
     p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(list(argv))
@@ -86,7 +89,7 @@ def config_of(ns: argparse.Namespace, remotes: Path | None) -> CheckConfig:
         audit_steps=ns.audit_steps, audit_tokens=ns.audit_tokens,
         any_whitespace=not ns.compact_only, extra_properties=ns.open_objects,
         diff=not ns.no_diff, seed=ns.seed, walk_budget_s=ns.walk_budget,
-        diff_budget_s=ns.diff_budget,
+        diff_budget_s=ns.diff_budget, reuse_auto=not ns.recheck_auto,
         remotes=str(remotes) if remotes is not None and remotes.is_dir() else None)
 
 

@@ -32,26 +32,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (
-    DEFAULT_CORPUS,
-    RAW_OF_BACKEND,
-    Case,
-    Pool,
-    System,
-    case_from,
-    case_payload,
-    dist,
-    extra_cases,
-    fmt_ms,
-    load_maskbench,
-    machine_info,
-    parse_systems,
-    percentile,
-    progress,
-    render_table,
-    rotated,
-    write_json,
-)
+from bench.cases import Case, case_from, case_payload, extra_cases, load_maskbench
+from bench.paths import DEFAULT_CORPUS
+from bench.stats import dist, fmt_ms, machine_info, percentile, render_table, write_json
+from bench.systems import RAW_OF_BACKEND, System, parse_systems
+from bench.workers import Pool, progress, rotated
 
 TASK = "bench.compile:measure"
 GRACE_S = 5.0  # beyond --timeout, for the cache-hit measurement and the reply itself

@@ -28,24 +28,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (
-    DEFAULT_CORPUS,
-    Case,
-    Pool,
-    System,
-    case_from,
-    case_payload,
-    dist,
-    extra_cases,
-    fmt_ms,
-    load_maskbench,
-    machine_info,
-    parse_systems,
-    progress,
-    render_table,
-    rotated,
-    write_json,
-)
+from bench.cases import Case, case_from, case_payload, extra_cases, load_maskbench
+from bench.paths import DEFAULT_CORPUS
+from bench.stats import dist, fmt_ms, machine_info, render_table, write_json
+from bench.systems import System, parse_systems
+from bench.workers import Pool, progress, rotated
 
 WALK = "bench.mask:walk"
 BATCH = "bench.mask:batch"

@@ -45,15 +45,9 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 
 import torch
 
-from bench.common import (
-    DEFAULT_CORPUS,
-    fmt_ms,
-    load_maskbench,
-    machine_info,
-    percentile,
-    render_table,
-    write_json,
-)
+from bench.cases import load_maskbench
+from bench.paths import DEFAULT_CORPUS
+from bench.stats import fmt_ms, machine_info, percentile, render_table, write_json
 from grammask import Engine, Grammar, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
 from grammask.backends import Matcher
 from grammask.bitmask import allocate_bitmask

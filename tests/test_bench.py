@@ -16,46 +16,48 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import common  # noqa: E402
 from bench import compile as compile_bench  # noqa: E402
 from bench import mask as mask_bench  # noqa: E402
+from bench.cases import Case, extra_cases, load_maskbench, stratified  # noqa: E402
+from bench.stats import dist, percentile  # noqa: E402
+from bench.systems import parse_systems  # noqa: E402
 
 DIST_KEYS = {"n", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
 
 
 # ------------------------------------------------------------------ pure helpers
-def _pools(sizes: dict[str, int]) -> dict[str, list[common.Case]]:
-    return {name: [common.Case(f"{name}/{i}", name, "json_schema", "{}") for i in range(n)]
+def _pools(sizes: dict[str, int]) -> dict[str, list[Case]]:
+    return {name: [Case(f"{name}/{i}", name, "json_schema", "{}") for i in range(n)]
             for name, n in sizes.items()}
 
 
 def test_stratified_sample_is_exact_proportional_and_seeded() -> None:
     pools = _pools({"big": 900, "mid": 90, "small": 3, "tiny": 1})
-    first = common.stratified(pools, 40, seed=7)
+    first = stratified(pools, 40, seed=7)
     assert len(first) == 40
     per = {name: sum(c.group == name for c in first) for name in pools}
     assert per["big"] > per["mid"] > 0 and per["tiny"] == 1 and per["small"] == 2
-    assert first == common.stratified(pools, 40, seed=7)
-    assert first != common.stratified(pools, 40, seed=8)
+    assert first == stratified(pools, 40, seed=7)
+    assert first != stratified(pools, 40, seed=8)
     assert len({c.id for c in first}) == 40
-    assert len(common.stratified(pools, 10_000, seed=0)) == 994  # capped by the corpus
+    assert len(stratified(pools, 10_000, seed=0)) == 994  # capped by the corpus
 
 
 def test_percentiles_interpolate_like_numpy() -> None:
-    assert common.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert common.percentile([5.0], 99) == 5.0
-    d = common.dist([float(i) for i in range(1, 101)])
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    d = dist([float(i) for i in range(1, 101)])
     assert d["n"] == 100 and d["max_ms"] == 100 and d["p50_ms"] == 50.5
     assert abs(d["p99_ms"] - 99.01) < 1e-9
 
 
 def test_corpus_cases_cover_every_kind(corpus: Path) -> None:
-    cases = common.load_maskbench(corpus, 30, 0, need_instances=True)
+    cases = load_maskbench(corpus, 30, 0, need_instances=True)
     assert len(cases) == 30 and all(c.instances for c in cases)
     assert len({c.group for c in cases}) >= 10  # stratified over the subsets
     for c in cases:
         json.loads(c.source)
-    extras = common.extra_cases(corpus)
+    extras = extra_cases(corpus)
     assert {c.kind for c in extras} == {"regex", "choice", "grammar"}
     assert {c.syntax for c in extras if c.kind == "grammar"} == {"ebnf", "lark"}
 
@@ -82,7 +84,7 @@ def test_compile_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:
     assert rc == 0
     payload = json.loads(out.read_text())
     cases = payload["config"]["cases"]
-    assert cases == 3 + len(common.extra_cases(corpus))
+    assert cases == 3 + len(extra_cases(corpus))
     _check_summary(payload["summary"], systems, cases)
     rows = payload["rows"]
     assert len(rows) == cases * len(systems)
@@ -110,7 +112,7 @@ def test_compile_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:
 def test_compile_bench_counts_timeouts_and_restarts_the_worker(corpus: Path) -> None:
     """A deadline nothing can meet: every spec is a timeout (the worker is killed and
     restarted each time), none is dropped."""
-    cases = common.load_maskbench(corpus, 2, 0, ["Glaiveai2K"])
+    cases = load_maskbench(corpus, 2, 0, ["Glaiveai2K"])
     result = compile_bench.run(cases, ["llguidance"], {
         "timeout": 1e-6, "grace_s": 0.0, "tokenizer": "qwen2.5"}, quiet=True)
     rows = result["rows"]
@@ -122,7 +124,7 @@ def test_compile_bench_counts_timeouts_and_restarts_the_worker(corpus: Path) -> 
 
 def test_unknown_system_is_refused() -> None:
     with pytest.raises(SystemExit):
-        common.parse_systems("xgrammar,outlines")
+        parse_systems("xgrammar,outlines")
 
 
 def test_mask_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,15 +22,6 @@ SCHEMA = {"type": "object", "properties": {
     "n": {"type": "integer"}}, "required": ["name", "n"]}
 INSTANCE = json.dumps({"name": "grammask", "tags": ["a", "bc"], "n": 12},
                       separators=(",", ":"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Small tensors on a shared 2-core machine: one intra-op thread is much faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:

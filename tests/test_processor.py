@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import pytest
@@ -28,15 +28,6 @@ SPECS = [
     GrammarSpec.choice(["alpha", "beta", "gamma"], backend="xgrammar"),
     GrammarSpec.json_schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 4}),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Small tensors on a shared 2-core machine: one intra-op thread is much faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def allowed(logits_row: torch.Tensor) -> torch.Tensor:

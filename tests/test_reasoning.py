@@ -17,15 +17,6 @@ SPEC = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "
                                 "required": ["a"]}, any_whitespace=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Small tensors on a shared 2-core machine: one intra-op thread is much faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def chat(vocab: Vocabulary, *parts: str | int) -> list[int]:
     """Token ids of a prompt: strings are encoded as text, ints are special tokens."""
     ids: list[int] = []

@@ -74,6 +74,9 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
      "/a/b", "abc"),
     ("format-neither", {"type": "string", "format": "iri"}, "guidance",
      "format (neither engine)", "http://x.org/a", 5),
+    # llguidance refuses look-around even leniently; xgrammar ignores it: said, not silent
+    ("pattern-lookaround", {"type": "string", "pattern": "^a(?!b)"}, "xgrammar",
+     "pattern (lookaround)", "ac", "ab"),
 ]
 
 

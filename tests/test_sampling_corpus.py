@@ -38,15 +38,6 @@ CAP = 4000  # tokens; an output reaching it counts as unfinished (a failure of t
 CLOSING = frozenset(b'"]}')
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Small tensors on a shared 2-core machine: one intra-op thread is much faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclass
 class Sample:
     subset: str

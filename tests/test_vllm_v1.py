@@ -138,15 +138,6 @@ def chat_prompt(vocab: Vocabulary, user: str, *, closed_thinking: bool = False) 
     return ids
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Any:
-    """Full-vocabulary checks are tiny ops: intra-op threads only contend on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def runner() -> Any:
     made: list[Runner] = []

@@ -21,6 +21,7 @@ the same request gives the same backend on every rank. The policy:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,6 +52,7 @@ XGRAMMAR_GAPS: dict[str, str] = {
     "string minLength/maxLength": "admits raw control characters (invalid JSON)",
     "format (untyped)": "ignored without type: string",
     "pattern (inner anchors)": "^ and $ inside the pattern are ignored",
+    "pattern (lookaround)": "look-around and \\b are ignored",
 }
 
 #: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
@@ -69,7 +71,12 @@ GUIDANCE_GAPS: dict[str, str] = {
     "$anchor / $dynamicRef": "refused ($dynamicRef)",
     "minProperties/maxProperties": "refused unless every property is required",
     "format (llguidance unknown)": "refused as unknown (lenient mode ignores it)",
+    "pattern (lookaround)": "refused, even in lenient mode",
 }
+
+#: llguidance gaps lenient mode cannot serve: when both engines have gaps, xgrammar then
+#: serves (with its gaps listed) instead of a doomed llguidance attempt.
+GUIDANCE_HARD = frozenset({"pattern (lookaround)"})
 
 #: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
 #: (unknown formats are annotations in JSON Schema 2020-12).
@@ -151,7 +158,7 @@ def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
             f"no backend enforces every keyword (xgrammar lacks {_names(xg_gaps)}; "
             f"llguidance lacks {_names(ll_gaps)})",
             where=_first_pointer(features, sorted(set(xg_gaps) | set(ll_gaps))))
-    if len(xg_gaps) < len(ll_gaps):
+    if len(xg_gaps) < len(ll_gaps) or any(g in GUIDANCE_HARD for g in ll_gaps):
         return Route("xgrammar", f"neither engine enforces everything; xgrammar misses fewer "
                      f"({_names(xg_gaps)})", unenforced=(*xg_gaps, *common), features=features)
     return Route("guidance", f"neither engine enforces everything; llguidance (lenient) misses "
@@ -282,10 +289,16 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
     pattern = node.get("pattern")
     if "pattern" in node and has_length:
         yield "pattern with minLength/maxLength"
-    elif has_length and node.get("type", "string") == "string":
+    elif has_length and _may_be_string(node):
         yield "string minLength/maxLength"
+    patterns = [pattern] if isinstance(pattern, str) else []
+    pattern_props = node.get("patternProperties")
+    if isinstance(pattern_props, dict):
+        patterns += [p for p in pattern_props if isinstance(p, str)]
     if isinstance(pattern, str) and _inner_anchor(pattern):
         yield "pattern (inner anchors)"
+    if any(_LOOKAROUND.search(p) for p in patterns):
+        yield "pattern (lookaround)"
     required = node.get("required")
     if isinstance(required, list):
         props = node.get("properties")
@@ -308,6 +321,14 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
             yield "format (untyped)"
     if ("minProperties" in node or "maxProperties" in node) and _has_optional(node):
         yield "minProperties/maxProperties"
+
+
+def _may_be_string(node: dict[str, Any]) -> bool:
+    typ = node.get("type")
+    return typ is None or typ == "string" or (isinstance(typ, list) and "string" in typ)
+
+
+_LOOKAROUND = re.compile(r"\(\?<?[=!]|(?<!\\)(?:\\\\)*\\[bB]")
 
 
 def _inner_anchor(pattern: str) -> bool:

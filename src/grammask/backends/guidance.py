@@ -31,9 +31,12 @@ if TYPE_CHECKING:
 
 
 class GuidanceMatcher(_EndTracking):
-    def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...]) -> None:
+    def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...],
+                 first_mask: torch.Tensor | None = None) -> None:
         super().__init__(stop_ids)
         self._m = inner
+        self._first_mask = first_mask  # the start state's mask, computed once per grammar
+        self._depth = 0  # tokens consumed by the engine (stop tokens after the end excluded)
 
     def accept(self, token_id: int) -> bool:
         if self._m.is_stopped() or self._m.is_error():
@@ -46,13 +49,20 @@ class GuidanceMatcher(_EndTracking):
         # validate first: a refused consume_token would poison the matcher for good.
         if self._m.validate_tokens([token_id]) != 1:
             return False
-        return bool(self._m.consume_token(token_id))
+        if not self._m.consume_token(token_id):
+            return False
+        self._depth += 1
+        return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         if self._m.is_stopped() or self._m.is_error():
             self._stop_only(bitmask, row)
             return
         out = bitmask[row]
+        first = self._first_mask
+        if self._depth == 0 and first is not None and first.numel() == out.numel():
+            out.copy_(first)
+            return
         self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
 
     def rollback(self, num_tokens: int) -> None:
@@ -60,6 +70,7 @@ class GuidanceMatcher(_EndTracking):
         self._extra_stops -= undo_extra
         if num_tokens - undo_extra:
             self._m.rollback(num_tokens - undo_extra)
+            self._depth = max(0, self._depth - (num_tokens - undo_extra))
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped() or self._m.is_error())
@@ -68,13 +79,15 @@ class GuidanceMatcher(_EndTracking):
         return bool(self._m.is_stopped() or self._m.is_error() or self._m.is_accepting())
 
     def fork(self) -> Matcher:
-        twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids)
+        twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids, self._first_mask)
         twin._extra_stops = self._extra_stops
+        twin._depth = self._depth
         return twin
 
     def reset(self) -> None:
         self._m.reset()
         self._extra_stops = 0
+        self._depth = 0
 
     @property
     def error(self) -> str:
@@ -89,14 +102,16 @@ class GuidanceCompiled:
     backend: BackendName = "guidance"
 
     def __init__(self, template: llg.LLMatcher, grammar: str, stop_ids: tuple[int, ...],
-                 warnings: list[str]) -> None:
+                 warnings: list[str], first_mask: torch.Tensor) -> None:
         self._template = template
         self._stop_ids = stop_ids
+        self._first_mask = first_mask
         self.warnings = warnings
-        self.memory_bytes = len(grammar) * 4 + 64 * 1024  # estimate: llguidance exposes none
+        # an estimate: llguidance exposes none
+        self.memory_bytes = len(grammar) * 4 + 64 * 1024 + first_mask.numel() * 4
 
     def matcher(self) -> GuidanceMatcher:
-        return GuidanceMatcher(self._template.deep_copy(), self._stop_ids)
+        return GuidanceMatcher(self._template.deep_copy(), self._stop_ids, self._first_mask)
 
 
 class GuidanceBackend:
@@ -108,9 +123,9 @@ class GuidanceBackend:
         template = llg.LLMatcher(vocab.llguidance_tokenizer, grammar, log_level=0)
         if template.is_error():
             raise _translate(spec, template.get_error())
-        _first_mask_check(spec, template, vocab)
+        first_mask = _first_mask(spec, template, vocab)
         return GuidanceCompiled(template, grammar, vocab.stop_ids,
-                                list(template.get_grammar_warnings()))
+                                list(template.get_grammar_warnings()), first_mask)
 
     def check(self, spec: GrammarSpec) -> None:
         grammar = grammar_text(spec, lenient=False)
@@ -119,10 +134,11 @@ class GuidanceBackend:
             raise _translate(spec, message)
 
 
-def _first_mask_check(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary) -> None:
-    """Some grammars llguidance accepts can produce no token at all (e.g. an ``allOf`` of
-    ``multipleOf`` and a bound): the error only shows when the first mask is computed, and a
-    request would get a stop-only mask. Find out at compile time, so routing can fall back."""
+def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary) -> torch.Tensor:
+    """The start state's mask, computed once per grammar: every request's first fill is then
+    a copy. It also catches grammars llguidance accepts but can produce no token for (e.g. an
+    ``allOf`` of ``multipleOf`` and a bound): that error only shows in the first mask, and a
+    request would get a stop-only mask. Found at compile time, routing can fall back."""
     probe = template.deep_copy()
     words = torch.zeros((vocab.vocab_size + 31) // 32, dtype=torch.int32)
     probe.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
@@ -131,6 +147,7 @@ def _first_mask_check(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabul
         raise UnsupportedError(f"llguidance: the compiled grammar can produce no output "
                                f"(first mask failed: {reason})", where="/" if spec.kind ==
                                "json_schema" else None)
+    return words
 
 
 def json_options(spec: GrammarSpec, *, lenient: bool) -> JsonCompileOptions:

@@ -25,7 +25,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests bench
 
 typecheck: setup
-	$(VENV)/bin/mypy --strict src
+	$(VENV)/bin/mypy --strict src bench
 
 unit: setup
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile tests

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Keyword-by-keyword probe of xgrammar 0.2.8 and llguidance 1.7.6 JSON-schema support.
 
-Run:  python bench/keyword_probe.py  [--only substr] [--no-md]
-Writes docs/keyword-probe.md (and results.json beside it with --out).
+Run:  python bench/keyword_probe.py  [--only substr]
+Writes results.md and results.json to $PROBE_OUT (default /tmp/keyword_probe); the committed
+table docs/keyword-probe.md is results.md of a full run.
 
 For every feature: a schema, VALID instances and INVALID instances (invalid ONLY
 because of that feature; labels are checked with jsonschema before use).  Each
@@ -29,14 +30,20 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, Protocol, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 import tiktoken
 import xgrammar as xgr
 from jsonschema import Draft7Validator, Draft202012Validator
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.tiktoken import lltokenizer_from_encoding
 from referencing import Registry, Resource
+
+if TYPE_CHECKING:  # stub-only TypedDict, not importable at runtime
+    from llguidance._lib import JsonCompileOptions
 
 HERE = os.environ.get("PROBE_OUT", "/tmp/keyword_probe")
 os.makedirs(HERE, exist_ok=True)
@@ -53,8 +60,8 @@ VOCAB_SIZE = 151936
 # ----------------------------------------------------------------------------
 
 
-def load_ranks():
-    ranks = {}
+def load_ranks() -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
     with open(QWEN_TIKTOKEN, "rb") as f:
         for line in f:
             if not line.strip():
@@ -69,7 +76,7 @@ RANKS = load_ranks()
 ENC = tiktoken.Encoding(name="qwen2.5", pat_str=PAT_STR, mergeable_ranks=RANKS, special_tokens=SPECIALS)
 
 
-def xgr_vocab(special_bytes: bool = False):
+def xgr_vocab(special_bytes: bool = False) -> list[bytes]:
     vocab = [b""] * VOCAB_SIZE
     for b, r in RANKS.items():
         vocab[r] = b
@@ -91,11 +98,13 @@ LLG_TOK = lltokenizer_from_encoding(ENC, n_vocab=VOCAB_SIZE, eos_token=STOP_IDS)
 
 FC = Draft202012Validator.FORMAT_CHECKER
 FC7 = Draft7Validator.FORMAT_CHECKER
-SUPPLEMENTED = []
+SUPPLEMENTED: list[str] = []
+
+FormatCheck = Callable[[object], bool]
 
 
-def _add_fmt(name):
-    def deco(fn):
+def _add_fmt(name: str) -> Callable[[FormatCheck], FormatCheck]:
+    def deco(fn: FormatCheck) -> FormatCheck:
         for fc in (FC, FC7):
             if name not in fc.checkers:
                 fc.checks(name)(fn)
@@ -108,7 +117,7 @@ def _add_fmt(name):
 _TIME_RE = re.compile(r"^(\d{2}):(\d{2}):(\d{2})(\.\d+)?([Zz]|([+-])(\d{2}):(\d{2}))$")
 
 
-def _time_ok(s):
+def _time_ok(s: str) -> bool:
     m = _TIME_RE.match(s)
     if not m:
         return False
@@ -119,12 +128,12 @@ def _time_ok(s):
 
 
 @_add_fmt("time")
-def _chk_time(s):
+def _chk_time(s: object) -> bool:
     return not isinstance(s, str) or _time_ok(s)
 
 
 @_add_fmt("date-time")
-def _chk_datetime(s):
+def _chk_datetime(s: object) -> bool:
     if not isinstance(s, str):
         return True
     m = re.match(r"^(\d{4}-\d{2}-\d{2})[Tt](.*)$", s)
@@ -138,12 +147,12 @@ def _chk_datetime(s):
 
 
 @_add_fmt("uri")
-def _chk_uri(s):  # RFC 3986 absolute URI (scheme required, no spaces)
+def _chk_uri(s: object) -> bool:  # RFC 3986 absolute URI (scheme required, no spaces)
     return not isinstance(s, str) or bool(re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:[^\s\"<>\\^`{|}]*$", s))
 
 
 @_add_fmt("hostname")
-def _chk_hostname(s):  # RFC 1123
+def _chk_hostname(s: object) -> bool:  # RFC 1123
     if not isinstance(s, str):
         return True
     if not s or len(s) > 253:
@@ -156,19 +165,31 @@ REMOTE_SCHEMA = {"$schema": "https://json-schema.org/draft/2020-12/schema", "typ
 REGISTRY = Registry().with_resource(REMOTE_URL, Resource.from_contents(REMOTE_SCHEMA))
 
 
-def label_ok(schema, inst, draft):
+def label_ok(schema: Any, inst: Any, draft: int) -> bool:
     cls = Draft7Validator if draft == 7 else Draft202012Validator
     fc = FC7 if draft == 7 else FC
     v = cls(schema, format_checker=fc, registry=REGISTRY)
-    return v.is_valid(inst)
+    ok: bool = v.is_valid(inst)
+    return ok
 
 
 # ----------------------------------------------------------------------------
 # feature cases
 # ----------------------------------------------------------------------------
 
-def C(fid, schema, valid, invalid, draft=2020, note=""):
-    return dict(id=fid, schema=schema, valid=valid, invalid=invalid, draft=draft, note=note)
+class Case(TypedDict):
+    """One feature row; schema and instances are arbitrary JSON."""
+
+    id: str
+    schema: Any
+    valid: list[Any]
+    invalid: list[Any]
+    draft: int
+    note: str
+
+
+def C(fid: str, schema: Any, valid: list[Any], invalid: list[Any], draft: int = 2020, note: str = "") -> Case:
+    return Case(id=fid, schema=schema, valid=valid, invalid=invalid, draft=draft, note=note)
 
 
 OBJ_A_INT = {"a": {"type": "integer"}}
@@ -457,7 +478,7 @@ CONFIGS = ["xgr_strict", "xgr_nonstrict", "llg_default", "llg_lenient"]
 class CaptureFd2:
     """Capture C++ log output written to fd 2 (xgrammar warnings)."""
 
-    def __enter__(self):
+    def __enter__(self) -> "CaptureFd2":
         import tempfile
         sys.stderr.flush()
         self.tmp = tempfile.TemporaryFile(mode="w+b")
@@ -465,7 +486,7 @@ class CaptureFd2:
         os.dup2(self.tmp.fileno(), 2)
         return self
 
-    def __exit__(self, *a):
+    def __exit__(self, *a: object) -> Literal[False]:
         sys.stderr.flush()
         os.dup2(self.saved, 2)
         os.close(self.saved)
@@ -474,15 +495,23 @@ class CaptureFd2:
         self.tmp.close()
         return False
 
-    def warnings(self):
+    def warnings(self) -> list[str]:
         return [re.sub(r"^\[[0-9:]+\] \S+: ", "", ln).strip() for ln in self.text.splitlines() if ln.strip()]
 
 
+class Engine(Protocol):
+    """What run_case needs from an engine config: compile -> (handle, seconds, warnings), then match."""
+
+    def compile(self, schema: Any) -> tuple[Any, float, list[str]]: ...
+
+    def match(self, handle: Any, text: str) -> bool: ...
+
+
 class XgrEngine:
-    def __init__(self, strict):
+    def __init__(self, strict: bool) -> None:
         self.strict = strict
 
-    def compile(self, schema):
+    def compile(self, schema: Any) -> tuple[xgr.CompiledGrammar, float, list[str]]:
         cap = CaptureFd2()
         try:
             with cap:
@@ -493,7 +522,7 @@ class XgrEngine:
             raise RuntimeError(re.sub(r"^\[[0-9:]+\] \S+: ", "", str(e)).strip()) from None
         return cg, dt, sorted(set(cap.warnings()))
 
-    def match(self, cg, text):
+    def match(self, cg: xgr.CompiledGrammar, text: str) -> bool:
         m = xgr.GrammarMatcher(cg)
         if not m.accept_string(text):
             return False
@@ -502,10 +531,10 @@ class XgrEngine:
 
 
 class LlgEngine:
-    def __init__(self, defaults):
+    def __init__(self, defaults: "JsonCompileOptions | None") -> None:
         self.defaults = defaults
 
-    def compile(self, schema):
+    def compile(self, schema: Any) -> tuple[LLMatcher, float, list[str]]:
         t = time.perf_counter()
         g = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=self.defaults)
         is_err, msgs = LLMatcher.validate_grammar_with_warnings(g, LLG_TOK)
@@ -516,7 +545,7 @@ class LlgEngine:
             raise RuntimeError(m.get_error())
         return m, time.perf_counter() - t, list(msgs)
 
-    def match(self, base, text):
+    def match(self, base: LLMatcher, text: str) -> bool:
         m = base.deep_copy()
         ids = LLG_TOK.tokenize_str(text)
         if not m.consume_tokens(ids) or m.is_error():
@@ -524,7 +553,7 @@ class LlgEngine:
         return bool(m.is_accepting())
 
 
-ENGINES = {
+ENGINES: dict[str, Engine] = {
     "xgr_strict": XgrEngine(True),
     "xgr_nonstrict": XgrEngine(False),
     "llg_default": LlgEngine(None),
@@ -532,7 +561,7 @@ ENGINES = {
 }
 
 
-def forms(x, case):
+def forms(x: Any, case: Case) -> list[str]:
     out = [json.dumps(x), json.dumps(x, separators=(",", ":"))]
     u = json.dumps(x, separators=(",", ":"), ensure_ascii=False)
     if u not in out:
@@ -542,13 +571,31 @@ def forms(x, case):
     return out
 
 
-def short(s, n=110):
+def short(s: object, n: int = 110) -> str:
     s = " ".join(str(s).split())
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-def run_case(case):
-    res = {"id": case["id"], "schema": case["schema"], "cells": {}, "label_problems": []}
+class Cell(TypedDict):
+    compile_s: float | None
+    error: str | None
+    warnings: list[str]
+    valid_rejected: list[str]
+    invalid_accepted: list[str]
+    invalid_rejected: list[str]
+    valid_partial: list[str]
+    status: NotRequired[str]
+
+
+class Result(TypedDict):
+    id: str
+    schema: Any
+    cells: dict[str, Cell]
+    label_problems: list[str]
+
+
+def run_case(case: Case) -> Result:
+    res: Result = {"id": case["id"], "schema": case["schema"], "cells": {}, "label_problems": []}
     for x in case["valid"]:
         if not label_ok(case["schema"], x, case["draft"]):
             res["label_problems"].append(f"valid instance {json.dumps(x)} is NOT valid per jsonschema")
@@ -557,7 +604,7 @@ def run_case(case):
             res["label_problems"].append(f"invalid instance {json.dumps(x)} IS valid per jsonschema")
     for name in CONFIGS:
         eng = ENGINES[name]
-        cell = {"compile_s": None, "error": None, "warnings": [], "valid_rejected": [], "invalid_accepted": [],
+        cell: Cell = {"compile_s": None, "error": None, "warnings": [], "valid_rejected": [], "invalid_accepted": [],
                 "invalid_rejected": [], "valid_partial": []}
         try:
             h, dt, warns = eng.compile(case["schema"])
@@ -590,7 +637,7 @@ def run_case(case):
     return res
 
 
-def cell_text(cell):
+def cell_text(cell: Cell) -> str:
     st = cell["status"]
     if st == "REJECTED":
         return f"REJECTED: {short(cell['error'], 90)}"
@@ -615,26 +662,26 @@ def cell_text(cell):
 # special-token / stop-token mask probes
 # ----------------------------------------------------------------------------
 
-def bit(mask_words, i):
+def bit(mask_words: npt.NDArray[np.uint32], i: int) -> bool:
     return bool((int(mask_words[i // 32]) >> (i % 32)) & 1)
 
 
-def xgr_allowed(matcher):
+def xgr_allowed(matcher: xgr.GrammarMatcher) -> npt.NDArray[np.uint32]:
     bm = xgr.allocate_token_bitmask(1, VOCAB_SIZE)
     matcher.fill_next_token_bitmask(bm)
     w = bm[0].numpy().astype(np.uint32)
     return w
 
 
-def llg_mask_words(m):
+def llg_mask_words(m: LLMatcher) -> npt.NDArray[np.uint32]:
     return np.frombuffer(m.compute_bitmask(), dtype=np.uint32)
 
 
-def ids_allowed(words, ids):
+def ids_allowed(words: npt.NDArray[np.uint32], ids: list[int]) -> dict[int, bool]:
     return {i: bit(words, i) for i in ids}
 
 
-def count_allowed(words, lo, hi):
+def count_allowed(words: npt.NDArray[np.uint32], lo: int, hi: int) -> int:
     return sum(bit(words, i) for i in range(lo, hi))
 
 
@@ -644,7 +691,7 @@ STOP_SCAN_TEXT = '{"a": "x", "b": 12}'
 CHECK_IDS = [151643, 151644, 151645]
 
 
-def make_llg_wrapper_tokenizer():
+def make_llg_wrapper_tokenizer() -> LLTokenizer:
     """LLTokenizer via TokenizerWrapper: specials carry surface text but are listed in special_token_ids."""
     toks = [b""] * VOCAB_SIZE
     for b, r in RANKS.items():
@@ -658,7 +705,7 @@ def make_llg_wrapper_tokenizer():
         tokens = toks
         special_token_ids = list(SPECIALS.values())  # noqa: RUF012 (read-only duck type)
 
-        def __call__(self, s):
+        def __call__(self, s: str | bytes) -> list[int]:
             if isinstance(s, bytes):
                 s = s.decode("utf-8", errors="surrogateescape")
             return ENC.encode_ordinary(s)
@@ -666,8 +713,8 @@ def make_llg_wrapper_tokenizer():
     return LLTokenizer(TokenizerWrapper(G()), n_vocab=VOCAB_SIZE, eos_token=STOP_IDS)
 
 
-def special_probes():
-    out = {}
+def special_probes() -> dict[str, Any]:
+    out: dict[str, Any] = {}
     prefix = '{"a": "'
     # --- xgrammar, specials blanked (b"")
     cg = XGR_COMPILER.compile_json_schema(json.dumps(SPECIAL_SCHEMA), any_whitespace=True, strict_mode=True)
@@ -790,11 +837,11 @@ def special_probes():
 # report
 # ----------------------------------------------------------------------------
 
-def main():
+def main() -> None:
     only = None
     if "--only" in sys.argv:
         only = sys.argv[sys.argv.index("--only") + 1]
-    results = []
+    results: list[Result] = []
     for case in CASES:
         if only and only.lower() not in case["id"].lower():
             continue
@@ -818,8 +865,8 @@ def main():
     write_md(results, specials)
 
 
-def write_md(results, specials):
-    L = []
+def write_md(results: list[Result], specials: dict[str, Any]) -> None:
+    L: list[str] = []
     L.append("# xgrammar vs llguidance JSON-Schema keyword probe\n")
     L.append(f"Versions: xgrammar {md.version('xgrammar')}, llguidance {md.version('llguidance')}, "
              f"jsonschema {md.version('jsonschema')}. Generated by `probe.py`.\n")

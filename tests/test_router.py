@@ -75,6 +75,8 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
     ("format-neither", {"type": "string", "format": "iri"}, "guidance",
      "format (neither engine)", "http://x.org/a", 5),
     # llguidance refuses look-around even leniently; xgrammar ignores it: said, not silent
+    ("ref-root", {"type": "object", "properties": {"x": {"$ref": "#"}}}, "guidance", "",
+     {"x": {}}, {"x": 1}),
     ("pattern-lookaround", {"type": "string", "pattern": "^a(?!b)"}, "xgrammar",
      "pattern (lookaround)", "ac", "ab"),
 ]

@@ -53,6 +53,7 @@ XGRAMMAR_GAPS: dict[str, str] = {
     "format (untyped)": "ignored without type: string",
     "pattern (inner anchors)": "^ and $ inside the pattern are ignored",
     "pattern (lookaround)": "look-around and \\b are ignored",
+    "$ref to the root": "mask forbids tokens accept takes (`}}` after `{\"x\":{`)",
 }
 
 #: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
@@ -279,6 +280,8 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
     if isinstance(ref, str):
         if not ref.startswith("#"):
             yield "$ref (remote)"
+        elif ref == "#":
+            yield "$ref to the root"
         elif ref != "#" and not ref.startswith("#/"):
             yield "$anchor / $dynamicRef"
         if any(k not in _ANNOTATIONS for k in node if k != "$ref"):

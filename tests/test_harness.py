@@ -446,12 +446,15 @@ def test_cli_one_spec_with_instances(tmp_path: Path) -> None:
     inst = tmp_path / "i.jsonl"
     inst.write_text('{"valid": true, "data": {"n": 3}}\n{"valid": false, "data": {"n": "3"}}\n'
                     '{"valid": true, "text": "{ \\"n\\" :4}"}\n')
-    out = tmp_path / "report.json"
+    out, md = tmp_path / "report.json", tmp_path / "table.md"
     code = check_cli.main([str(schema), "--instances", str(inst), "--json", str(out),
-                           "--walks", "1", "--max-tokens", "48", "--audit-tokens", "200",
-                           "--no-diff"])
+                           "--markdown", str(md), "--walks", "1", "--max-tokens", "48",
+                           "--audit-tokens", "200", "--no-diff"])
     report = json.loads(out.read_text())
     assert code == 0
+    table = md.read_text().splitlines()
+    assert table[0].startswith("| subset | backend |") and len(table) == 2 + 3 + 3
+    assert "| **TOTAL** | **auto** | 1 | 1 | 100.0 | 100.0 | 0 |" in md.read_text()
     for backend in ("xgrammar", "guidance", "auto"):
         s = report["summary"][backend]
         for key in ("schemas", "compiled", "valid_total", "valid_accepted", "invalid_total",

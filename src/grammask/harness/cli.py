@@ -27,7 +27,7 @@ from typing import Any
 
 from .check import BACKEND_LABELS, CheckConfig, Checker
 from .corpus import GROUPS, Item, ItemKind, load_items, read_instances
-from .report import build_report, render
+from .report import build_report, markdown, render
 from .runner import Pool, Results, run_serial
 
 _KINDS: dict[str, ItemKind] = {"json": "json_schema", "regex": "regex", "choice": "choice",
@@ -74,6 +74,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="check auto's grammar even when it is the very grammar a forced "
                         "backend row already checked (default: reuse that row)")
     p.add_argument("--json", type=Path, dest="json_out", help="write the full report here")
+    p.add_argument("--markdown", type=Path, dest="md_out",
+                   help="write the per-subset table as Markdown here")
     p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(list(argv))
     if ns.spec is None and ns.corpus is None:
@@ -152,6 +154,9 @@ def main(argv: Sequence[str]) -> int:
     if ns.json_out is not None:
         ns.json_out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
         print(f"\nreport written to {ns.json_out}")
+    if ns.md_out is not None:
+        ns.md_out.write_text(markdown(report), encoding="utf-8")
+        print(f"table written to {ns.md_out}")
     return 1 if _found_bugs(report) else 0
 
 

@@ -236,6 +236,34 @@ def build_report(rows: list[dict[str, Any]], diffs: list[dict[str, Any]], items:
             "rows": rows, "diffs": diffs}
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The per-subset table as Markdown (for docs/), with the over-constraint split: refusals
+    by design (declared key order, closed objects) and disputed labels apart from ``over``."""
+    head = ("| subset | backend | items | compiled | valid acc % | invalid rej % | over | "
+            "over (order / closed / label) | under (known gap) | samples valid % | "
+            "audit mismatches | oracle over/under | timeouts | crashes |\n"
+            "|---|---|" + "---:|" * 12)
+
+    def line(name: str, backend: str, s: dict[str, Any]) -> str:
+        a = s["audit"]
+        cells = [name, backend, s["schemas"], s["compiled"],
+                 _pct(s["valid_accepted"], s["valid_total"]),
+                 _pct(s["invalid_rejected"], s["invalid_total_compiled"]), s["over"],
+                 f"{s['over_order']} / {s['over_closed']} / {s['over_label']}",
+                 f"{s['under']} ({s['under_known']})",
+                 _pct(s["samples_valid"] + s["samples_known_gap"], s["samples_total"]),
+                 a["mismatches"], f"{a['oracle_over']}/{a['oracle_under']}", s["timeouts"],
+                 s["crashes"]]
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    lines = [head]
+    for name, per in report["subsets"].items():
+        lines += [line(name, backend, s) for backend, s in per.items()]
+    lines += [line("**TOTAL**", f"**{backend}**", s)
+              for backend, s in report["summary"].items()]
+    return "\n".join(lines) + "\n"
+
+
 def render(report: dict[str, Any]) -> str:
     """The human summary printed at the end of a run."""
     parts = [table(report["subsets"], report["summary"])]
@@ -270,3 +298,24 @@ def render(report: dict[str, Any]) -> str:
                      f"compared steps differ; token classes {d['classes']}; "
                      f"resolved {d['resolved']}; divergences {d['divergences']}")
     return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m grammask.harness.report REPORT.json``: the Markdown table and the targets
+    of a saved report (e.g. one a long run wrote when it was stopped)."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m grammask.harness.report REPORT.json", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as f:
+        report = json.load(f)
+    print(markdown(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

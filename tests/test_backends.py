@@ -156,3 +156,23 @@ def test_rfc_lark_accepts_its_sample(eng: Engine, qwen25: Vocabulary) -> None:
     grammar = eng.compile(GrammarSpec.grammar((CORPUS / "lark" / "rfc.lark").read_text(),
                                               backend="guidance"))
     assert feed(grammar.matcher(), qwen25, (CORPUS / "lark" / "rfc.xml").read_text()[:400])
+
+
+def test_guidance_error_state_ends_like_a_stop(qwen25: Vocabulary) -> None:
+    """A matcher that enters llguidance's sticky error state mid-request (here: built around
+    the compile-time check) gets a stop-only mask, and the stop token it allows is accepted:
+    mask, ``accept`` and ``is_terminated`` agree, so no request is left without a token."""
+    import llguidance as llg
+
+    from grammask.backends.guidance import GuidanceMatcher
+
+    grammar = llg.LLMatcher.grammar_from_json_schema(EMPTY_FOR_GUIDANCE)
+    m = GuidanceMatcher(llg.LLMatcher(qwen25.llguidance_tokenizer, grammar, log_level=0),
+                        qwen25.stop_ids)
+    row = mask_of(m, qwen25)
+    assert m.engine_matcher.is_error()
+    allowed = {i for i in range(qwen25.vocab_size) if bit(row, i)}
+    assert allowed == set(qwen25.stop_ids)
+    assert m.is_terminated() and m.can_terminate()
+    assert not m.accept(qwen25.encode("1")[0])
+    assert m.accept(qwen25.stop_ids[0])

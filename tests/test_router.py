@@ -225,6 +225,7 @@ def test_inner_anchor_detection() -> None:
 
     assert not _inner_anchor("^[^a-z]+$") and not _inner_anchor("a\\$") and not _inner_anchor("x")
     assert _inner_anchor("(^a|b)") and _inner_anchor("a$|b") and _inner_anchor("^(a|b$)")
+    assert not _inner_anchor("a\\\\$")  # an escaped backslash, then the end anchor
 
 
 def test_route_is_deterministic() -> None:
@@ -232,3 +233,15 @@ def test_route_is_deterministic() -> None:
                                                "d": {"type": "string", "format": "date"}}}
     routes = {route(GrammarSpec.json_schema(schema)) for _ in range(20)}
     assert len(routes) == 1
+
+
+@pytest.mark.parametrize(("pattern", "full_match"), [
+    ("a|b", "[\\s\\S]*(?:a|b)[\\s\\S]*"),  # top-level alternation: wrapped whole
+    ("(a|b)$", "[\\s\\S]*(?:(a|b))"),  # alternation inside a group, end anchor kept
+    ("[|]x", "[\\s\\S]*(?:[|]x)[\\s\\S]*"),  # '|' in a class is a literal
+    ("^a\\$", "(?:a\\$)[\\s\\S]*"),  # an escaped dollar is not an anchor
+])
+def test_search_pattern_reads_regex_structure(pattern: str, full_match: str) -> None:
+    from grammask.normalize import search_pattern
+
+    assert search_pattern(pattern) == full_match

@@ -19,10 +19,12 @@ import torch
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
 from .vllm_fixtures import (
+    CONSTRAINTS,
     END_THINK,
     FQCN,
     IM_END,
     IM_START,
+    SCHEMA,
     THINK,
     VOCAB,
     allowed,
@@ -40,17 +42,6 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from grammask import Engine, GrammarSpec, Vocabulary
 from grammask.backends import Matcher
 from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
-
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-          "required": ["n", "ok"]}
-CONSTRAINTS: list[tuple[dict[str, Any], GrammarSpec]] = [
-    ({"json": SCHEMA, "disable_any_whitespace": True},
-     GrammarSpec.json_schema(SCHEMA, any_whitespace=False)),
-    ({"json": SCHEMA, "disable_any_whitespace": True, "backend": "guidance"},
-     GrammarSpec.json_schema(SCHEMA, any_whitespace=False, backend="guidance")),
-    ({"regex": "(ab|cd)[0-9]{1,3}"}, GrammarSpec.regex("(ab|cd)[0-9]{1,3}")),
-    ({"choice": ["alpha", "beta", "gamma"]}, GrammarSpec.choice(["alpha", "beta", "gamma"])),
-]
 
 
 class _Ready:

@@ -28,6 +28,7 @@ import torch
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
 from .vllm_fixtures import (
+    CONSTRAINTS,
     END_THINK,
     FQCN,
     IM_END,
@@ -51,20 +52,10 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.states import RequestState
 
-from grammask import Engine, GrammarSpec, Vocabulary
+from grammask import Engine, Vocabulary
 from grammask.backends import Matcher
 from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
 
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-          "required": ["n", "ok"]}
-CONSTRAINTS: list[tuple[dict[str, Any], GrammarSpec]] = [
-    ({"json": SCHEMA, "disable_any_whitespace": True},
-     GrammarSpec.json_schema(SCHEMA, any_whitespace=False)),
-    ({"json": SCHEMA, "disable_any_whitespace": True, "backend": "guidance"},
-     GrammarSpec.json_schema(SCHEMA, any_whitespace=False, backend="guidance")),
-    ({"regex": "(ab|cd)[0-9]{1,3}"}, GrammarSpec.regex("(ab|cd)[0-9]{1,3}")),
-    ({"choice": ["alpha", "beta", "gamma"]}, GrammarSpec.choice(["alpha", "beta", "gamma"])),
-]
 MAX_REQS = 4
 
 

@@ -26,13 +26,24 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 
-from grammask import allocate_bitmask
+from grammask import GrammarSpec, allocate_bitmask
 from grammask.backends import Matcher
 
 FQCN = "grammask.integrations.vllm_v1:GrammaskLogitsProcessor"
 VOCAB = 151_936
 THINK, END_THINK = 151_667, 151_668
 IM_START, IM_END, EOS = 151_644, 151_645, 151_643
+#: (structured_outputs arguments, the grammask spec they mean) served by both runner tests
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"]}
+CONSTRAINTS: list[tuple[dict[str, Any], GrammarSpec]] = [
+    ({"json": SCHEMA, "disable_any_whitespace": True},
+     GrammarSpec.json_schema(SCHEMA, any_whitespace=False)),
+    ({"json": SCHEMA, "disable_any_whitespace": True, "backend": "guidance"},
+     GrammarSpec.json_schema(SCHEMA, any_whitespace=False, backend="guidance")),
+    ({"regex": "(ab|cd)[0-9]{1,3}"}, GrammarSpec.regex("(ab|cd)[0-9]{1,3}")),
+    ({"choice": ["alpha", "beta", "gamma"]}, GrammarSpec.choice(["alpha", "beta", "gamma"])),
+]
 _LAYOUT = "qwen3-layout-v1"
 _LOCK = threading.Lock()
 

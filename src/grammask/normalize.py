@@ -12,6 +12,7 @@ exact rewrite.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
@@ -27,7 +28,7 @@ _OPEN_MARKERS = ("additionalProperties", "patternProperties", "unevaluatedProper
 def search_pattern(pattern: str) -> str:
     """An equivalent full-match pattern for a JSON Schema (search) pattern."""
     if _has_top_level_alternation(pattern):
-        if not (pattern.startswith("^") or _ends_with_anchor(pattern)):
+        if not (pattern.startswith("^") or ends_with_anchor(pattern)):
             return f"[\\s\\S]*(?:{pattern})[\\s\\S]*"
         return pattern  # anchors inside alternation branches: engines treat them per branch
     body = pattern
@@ -35,7 +36,7 @@ def search_pattern(pattern: str) -> str:
     if body.startswith("^"):
         body = body[1:]
     tail = "[\\s\\S]*"
-    if _ends_with_anchor(body):
+    if ends_with_anchor(body):
         body, tail = body[:-1], ""
     if not head and not tail:
         return body
@@ -112,17 +113,19 @@ def _is_open_object(node: dict[str, Any]) -> bool:
                                      (isinstance(typ, list) and "object" in typ))
 
 
-def _ends_with_anchor(pattern: str) -> bool:
+def ends_with_anchor(pattern: str) -> bool:
+    """Whether the pattern ends in a ``$`` anchor (not an escaped dollar)."""
     if not pattern.endswith("$"):
         return False
     backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
     return backslashes % 2 == 0
 
 
-def _has_top_level_alternation(pattern: str) -> bool:
+def structural_chars(pattern: str) -> Iterator[tuple[str, int]]:
+    """The pattern's unescaped characters outside character classes, with their group depth:
+    where anchors and alternations live."""
     depth = 0
-    in_class = False
-    escaped = False
+    in_class = escaped = False
     for ch in pattern:
         if escaped:
             escaped = False
@@ -132,10 +135,10 @@ def _has_top_level_alternation(pattern: str) -> bool:
             in_class = ch != "]"
         elif ch == "[":
             in_class = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "|" and depth == 0:
-            return True
-    return False
+        else:
+            depth += (ch == "(") - (ch == ")")
+            yield ch, depth
+
+
+def _has_top_level_alternation(pattern: str) -> bool:
+    return any(ch == "|" and depth == 0 for ch, depth in structural_chars(pattern))

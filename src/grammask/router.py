@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import InvalidSchemaError, UnsupportedError
+from .normalize import ends_with_anchor, structural_chars
 from .spec import BackendName, GrammarSpec
 
 #: What xgrammar 0.2.8 ignores, gets wrong or refuses, keyword by keyword (measured with
@@ -335,23 +336,11 @@ _LOOKAROUND = re.compile(r"\(\?<?[=!]|(?<!\\)(?:\\\\)*\\[bB]")
 
 
 def _inner_anchor(pattern: str) -> bool:
-    """A ``^`` or ``$`` anchor anywhere but the pattern's two ends (outside classes)."""
+    """A ``^`` or ``$`` anchor anywhere but the pattern's two ends."""
     body = pattern[1:] if pattern.startswith("^") else pattern
-    if body.endswith("$") and not body.endswith("\\$"):
+    if ends_with_anchor(body):
         body = body[:-1]
-    in_class = escaped = False
-    for ch in body:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch in "^$":
-            return True
-    return False
+    return any(ch in "^$" for ch, _ in structural_chars(body))
 
 
 def _has_optional(node: dict[str, Any]) -> bool:

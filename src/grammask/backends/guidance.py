@@ -39,9 +39,9 @@ class GuidanceMatcher(_EndTracking):
         self._depth = 0  # tokens consumed by the engine (stop tokens after the end excluded)
 
     def accept(self, token_id: int) -> bool:
-        if self._m.is_stopped() or self._m.is_error():
-            # an error state (llguidance lost the parse) ends the output like a stop: its
-            # mask allows only the stop tokens, so accepting one must agree with that mask
+        if self._m.is_stopped():
+            # also true in llguidance's error state (it lost the parse): that ends the output
+            # like a stop, its mask allows only the stop tokens, and accepting one agrees
             if token_id in self._stop_ids:
                 self._extra_stops += 1
                 return True
@@ -55,7 +55,7 @@ class GuidanceMatcher(_EndTracking):
         return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._m.is_stopped() or self._m.is_error():
+        if self._m.is_stopped():  # stopped or in error: stop tokens only
             self._stop_only(bitmask, row)
             return
         out = bitmask[row]
@@ -73,10 +73,10 @@ class GuidanceMatcher(_EndTracking):
             self._depth = max(0, self._depth - (num_tokens - undo_extra))
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_stopped() or self._m.is_error())
+        return bool(self._m.is_stopped())  # error states count: llguidance stops them
 
     def can_terminate(self) -> bool:
-        return bool(self._m.is_stopped() or self._m.is_error() or self._m.is_accepting())
+        return bool(self._m.is_stopped() or self._m.is_accepting())
 
     def fork(self) -> Matcher:
         twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids, self._first_mask)

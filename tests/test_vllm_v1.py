@@ -313,6 +313,39 @@ def test_disabled_plugin_is_inert(runner: Any) -> None:
     assert all(not p.core.active for p in ours(r.lps))
 
 
+@pytest.mark.parametrize("parallel_min", [2, 64], ids=["batch-fill", "row-fill"])
+def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, vocab: Vocabulary,
+                                                parallel_min: int) -> None:
+    """vLLM's ``execute_model`` runs under ``torch.inference_mode()``: the processor (and its
+    buffers) is first built there, while the fill thread runs outside it. Every fill path
+    (xgrammar, llguidance's first-mask copy and its own fill, the batch fills, stop rows of
+    an errored request) must still write its masks (a real server once served most requests
+    empty: "Inplace update to inference tensor outside InferenceMode")."""
+    r = runner(max_num_seqs=12, additional_config={"grammask": {"parallel_min": parallel_min}})
+    rows = [*CONSTRAINTS, *CONSTRAINTS]  # two rows of each engine: batch fills from 2 rows
+    refs = [engine.compile(spec).matcher() for _, spec in rows]
+    with torch.inference_mode():
+        for i, (args, _) in enumerate(rows):
+            r.add(f"r{i}", xargs(args, thinking="off"), [1, 2])
+        r.add("bad", {"grammask": "{not json"}, [1])
+        for _ in range(3):
+            r.schedule()
+            logits = r.logits(torch.randn(len(rows) + 1, VOCAB))
+            assert logits.is_inference()
+            for i, ref in enumerate(refs):
+                assert torch.equal(allowed(logits[i]), ref_allowed(ref)), (i, rows[i][1])
+            assert sorted(allowed(logits[len(rows)]).nonzero().flatten().tolist()) == sorted(
+                vocab.stop_ids)
+            tokens = {"bad": vocab.stop_ids[0]}
+            for i, ref in enumerate(refs):
+                tid = int(allowed(logits[i]).nonzero()[0])
+                assert ref.accept(tid)
+                tokens[f"r{i}"] = tid
+            r.commit(tokens)
+    proc = r.plugin.core.processor()
+    assert set(proc.errors) == {len(rows)}, proc.errors  # only the bad row failed
+
+
 # ------------------------------------------------------------------------ churn
 @dataclass
 class _Req:

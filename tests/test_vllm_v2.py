@@ -217,6 +217,29 @@ def test_entry_point_builds_one_instance_and_masks_in_batch_order(
     assert sorted(allowed(logits[0]).nonzero().flatten().tolist()) == sorted(vocab.stop_ids)
 
 
+@pytest.mark.parametrize("parallel_min", [2, 64], ids=["batch-fill", "row-fill"])
+def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, vocab: Vocabulary,
+                                                parallel_min: int) -> None:
+    """The runner steps under ``torch.inference_mode()``; the helper and fill threads do
+    not. Every engine's fill path must still write its masks (see the V1 test)."""
+    r = runner(additional_config={"grammask": {"parallel_min": parallel_min}})
+    refs = [engine.compile(spec).matcher() for _, spec in CONSTRAINTS]
+    order = [f"r{i}" for i in range(len(CONSTRAINTS))]
+    with torch.inference_mode():
+        for rid, (args, _) in zip(order, CONSTRAINTS, strict=True):
+            r.add(rid, xargs(args, thinking="off"), chat_prompt(vocab, "hi"))
+        for _ in range(3):
+            logits = r.step(order, base=torch.randn(len(order), VOCAB))
+            tokens = {}
+            for i, ref in enumerate(refs):
+                assert torch.equal(allowed(logits[i]), ref_allowed(ref)), CONSTRAINTS[i][1]
+                tid = int(allowed(logits[i]).nonzero()[0])
+                assert ref.accept(tid)
+                tokens[order[i]] = tid
+            r.commit(tokens)
+    assert r.plugin.core.processor().errors == {}
+
+
 def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> None:
     r = runner(fqcn=True)
     both = ours(r.procs)

@@ -33,7 +33,7 @@ import torch
 from .backends.base import Matcher
 from .backends.guidance import GuidanceMatcher
 from .backends.xgrammar import XGrammarMatcher
-from .bitmask import allocate_bitmask, bitmask_words
+from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
 T = TypeVar("T")
 
@@ -207,7 +207,8 @@ def _cores() -> int:
 
 def stop_only_row(stop_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
     """A one-row bitmask allowing only ``stop_ids`` (errored rows, forced EOS)."""
-    row = torch.zeros(bitmask_words(vocab_size), dtype=torch.int32)
+    with normal_tensors():
+        row = torch.zeros(bitmask_words(vocab_size), dtype=torch.int32)
     words = row.numpy().view("uint32")
     for tid in stop_ids:
         words[tid >> 5] |= 1 << (tid & 31)

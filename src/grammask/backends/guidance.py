@@ -21,6 +21,7 @@ from ..errors import (
     InvalidSchemaError,
     UnsupportedError,
 )
+from ..bitmask import normal_tensors
 from ..normalize import normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
@@ -140,7 +141,8 @@ def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary) -
     ``allOf`` of ``multipleOf`` and a bound): that error only shows in the first mask, and a
     request would get a stop-only mask. Found at compile time, routing can fall back."""
     probe = template.deep_copy()
-    words = torch.zeros((vocab.vocab_size + 31) // 32, dtype=torch.int32)
+    with normal_tensors():
+        words = torch.zeros((vocab.vocab_size + 31) // 32, dtype=torch.int32)
     probe.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
     if probe.is_error():
         reason = str(probe.get_error()).strip().splitlines()[0][:200]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..bitmask import normal_tensors
 from ..compiler import Grammar
 from ..masks import MaskBuffers, apply_bitmask
 from ..request import ConstraintRequest
@@ -82,10 +83,11 @@ class V2Batch:
         self._handoff: Future[None] | None = None
         self._masks: MaskBuffers | None = None
         pin = self._cuda
-        self._index_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        self._known_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        self._total_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-        self._tokens_host = torch.zeros(n, _WINDOW, dtype=torch.int32, pin_memory=pin)
+        with normal_tensors():
+            self._index_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+            self._known_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+            self._total_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+            self._tokens_host = torch.zeros(n, _WINDOW, dtype=torch.int32, pin_memory=pin)
         self._event: Any = None
         if not self.core.active:
             return

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import llguidance as llg
 import torch
 
+from ..bitmask import normal_tensors
 from ..errors import (
     GrammarError,
     InvalidGrammarError,
@@ -21,7 +22,6 @@ from ..errors import (
     InvalidSchemaError,
     UnsupportedError,
 )
-from ..bitmask import normal_tensors
 from ..normalize import normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary

@@ -126,7 +126,13 @@ GOOD = [
     xargs({"choice": ["a", "b"]}),
     xargs({"grammar": 'root ::= "yes" | "no"'}),
     xargs({"json_object": True}),
+    # served leniently by the Python API (gaps listed in `unenforced`): admission agrees
+    xargs({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}),
+    xargs({"json": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}),
+    xargs({"json": {"type": "string", "format": "idn-email"}}),
 ]
+#: strict mode refuses what no engine enforces, at admission too
+STRICT_GAP = xargs({"json": {"type": "array", "uniqueItems": True}}, strict=1)
 BAD = [
     ({"grammask": "{nope"}, "grammask", "not valid JSON"),
     (xargs({"json": SCHEMA, "colour": 1}), "grammask", "unknown structured-output keys"),
@@ -199,12 +205,33 @@ def test_one_constraint_mechanism_per_request() -> None:
 
 def test_disabled_plugin_refuses_constrained_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRAMMASK_ENABLED", "0")
-    vllm_common._frontend_settings.cache_clear()
+    vllm_common._settings_of.cache_clear()
     try:
         with pytest.raises(VLLMValidationError, match="disabled"):
             validate_sampling_params(SamplingParams(extra_args=xargs({"regex": "a"})))
         validate_sampling_params(SamplingParams(extra_args=None))  # others are fine
     finally:
         monkeypatch.undo()
-        vllm_common._frontend_settings.cache_clear()
+        vllm_common._settings_of.cache_clear()
+
+
+def test_disabled_through_additional_config_is_seen_by_the_api_server() -> None:
+    """The API server's validator has no env setting here, only the config it was started
+    with (``--additional-config``): a request must still be refused, not served free."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    processor = InputProcessor(vllm_config(additional_config={"grammask": {"enabled": False}}))
+    with pytest.raises(VLLMValidationError, match="disabled"):
+        processor._validate_params(SamplingParams(extra_args=xargs({"regex": "a"})),
+                                   ("generate",))
+    processor._validate_params(SamplingParams(extra_args=None), ("generate",))
+    enabled = InputProcessor(vllm_config())  # the same process, another config: served
+    enabled._validate_params(SamplingParams(extra_args=xargs({"regex": "a"})), ("generate",))
+
+
+def test_strict_mode_refuses_unenforced_keywords_at_admission(
+        validators: dict[str, Any]) -> None:
+    for validate in validators.values():
+        with pytest.raises(VLLMValidationError, match="uniqueItems"):
+            validate(SamplingParams(max_tokens=8, extra_args=STRICT_GAP))
 

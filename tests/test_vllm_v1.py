@@ -10,6 +10,7 @@ allowed set, as a sampler would.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +179,17 @@ def test_entry_point_alone_masks_a_request_and_leaves_others_alone(
     assert sorted(allowed(r.logits()[1]).nonzero().flatten().tolist()) == sorted(
         vocab.stop_ids)  # after the grammar ended only stop tokens
     assert r.plugin.core.processor().errors == {}
+
+
+def test_start_up_log_names_version_and_settings(runner: Any,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    import grammask
+
+    with caplog.at_level(logging.INFO, logger="grammask"):
+        runner(additional_config={"grammask": {"wait_s": 7}})
+    line = next(m for m in caplog.messages if "loaded on vLLM" in m)
+    assert f"grammask {grammask.__version__}" in line and "V1" in line
+    assert "wait_s=7.0" in line and "backend=auto" in line and "enabled=True" in line
 
 
 def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> None:

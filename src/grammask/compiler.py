@@ -263,11 +263,24 @@ class Engine:
         return route(self._effective(spec), prefer=self.prefer)
 
     def check(self, spec: GrammarSpec) -> Route:
-        """Cheap validation without compiling for the tokenizer (request admission)."""
+        """Cheap validation without compiling for the tokenizer (request admission).
+
+        Walks the same attempts as a compile (the route in its mode, then its fallbacks), so
+        admission refuses exactly what no compile could serve; returns the attempt that
+        passed. Raises the routed engine's error when none does."""
         spec = self._effective(spec)
         decision = self.route(spec)
-        get_backend(decision.backend).check(spec)
-        return decision
+        try:
+            get_backend(decision.backend).check(spec, lenient=decision.lenient)
+            return decision
+        except GrammarError as first:
+            for fallback in self._fallbacks(spec, decision):
+                try:
+                    get_backend(fallback.backend).check(spec, lenient=fallback.lenient)
+                except GrammarError:
+                    continue
+                return fallback
+            raise first from None
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:

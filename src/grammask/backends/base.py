@@ -66,8 +66,10 @@ class Backend(Protocol):
         ``lenient`` asks the engine to ignore keywords it cannot enforce instead of refusing
         (the router lists them as unenforced)."""
 
-    def check(self, spec: GrammarSpec) -> None:
-        """Cheap syntax check without a vocabulary (request validation); raises GrammarError."""
+    def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
+        """Cheap syntax check without a vocabulary (request validation); raises GrammarError.
+
+        ``lenient`` as in ``compile``: a check must refuse exactly what a compile would."""
 
 
 class _EndTracking:

@@ -128,8 +128,8 @@ class GuidanceBackend:
         return GuidanceCompiled(template, grammar, vocab.stop_ids,
                                 list(template.get_grammar_warnings()), first_mask)
 
-    def check(self, spec: GrammarSpec) -> None:
-        grammar = grammar_text(spec, lenient=False)
+    def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
+        grammar = grammar_text(spec, lenient=lenient)
         message = llg.LLMatcher.validate_grammar(grammar)
         if message:
             raise _translate(spec, message)

@@ -110,7 +110,7 @@ class XGrammarBackend:
             raise _translate(spec, exc) from exc
         return XGrammarCompiled(compiled, vocab.stop_ids)
 
-    def check(self, spec: GrammarSpec) -> None:
+    def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
         try:
             _grammar_only(spec)
         except GrammarError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Any, Literal
 
+from .. import __version__
 from ..compiler import Engine, Grammar
 from ..errors import GrammarError
 from ..masks import Filler
@@ -241,10 +243,53 @@ def _checked(key: str, backend: str, prefer: str) -> None:
         _checker(backend, prefer).check(request.spec)
 
 
-@lru_cache(maxsize=1)
 def _frontend_settings() -> Settings:
-    """Settings as the API server sees them (env only: it has no ``additional_config``)."""
-    return load_settings(None)
+    """Settings as the API server process sees them.
+
+    vLLM calls ``validate_params`` (a classmethod) without its config, and the API server
+    sets no current config; the ``InputProcessor`` that calls us holds it, so it is looked up
+    in the calling frames. Without it (another host) only the environment counts."""
+    config = _caller_vllm_config()
+    extra = getattr(config, "additional_config", None) if config is not None else None
+    return _settings_of(json.dumps(extra or {}, sort_keys=True, default=str),
+                        _tp_size(config) if config is not None else 1)
+
+
+@lru_cache(maxsize=8)
+def _settings_of(additional_config: str, tensor_parallel_size: int) -> Settings:
+    settings = load_settings(json.loads(additional_config),
+                             tensor_parallel_size=tensor_parallel_size)
+    use_vllm_logging()
+    log.info("grammask %s: validating requests in the API server; %s", __version__,
+             describe_settings(settings))
+    return settings
+
+
+def _caller_vllm_config(max_depth: int = 12) -> Any:
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # an older vLLM
+        current = None
+    else:
+        current = get_current_vllm_config_or_none()
+    if current is not None:
+        return current
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        config = getattr(owner, "vllm_config", None) if owner is not None else None
+        if config is not None and hasattr(config, "additional_config"):
+            return config
+    return None
+
+
+def describe_settings(settings: Settings) -> str:
+    """One log line: every setting and its value."""
+    return "settings: " + ", ".join(f"{f.name}={getattr(settings, f.name)}"
+                                    for f in fields(Settings))
 
 
 def validate_sampling_params(sampling_params: Any) -> None:
@@ -262,8 +307,9 @@ def validate_sampling_params(sampling_params: Any) -> None:
 
     settings = _frontend_settings()
     if not settings.enabled:
-        raise VLLMValidationError("grammask is disabled on this server (GRAMMASK_ENABLED=0)",
-                                  parameter=EXTRA_ARGS_KEY)
+        raise VLLMValidationError(
+            "grammask is disabled on this server (setting enabled=false: GRAMMASK_ENABLED=0 "
+            "or --additional-config)", parameter=EXTRA_ARGS_KEY)
     if getattr(sampling_params, "structured_outputs", None) is not None:
         raise VLLMValidationError(
             "a request carries either vLLM structured_outputs or a grammask constraint, "
@@ -273,6 +319,20 @@ def validate_sampling_params(sampling_params: Any) -> None:
     except GrammarError as exc:
         parameter = exc.where if exc.where in FLAT_KEYS else EXTRA_ARGS_KEY
         raise VLLMValidationError(f"grammask: {exc}", parameter=parameter) from None
+
+
+def use_vllm_logging() -> None:
+    """Send grammask's log records through vLLM's handlers (an operator's one log).
+
+    vLLM configures only its own ``vllm`` logger; without this, grammask's INFO lines (the
+    start-up line, routing decisions) would go nowhere in a server."""
+    ours = logging.getLogger("grammask")
+    if ours.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
 
 
 # ---------------------------------------------------------------------------- engine
@@ -361,8 +421,11 @@ class PluginCore:
         self.active = self.settings.enabled
         self.engine: Engine | None = None
         self._proc: BatchProcessor | None = None
+        use_vllm_logging()
+        log.info("grammask %s loaded on vLLM's %s model runner (%s); %s", __version__,
+                 kind.upper(), "active" if self.active else "DISABLED",
+                 describe_settings(self.settings))
         if not self.active:
-            log.info("grammask: disabled by settings (GRAMMASK_ENABLED=0)")
             return
         self.engine = shared_engine(vllm_config, self.settings)
         key = (id(vllm_config), kind)

@@ -161,7 +161,7 @@ def test_row_errors_are_isolated(engine: Engine, qwen25: Vocabulary) -> None:
         for row in (0, 2, 4):
             proc.add(row, spec)
         proc.add(1, GrammarSpec.regex("(unclosed"))  # fails to compile
-        proc.add(3, spec, grammar=never)
+        proc.add(3, spec.with_backend("guidance"), grammar=never)  # forced: no hedge
         proc.add(5, spec, grammar=g)
         proc.advance(0, ids[:2])
         proc.advance(2, [ids[0], qwen25.encode("zz")[0], ids[1]])  # a token the grammar refuses
@@ -182,6 +182,100 @@ def test_row_errors_are_isolated(engine: Engine, qwen25: Vocabulary) -> None:
         logits = run_step(proc, 6, qwen25)
         assert proc.status(3) == "error" and only(logits[3]) == sorted(qwen25.stop_ids)
         assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
+
+
+#: routed to xgrammar; llguidance enforces it too, so it may hedge there
+XGR_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"]}
+
+
+def test_a_late_schema_is_served_by_the_hedge(engine: Engine, qwen25: Vocabulary) -> None:
+    """The routed (xgrammar) compile never finishes -- a Future stands in for a stalled
+    native compile, which cannot be produced on demand -- so after ``hedge_s`` llguidance
+    compiles the schema and serves the row; the batch never waits ``wait_s``."""
+    spec = GrammarSpec.json_schema(XGR_SCHEMA, any_whitespace=False)
+    assert engine.route(spec).backend == "xgrammar"
+    stalled: Future[Grammar] = Future()
+    with BatchProcessor(engine, max_batch=2, wait_s=30, hedge_s=0.01) as proc:
+        proc.add(0, spec, grammar=stalled)
+        proc.add(1, GrammarSpec.choice(["a", "b"]))
+        logits = run_step(proc, 2, qwen25)
+        info = proc.info(0)
+        assert info.status == "active" and info.backend == "guidance", info
+        ref = engine.compile(spec.with_backend("guidance")).matcher()
+        assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
+        assert proc.status(1) == "active"
+    assert not stalled.done()  # the routed compile was left alone (it would fill the cache)
+
+
+def test_no_hedge_where_the_other_engine_may_not_serve(engine: Engine,
+                                                      qwen25: Vocabulary) -> None:
+    """Strict about a gap llguidance has, or forced onto one engine: the row waits out
+    ``wait_s`` alone and fails; the other rows are masked."""
+    strict = GrammarSpec.json_schema({"type": "object", "properties": {
+        "k": {"type": "integer"}}, "propertyNames": {"enum": ["k", "j"]}}, strict=True)
+    assert engine.route(strict).backend == "xgrammar"
+    forced = GrammarSpec.json_schema(XGR_SCHEMA, backend="xgrammar")
+    with BatchProcessor(engine, max_batch=3, wait_s=0.2, hedge_s=0.0) as proc:
+        proc.add(0, strict, grammar=Future())
+        proc.add(1, forced, grammar=Future())
+        proc.add(2, GrammarSpec.choice(["a", "b"]))
+        logits = run_step(proc, 3, qwen25)
+        for row in (0, 1):
+            assert proc.status(row) == "error" and "wait_s" in (proc.error(row) or "")
+            assert only(logits[row]) == sorted(qwen25.stop_ids)
+        assert proc.status(2) == "active" and only(logits[2]) != sorted(qwen25.stop_ids)
+
+
+class _BrokenGrammar(Grammar):
+    """Fault injection: a compiled grammar whose ``matcher()`` raises (stands in for an
+    engine bug at attach time, which real grammars do not produce on demand)."""
+
+    def matcher(self) -> Matcher:
+        raise RuntimeError("engine exploded")
+
+
+def test_a_failure_while_attaching_one_row_fails_only_that_row(
+        engine: Engine, qwen25: Vocabulary) -> None:
+    good = engine.compile(GrammarSpec.choice(["alpha", "beta"]))
+    broken = _BrokenGrammar(good.spec, good.backend, good.reason, good.unenforced,
+                            good.compile_ms, good.compiled)
+    with BatchProcessor(engine, max_batch=3) as proc:
+        proc.add(0, good.spec, grammar=broken)
+        proc.add(1, good.spec, grammar=good)
+        from grammask.request import ConstraintRequest
+
+        proc.add(2, ConstraintRequest(good.spec, think_end="\udcff"))  # unencodable marker
+        logits = run_step(proc, 3, qwen25)
+        assert proc.status(0) == "error" and "exploded" in (proc.error(0) or "")
+        assert proc.status(2) == "error" and "thinking gate" in (proc.error(2) or "")
+        assert proc.status(1) == "active"
+        assert torch.equal(allowed(logits[1]), ref_allowed(good.matcher(), qwen25))
+
+
+def test_step_on_some_rows_fills_the_rest_when_they_are_needed(
+        engine: Engine, qwen25: Vocabulary, grammars: list[Grammar]) -> None:
+    """``step(rows)`` fills only the rows a host expects to sample; ``wait_masks(rows)``
+    fills any it missed, from their unread tokens."""
+    with BatchProcessor(engine, max_batch=3) as proc:
+        outs: list[list[int]] = [[], [], []]
+        for row in range(3):
+            proc.add(row, SPECS[3], output_ids=outs[row], grammar=grammars[3])
+        ids = qwen25.encode("alpha")
+        outs[0].append(ids[0])
+        outs[2].append(ids[0])
+        proc.step([0])
+        _, rows = proc.wait_masks([0, 2])
+        assert rows == [0, 2] and proc.info(1).constrained_tokens == 0
+        ref = grammars[3].matcher()
+        assert ref.accept(ids[0])
+        assert proc.info(0).constrained_tokens == 1 == proc.info(2).constrained_tokens
+        logits = torch.zeros(3, qwen25.vocab_size)
+        proc.step([1])
+        proc.apply(logits)
+        assert allowed(logits[0]).all() and allowed(logits[2]).all()  # not this step's rows
+        assert torch.equal(allowed(logits[1]), ref_allowed(grammars[3].matcher(), qwen25))
 
 
 def test_free_policy_leaves_errored_rows_unmasked(engine: Engine, qwen25: Vocabulary) -> None:

@@ -77,13 +77,10 @@ def test_bad_settings_name_their_source(config: Any, env: dict[str, str], messag
         load_settings(config, env)
 
 
-def test_tensor_parallel_defaults_keep_timeouts_out_of_reach() -> None:
-    s = load_settings(None, {}, tensor_parallel_size=4)
-    assert s.compile_timeout_s == vllm_common.TP_COMPILE_TIMEOUT_S
-    assert s.wait_s > s.compile_timeout_s
-    s = load_settings(None, {"GRAMMASK_COMPILE_TIMEOUT_S": "30"}, tensor_parallel_size=2)
-    assert (s.compile_timeout_s, s.wait_s) == (30.0, 90.0)
-    assert load_settings(None, {}, tensor_parallel_size=1).compile_timeout_s == 10.0
+def test_tensor_parallel_changes_no_setting() -> None:
+    """Ranks agree on timing outcomes (agreement.py) instead of long timeouts."""
+    assert load_settings(None, {}, tensor_parallel_size=4) == load_settings(None, {})
+    assert load_settings(None, {}).wait_s < 1.0
 
 
 def test_settings_come_from_the_vllm_config() -> None:

@@ -23,15 +23,15 @@ Row semantics (the contract the vLLM / transformers adapters are written against
   neither masked nor advanced.
 - Stop tokens are allowed only where the grammar may end; once it has ended, only stop tokens
   are (forced EOS).
-- Errors never raise into the host. A token the grammar rejects, a failed compile or a
-  grammar still compiling ``wait_s`` seconds after its first mask was needed put that row, and
-  only that row, into a sticky error state (``error(row)`` says why). With ``on_error="stop"``
-  (default) an errored row gets a stop-only mask, so the request ends at once instead of
-  running on unconstrained and returning text that claims to follow the grammar;
-  ``on_error="free"`` leaves it unmasked. Waiting for a compile blocks the step at most
-  ``wait_s`` (the engine's own compile deadline usually decides first); it never blocks the
-  batch indefinitely. With tensor parallelism, give every rank a ``wait_s`` above the engine's
-  compile timeout so the outcome (compiled or failed) does not depend on timing.
+- Errors never raise into the host. A token the grammar rejects, a failed compile, an
+  exception while attaching or filling one row, or a grammar still compiling ``wait_s``
+  seconds after its first mask was needed put that row, and only that row, into a sticky
+  error state (``error(row)`` says why). With ``on_error="stop"`` (default) an errored row
+  gets a stop-only mask, so the request ends at once instead of running on unconstrained and
+  returning text that claims to follow the grammar; ``on_error="free"`` leaves it unmasked.
+- First masks (``firstmask.py``): a row whose grammar is late makes the step wait at most
+  ``wait_s`` (default 0.5 s), hedged onto the other engine after ``hedge_s``. With tensor
+  parallelism pass an ``agreement`` (``agreement.py``): ranks then agree on each such outcome.
 - Any mutation (add/remove/move/swap/advance/rollback) after ``step()`` and before
   ``apply()`` discards that fill; ``apply`` then fills synchronously. ``apply`` without
   ``step`` works too (no overlap).
@@ -43,16 +43,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from .agreement import Agreement, Solo
 from .backends.base import Matcher
 from .compiler import Engine, Grammar
 from .errors import GrammarError
+from .firstmask import VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
 from .masks import Filler, FillWorker, MaskBuffers, apply_bitmask, stop_only_row
 from .reasoning import ThinkGate, ThinkMarker
 from .request import ConstraintRequest
@@ -80,10 +82,10 @@ class RowInfo:
 class _Row:
     """One constrained request."""
 
-    def __init__(self, request: ConstraintRequest, future: Future[Grammar],
+    def __init__(self, request: ConstraintRequest, pending: PendingGrammar,
                  gate: ThinkGate | None, output: list[int], owned: bool) -> None:
         self.request = request
-        self.future = future
+        self.pending = pending
         self.gate = gate
         self.output = output
         self.owned = owned
@@ -120,21 +122,26 @@ class BatchProcessor:
     the vocabulary's (``</think>`` for Qwen3.x); None disables the thinking gate. A request's
     own ``think_end`` / ``thinking=False`` take precedence.
     ``filler``: how rows are filled (batch-parallel thresholds, threads).
+    ``wait_s``: the longest a step waits for a row's grammar at its first mask (the batch
+    stalls meanwhile); ``hedge_s``: when the other engine starts compiling a late JSON schema.
+    ``agreement``: how tensor-parallel ranks agree on those timing outcomes (``Solo``: none).
     """
 
-    def __init__(self, engine: Engine, *, max_batch: int, wait_s: float = 30.0,
-                 on_error: ErrorPolicy = "stop",
+    def __init__(self, engine: Engine, *, max_batch: int, wait_s: float = 0.5,
+                 hedge_s: float = 0.05, on_error: ErrorPolicy = "stop",
                  think_end: str | int | Sequence[int] | None = _FROM_VOCAB,
-                 filler: Filler | None = None) -> None:
+                 filler: Filler | None = None, agreement: Agreement | None = None) -> None:
         if on_error not in ("stop", "free"):
             raise ValueError(f"on_error must be 'stop' or 'free', got {on_error!r}")
-        if wait_s < 0:
-            raise ValueError("wait_s must be >= 0")
+        if wait_s < 0 or hedge_s < 0:
+            raise ValueError("wait_s and hedge_s must be >= 0")
         self.engine = engine
         self.vocab = engine.vocab
         self.vocab_size = engine.vocab.vocab_size
         self.max_batch = max_batch
         self.wait_s = wait_s
+        self.hedge_s = hedge_s
+        self.agreement: Agreement = agreement or Solo()
         self.on_error: ErrorPolicy = on_error
         self._buffers = MaskBuffers(max_batch, self.vocab_size)
         self._worker = FillWorker()
@@ -169,11 +176,21 @@ class BatchProcessor:
         if not isinstance(request, ConstraintRequest):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
-        future = self._grammar_future(request.spec, grammar)
-        gate = self._gate(request, prompt_ids)
+        pending = self._pending_grammar(request.spec, grammar)
         owned = output_ids is None
-        self._rows[row] = _Row(request, future, gate, [] if output_ids is None else output_ids,
-                               owned)
+        self._rows[row] = r = _Row(request, pending, None,
+                                   [] if output_ids is None else output_ids, owned)
+        try:
+            r.gate = self._gate(request, prompt_ids)
+        except Exception as exc:  # a bad marker or prompt: this row alone fails
+            r.fail(f"thinking gate failed: {type(exc).__name__}: {exc}")
+
+    def fail(self, row: int, message: str) -> None:
+        """Put ``row`` into the error state (adapters that lose track of a row's tokens)."""
+        r = self._rows.get(row)
+        if r is not None:
+            self._mutate()
+            r.fail(message)
 
     def remove(self, row: int) -> None:
         self._mutate()
@@ -226,11 +243,16 @@ class BatchProcessor:
         self._rewind(r, num_tokens)
 
     # ----------------------------------------------------------------------- per step
-    def step(self) -> None:
-        """Read each constrained row's new tokens and start advance + fill on the worker."""
+    def step(self, rows: Collection[int] | None = None) -> None:
+        """Read each constrained row's new tokens and start advance + fill on the worker.
+
+        ``rows``: only these rows (those a host will sample this step); the others keep
+        their unread tokens for a later step. None: every constrained row."""
         self._settle()
         self._pending = None
-        work = [(index, r, self._take(r)) for index, r in self._rows.items()]
+        chosen = (self._rows.items() if rows is None else
+                  [(i, self._rows[i]) for i in sorted(set(rows)) if i in self._rows])
+        work = [(index, r, self._take(r)) for index, r in chosen]
         buffer = self._buffers.acquire()
         future = (self._worker.submit(lambda: self._run(work, buffer)) if work else None)
         self._pending = _Step(future, buffer, work)
@@ -242,27 +264,38 @@ class BatchProcessor:
             apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
                           buffers=self._buffers)
 
-    def wait_masks(self) -> tuple[torch.Tensor, list[int]]:
+    def wait_masks(self, rows: Collection[int] | None = None
+                   ) -> tuple[torch.Tensor, list[int]]:
         """Wait for this step's fill; the bitmask and the sorted rows it masks.
 
         For hosts that apply masks themselves (e.g. on the device, in their own sampler).
-        The bitmask is the processor's buffer: valid until the next ``step()``; rows not
-        listed hold stale bits and must stay unmasked. Ends the step like ``apply``."""
+        ``rows``: rows that must be masked; any the step did not fill are filled now (a host
+        that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
+        until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
+        Ends the step like ``apply``. Never raises for a row's failure."""
         if self._pending is None:
-            self.step()
+            self.step(rows)
         step = self._pending
         assert step is not None
         self._pending = None
         if step.future is None:
-            return step.buffer, []
-        try:
-            indices = set(step.future.result())
-        except BaseException as exc:  # a bug in the job: contain it to this step's rows
-            indices = self._contain(step, exc)
+            indices: set[int] = set()
+        else:
+            try:
+                indices = set(step.future.result())
+            except BaseException as exc:  # a bug in the job: contain it to this step's rows
+                indices = self._contain(step.work, step.buffer, exc)
         late = [(index, r, self._take(r)) for index, r, _ in step.work if r.late]
+        done = {index for index, _, _ in step.work}
+        if rows is not None:  # rows the step skipped: read and fill them here
+            late += [(i, self._rows[i], self._take(self._rows[i])) for i in sorted(set(rows))
+                     if i in self._rows and i not in done]
         if late:  # placeholders resolved since step(): advance and fill these rows here
             indices.difference_update(index for index, _, _ in late)
-            indices.update(self._run(late, step.buffer))
+            try:
+                indices.update(self._run(late, step.buffer))
+            except BaseException as exc:
+                indices.update(self._contain(late, step.buffer, exc))
             for index, r, _ in late:
                 if r.late and r.needs_mask and r.error is None:
                     r.fail("an output token was still a placeholder (negative id) when its "
@@ -330,27 +363,34 @@ class BatchProcessor:
                 self._pending.future.result()
             except BaseException as exc:
                 done: Future[list[int]] = Future()
-                done.set_result(sorted(self._contain(self._pending, exc)))
+                done.set_result(sorted(self._contain(self._pending.work, self._pending.buffer,
+                                                     exc)))
                 self._pending.future = done
 
     def _mutate(self) -> None:
         self._settle()
         self._pending = None
 
-    def _grammar_future(self, spec: GrammarSpec, grammar: Grammar | Future[Grammar] | None
-                        ) -> Future[Grammar]:
-        if isinstance(grammar, Future):
-            return grammar
+    def _pending_grammar(self, spec: GrammarSpec,
+                         grammar: Grammar | Future[Grammar] | None) -> PendingGrammar:
         if isinstance(grammar, Grammar):
             done: Future[Grammar] = Future()
             done.set_result(grammar)
-            return done
+            return PendingGrammar(done, None, hedge_s=self.hedge_s)
+        if isinstance(grammar, Future):
+            primary = grammar
+        else:
+            try:
+                primary = self.engine.compile_async(spec)
+            except Exception as exc:  # an engine closed or a bad spec: an errored row
+                primary = Future()
+                primary.set_exception(exc)
         try:
-            return self.engine.compile_async(spec)
-        except Exception as exc:  # an engine closed or a bad spec: an errored row, no raise
-            failed: Future[Grammar] = Future()
-            failed.set_exception(exc)
-            return failed
+            other = hedge_spec(self.engine, spec)
+        except Exception:  # routing refused the spec: its compile reports why
+            other = None
+        hedge = None if other is None else (lambda: self.engine.compile_async(other))
+        return PendingGrammar(primary, hedge, hedge_s=self.hedge_s)
 
     def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int]) -> ThinkGate | None:
         if not request.thinking:
@@ -409,10 +449,13 @@ class BatchProcessor:
         mask."""
         started = time.perf_counter()
         for _, r, tokens in work:
-            self._advance(r, tokens)
-        for _, r, _ in work:
-            if r.error is None and r.needs_mask and r.matcher is None:
-                self._attach(r)
+            try:
+                self._advance(r, tokens)
+            except Exception as exc:  # the gate or a matcher broke: this row alone fails
+                r.fail(f"advancing failed: {type(exc).__name__}: {exc}")
+        # the same rows on every rank: errors and gates follow the (shared) sampled tokens
+        self._attach_all([r for _, r, _ in work
+                          if r.error is None and r.needs_mask and r.matcher is None])
         advanced = time.perf_counter()
         indices: list[int] = []
         fills: list[tuple[Matcher, int]] = []
@@ -468,34 +511,81 @@ class BatchProcessor:
                 return
             r.fed += 1
 
-    def _attach(self, r: _Row) -> None:
-        """Wait (bounded) for the row's grammar, make its matcher and feed the backlog."""
+    def _attach_all(self, rows: list[_Row]) -> None:
+        """Give each row its grammar: wait (bounded by ``wait_s``, hedged), agreed by ranks."""
         now = time.monotonic()
-        if r.need_since is None:
-            r.need_since = now
-        remaining = r.need_since + self.wait_s - now
+        for r in rows:
+            if r.need_since is None:
+                r.need_since = now
+        while rows:
+            now = time.monotonic()
+            views: list[int] = []
+            for r in rows:
+                r.pending.tick(now)
+                assert r.need_since is not None
+                views += r.pending.view(now >= r.need_since + self.wait_s)
+            try:
+                gathered = self.agreement.gather(views)
+            except Exception as exc:  # a lost peer: these rows cannot be agreed on
+                for r in rows:
+                    r.fail(f"ranks could not agree on the grammar: {exc}")
+                return
+            waiting = []
+            for i, r in enumerate(rows):
+                decision = decide(r.pending.can_hedge,
+                                  [view[i * VIEW:(i + 1) * VIEW] for view in gathered])
+                if decision.use is not None:
+                    self._attach(r, r.pending.attempt(decision.use).result())
+                elif decision.fail == "late":
+                    r.fail(f"grammar not compiled within wait_s={self.wait_s:g} s of its "
+                           "first mask (it goes on compiling for the cache)")
+                elif decision.fail is not None:
+                    r.fail(f"grammar failed to compile: {self._compile_error(r)}")
+                else:
+                    if decision.hedge:
+                        r.pending.start_hedge()
+                    waiting.append(r)
+            rows = waiting
+            if rows:
+                until = min(min(r.need_since or now for r in rows) + self.wait_s,
+                            min(r.pending.hedge_at if r.pending.can_hedge and
+                                not r.pending.hedged else float("inf") for r in rows))
+                wait_for_change([r.pending for r in rows], until,
+                                poll_s=None if self.agreement.world_size == 1 else 0.002)
+
+    @staticmethod
+    def _compile_error(r: _Row) -> str:
+        for future in (r.pending.primary, r.pending.alternate):
+            if future is not None and future.done() and not future.cancelled():
+                exc = future.exception()
+                if isinstance(exc, GrammarError):
+                    return str(exc)
+                if exc is not None:
+                    return f"{type(exc).__name__}: {exc}"
+        return "failed on another tensor-parallel rank"
+
+    def _attach(self, r: _Row, grammar: Grammar) -> None:
+        """Make the row's matcher and feed it the tokens that arrived before it."""
         try:
-            grammar = r.future.result(timeout=max(0.0, remaining))
-        except TimeoutError:
-            r.fail(f"grammar not compiled within wait_s={self.wait_s:g} s of its first mask")
-            return
-        except GrammarError as exc:
-            r.fail(f"grammar failed to compile: {exc}")
-            return
-        except BaseException as exc:
-            r.fail(f"grammar unavailable: {type(exc).__name__}: {exc}")
+            matcher = grammar.matcher()
+        except Exception as exc:
+            r.fail(f"making the matcher failed: {type(exc).__name__}: {exc}")
             return
         r.grammar = grammar
-        r.matcher = grammar.matcher()
+        r.matcher = matcher
         backlog, r.backlog = r.backlog, []
         self._feed(r, backlog)
 
-    def _contain(self, step: _Step, exc: BaseException) -> set[int]:
+    def _contain(self, work: list[tuple[int, _Row, list[int]]], buffer: torch.Tensor,
+                 exc: BaseException) -> set[int]:
+        """A bug in a fill job (not one row's failure, which ``_run`` contains): its rows
+        fail, the host goes on."""
+        log.error("grammask: fill job failed: %s: %s", type(exc).__name__, exc)
         indices = set()
-        for index, r, _ in step.work:
+        for index, r, _ in work:
             r.fail(f"fill job failed: {type(exc).__name__}: {exc}")
             if self.on_error == "stop":
-                step.buffer[index].copy_(self._stop_row)
+                buffer[index].copy_(self._stop_row)
                 indices.add(index)
         return indices
 

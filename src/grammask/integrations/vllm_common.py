@@ -21,11 +21,12 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Literal
 
 from .. import __version__
+from ..agreement import Agreement, Solo, tp_group_for_vllm
 from ..compiler import Engine, Grammar
 from ..errors import GrammarError
 from ..masks import Filler
@@ -40,8 +41,6 @@ log = logging.getLogger("grammask")
 FQCN = "grammask.integrations.vllm_v1:GrammaskLogitsProcessor"
 #: Every ``extra_args`` key grammask reads; a request without any of them is not ours.
 REQUEST_KEYS = (EXTRA_ARGS_KEY, *FLAT_KEYS)
-#: Compile timeout with tensor parallelism (see ``Settings``), unless set explicitly.
-TP_COMPILE_TIMEOUT_S = 600.0
 RunnerKind = Literal["v1", "v2"]
 
 
@@ -57,7 +56,8 @@ class Settings:
     cache_mb: int = 512
     compile_threads: int = 4
     compile_timeout_s: float = 10.0
-    wait_s: float = 30.0
+    wait_s: float = 0.5
+    hedge_s: float = 0.05
     fill_threads: int | None = None
     parallel_min: int = 16
     on_error: str = "stop"
@@ -125,10 +125,13 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                "tie-break when both engines enforce a schema"),
     "cache_mb": (_positive(int), "compiled-grammar LRU cache size, MiB"),
     "compile_threads": (_positive(int), "concurrent grammar compiles"),
-    "compile_timeout_s": (_positive(float),
-                          "compile budget per engine (600 with tensor parallelism)"),
-    "wait_s": (_positive(float), "longest wait for a grammar at its first mask "
-               "(compile_timeout_s + 60 with tensor parallelism)"),
+    "compile_timeout_s": (_positive(float), "compile budget per engine (the compile goes on "
+                          "failing only its own requests past it)"),
+    "wait_s": (_positive(float), "longest the batch waits for a row's grammar at its first "
+               "mask; past it that row alone fails (stop-only) and the compile finishes for "
+               "the cache"),
+    "hedge_s": (_positive(float), "after this, a JSON schema whose routed engine is still "
+                "compiling is compiled by the other engine too; the first ready serves"),
     "fill_threads": (_optional_int, "threads of the batch-parallel mask fill (auto)"),
     "parallel_min": (_positive(int), "fewest rows of one engine that use the batch fill"),
     "on_error": (_choice("stop", "free"),
@@ -142,9 +145,8 @@ def load_settings(additional_config: object = None, env: Mapping[str, str] | Non
                   *, tensor_parallel_size: int = 1) -> Settings:
     """Settings from ``--additional-config`` (key ``grammask``), then env, then defaults.
 
-    With tensor parallelism every rank must make the same compile decisions, so a compile
-    timeout must practically never fire: unless set explicitly, ``compile_timeout_s``
-    becomes 600 s and ``wait_s`` exceeds it (see docs/vllm.md)."""
+    ``tensor_parallel_size`` is accepted for compatibility: ranks now agree on timing outcomes
+    (``agreement.py``), so no setting changes with it."""
     env = os.environ if env is None else env
     section: Mapping[str, Any] = {}
     if isinstance(additional_config, Mapping) and additional_config.get("grammask") is not None:
@@ -167,17 +169,7 @@ def load_settings(additional_config: object = None, env: Mapping[str, str] | Non
             values[name] = parse(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"grammask setting {source}: {exc}") from None
-    settings = Settings(**values)
-    if tensor_parallel_size > 1:
-        if "compile_timeout_s" not in values:
-            settings = replace(settings, compile_timeout_s=TP_COMPILE_TIMEOUT_S)
-        if "wait_s" not in values:
-            settings = replace(settings, wait_s=settings.compile_timeout_s + 60.0)
-        if settings.wait_s <= settings.compile_timeout_s:
-            log.warning("grammask: with tensor parallelism wait_s (%.0f s) should exceed "
-                        "compile_timeout_s (%.0f s), or ranks may disagree on a slow grammar",
-                        settings.wait_s, settings.compile_timeout_s)
-    return settings
+    return Settings(**values)
 
 
 def settings_for(vllm_config: Any) -> Settings:
@@ -385,19 +377,12 @@ def shared_engine(vllm_config: Any, settings: Settings) -> Engine:
                             max_workers=settings.compile_threads,
                             cache_bytes=settings.cache_mb * 1024 * 1024,
                             timeout_s=settings.compile_timeout_s)
+            # both engines' tokenizer views (~1 s for Qwen's 152k tokens): built before the
+            # server reports healthy, so no first request waits on them past its budget
+            _ = vocab.xgrammar_info
+            _ = vocab.llguidance_tokenizer
             _ENGINES[key] = engine
-            # both engines' tokenizer views take seconds to build: do it off the start path
-            threading.Thread(target=_warm, args=(vocab,), name="grammask-warm",
-                             daemon=True).start()
     return engine
-
-
-def _warm(vocab: Vocabulary) -> None:
-    try:
-        _ = vocab.xgrammar_info
-        _ = vocab.llguidance_tokenizer
-    except Exception:  # a compile will report it per request
-        log.exception("grammask: building the engines' tokenizer views failed")
 
 
 # ------------------------------------------------------------------------- the core
@@ -420,6 +405,7 @@ class PluginCore:
         self.settings = settings_for(vllm_config)
         self.active = self.settings.enabled
         self.engine: Engine | None = None
+        self.agreement: Agreement = Solo()
         self._proc: BatchProcessor | None = None
         use_vllm_logging()
         log.info("grammask %s loaded on vLLM's %s model runner (%s); %s", __version__,
@@ -428,6 +414,8 @@ class PluginCore:
         if not self.active:
             return
         self.engine = shared_engine(vllm_config, self.settings)
+        # a collective: every rank builds its plugin at the same point of start-up
+        self.agreement = tp_group_for_vllm() if _tp_size(vllm_config) > 1 else Solo()
         key = (id(vllm_config), kind)
         with _ACTIVE_LOCK:
             ref = _ACTIVE.get(key)
@@ -455,6 +443,7 @@ class PluginCore:
                 kwargs["think_end"] = self.settings.think_end_arg
             self._proc = BatchProcessor(
                 self.engine, max_batch=self.max_batch, wait_s=self.settings.wait_s,
+                hedge_s=self.settings.hedge_s, agreement=self.agreement,
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
                 filler=Filler(parallel_min=self.settings.parallel_min,
                               threads=self.settings.fill_threads), **kwargs)

@@ -16,14 +16,19 @@ matchers is the adapter's job, done without stalling the GPU:
    into logits-row order and mask. Rows of unconstrained slots and chunked-prefill rows
    (their sample is discarded) are left alone.
 
-A slot joins the processor once its grammar is compiled or its first mask is needed,
-whichever comes first, so a long compile overlaps a chunked prefill instead of blocking the
-batch. A resumed request (``prefill_len > prompt_len``) replays its earlier output.
+Which rows are filled: the helper's fill covers the slots that sampled in the previous step
+(decode rows); a row sampling for the first time (its final prefill chunk) or one the guess
+missed is filled in ``apply`` once the context says it samples. So a finished request's slot
+is filled at most once more, a long compile never stalls a chunked prefill, and the set of
+rows whose first mask is decided is the same on every tensor-parallel rank.
+A resumed request (``prefill_len > prompt_len``) replays its earlier output.
+Nothing here raises into vLLM's step: a failure of the helper fails the slots it served.
 Speculative decoding is refused at start-up (one row per draft position is not built yet).
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +41,8 @@ from ..compiler import Grammar
 from ..masks import MaskBuffers, apply_bitmask
 from ..request import ConstraintRequest
 from .vllm_common import PluginCore
+
+log = logging.getLogger("grammask")
 
 #: tokens read per slot per step on the fast path (a step commits one without drafts)
 _WINDOW = 1
@@ -54,6 +61,7 @@ class _Slot:
     known: int = 0  # committed positions already appended to ``output`` (or placeholders)
     added: bool = False  # in the processor
     missing: tuple[int, int] | None = None  # positions left as placeholders (slow path)
+    failed: str | None = None  # the helper lost this slot's tokens: fail it in the processor
 
 
 @dataclass
@@ -81,6 +89,7 @@ class V2Batch:
         self._prefill = np.zeros(n, dtype=np.int64)
         self._helper: ThreadPoolExecutor | None = None
         self._handoff: Future[None] | None = None
+        self._live: set[int] = set()  # slots that sampled last step: this step's fill
         self._masks: MaskBuffers | None = None
         pin = self._cuda
         with normal_tensors():
@@ -149,14 +158,27 @@ class V2Batch:
                                "decoding is not supported)")
         tracked = (slots_np >= 0) & self._tracked[np.maximum(slots_np, 0)]
         if not tracked.any():
+            self._live = set()
             return logits
         # the final prefill chunk and decode rows sample; earlier chunks' samples are dropped
         seq = np.asarray(ctx.seq_lens_upper_bound_np)
         rows = np.flatnonzero(tracked & (seq >= self._prefill[slots_np]))
+        slots = [int(s) for s in slots_np[rows]]
+        self._live = set(slots)
         if rows.size == 0:
             return logits
-        slots = [int(s) for s in slots_np[rows]]
-        proc = core.processor()
+        try:
+            return self._mask(logits, rows, slots)
+        except Exception as exc:  # a bug of ours: these rows end, vLLM's step goes on
+            log.exception("grammask: masking failed; its rows get stop-only masks")
+            for slot in slots:
+                self._fail_slot(slot, f"masking failed: {type(exc).__name__}: {exc}")
+            _stop_only(logits, [int(r) for r in rows], core.engine.vocab.stop_ids
+                       if core.engine is not None else ())
+            return logits
+
+    def _mask(self, logits: torch.Tensor, rows: np.ndarray, slots: list[int]) -> torch.Tensor:
+        proc = self.core.processor()
         for slot, st in self._slots.items():  # rare: resolve placeholders before masking
             if st.missing is not None:
                 self._fill_missing(st, slot)
@@ -164,7 +186,7 @@ class V2Batch:
             st = self._slots[slot]
             if not st.added:
                 self._join(slot, st)
-        bitmask, masked = proc.wait_masks()
+        bitmask, masked = proc.wait_masks(slots)
         ready = set(masked)
         pairs = [(int(r), s) for r, s in zip(rows, slots, strict=True) if s in ready]
         if not pairs:
@@ -181,10 +203,28 @@ class V2Batch:
 
     # ------------------------------------------------------------------ internals
     def _sync(self) -> None:
-        """Join the helper's job: the processor is the host thread's again."""
+        """Join the helper's job: the processor is the host thread's again.
+
+        Never raises: a failed helper leaves the slots' token lists unknown, so each slot
+        it served fails (stop-only) instead of being masked from a wrong state."""
         if self._handoff is not None:
             handoff, self._handoff = self._handoff, None
-            handoff.result()
+            try:
+                handoff.result()
+            except Exception as exc:
+                log.exception("grammask: reading this step's tokens failed")
+                for slot in list(self._slots):
+                    self._fail_slot(slot, f"reading tokens failed: {type(exc).__name__}: "
+                                          f"{exc}")
+
+    def _fail_slot(self, slot: int, message: str) -> None:
+        st = self._slots.get(slot)
+        if st is None or st.failed is not None:
+            return
+        st.failed = message
+        proc = self.core.proc_or_none
+        if st.added and proc is not None:
+            proc.fail(slot, message)
 
     def _start_copies(self) -> _Transfer:
         """Enqueue this step's gathers and device-to-host copies (no host wait on CUDA)."""
@@ -246,17 +286,21 @@ class V2Batch:
             st.known += new
         proc = self.core.processor()
         for slot, st in self._slots.items():
-            if not st.added and st.fetched and st.grammar.done():
+            if not st.added and st.fetched:
                 self._join(slot, st)
-        if proc.rows:
-            proc.step()
+        live = [slot for slot in self._live if slot in self._slots]
+        if live:
+            proc.step(live)
 
     def _join(self, slot: int, st: _Slot) -> None:
         """Put the slot in the processor (its live list replays what it holds)."""
         if not st.fetched:  # needed before any copy ran (no apply_staged_writes yet)
             self._fetch_now(slot, st)
-        self.core.processor().add(slot, st.request, st.prompt, st.output, grammar=st.grammar)
+        proc = self.core.processor()
+        proc.add(slot, st.request, st.prompt, st.output, grammar=st.grammar)
         st.added = True
+        if st.failed is not None:
+            proc.fail(slot, st.failed)
 
     def _fetch_now(self, slot: int, st: _Slot) -> None:
         lo = 0 if st.wants_prompt else st.prompt_len
@@ -277,3 +321,15 @@ class V2Batch:
         start = len(st.output) - (st.known - lo)
         st.output[start:start + len(ids)] = [int(t) for t in ids]
         st.missing = None
+
+
+def _stop_only(logits: torch.Tensor, rows: list[int], stop_ids: tuple[int, ...] | list[int]
+               ) -> None:
+    """The emergency mask: only stop tokens in ``rows`` (the request ends now)."""
+    index = torch.tensor(rows, device=logits.device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=logits.device)
+    block = logits[index]
+    kept = block[:, stops]
+    block.fill_(float("-inf"))
+    block[:, stops] = kept
+    logits[index] = block

@@ -1,0 +1,136 @@
+"""A row's first mask: bounded, hedged and agreed across ranks.
+
+A logits processor cannot defer a request the way vLLM's scheduler does: when a row's grammar
+is not compiled at its first mask, the whole batch waits. So the wait is bounded and hedged:
+
+- The routed engine's compile starts when the request is added (overlapping its prefill).
+- ``hedge_s`` after that, if it is still running and the other engine can serve the spec (a
+  JSON schema that was not forced onto one engine and is not strict about gaps the other engine
+  has), the other engine compiles it too; the first one ready serves the row, with that
+  engine's gaps in ``unenforced``. The loser keeps compiling into the cache.
+- ``wait_s`` after the first mask was needed, a row with no grammar goes into the error state
+  alone; its compile finishes in the background for the next request with that spec.
+- With tensor parallelism each rank shares its view (``Agreement``) and ``decide`` turns the
+  gathered views into one outcome, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+from .compiler import Engine, Grammar
+from .spec import GrammarSpec
+
+PENDING, READY, FAILED = 0, 1, 2
+#: ints per row in an agreement vector: expired, hedged, primary state, hedge state
+VIEW = 4
+
+
+def _state(future: Future[Grammar] | None) -> int:
+    if future is None or not future.done():
+        return PENDING
+    if future.cancelled() or future.exception() is not None:
+        return FAILED
+    return READY
+
+
+def hedge_spec(engine: Engine, spec: GrammarSpec) -> GrammarSpec | None:
+    """The spec on the other engine, when that engine may serve it; else None.
+
+    Only JSON schemas hedge: their compile time varies by orders of magnitude between the
+    engines. Grammars do not (llguidance's GBNF conversion refuses valid texts), nor do
+    forced backends, nor strict specs the other engine has gaps on."""
+    if spec.kind != "json_schema" or spec.backend is not None:
+        return None
+    routed = engine.route(spec).backend
+    other = spec.with_backend("guidance" if routed == "xgrammar" else "xgrammar")
+    if spec.strict and engine.route(other).unenforced:
+        return None
+    return other
+
+
+class PendingGrammar:
+    """The compiles that may serve one row: the routed one and, once started, the hedge."""
+
+    def __init__(self, primary: Future[Grammar], hedge: Callable[[], Future[Grammar]] | None,
+                 *, hedge_s: float, submitted: float | None = None) -> None:
+        self.primary = primary
+        self.alternate: Future[Grammar] | None = None
+        self._start_alternate = hedge
+        self.hedge_at = (time.monotonic() if submitted is None else submitted) + hedge_s
+
+    @property
+    def can_hedge(self) -> bool:
+        return self._start_alternate is not None
+
+    @property
+    def hedged(self) -> bool:
+        return self.alternate is not None
+
+    def start_hedge(self) -> None:
+        if self.alternate is None and self._start_alternate is not None:
+            try:
+                self.alternate = self._start_alternate()
+            except Exception as exc:  # a closed engine: a failed hedge, not an error here
+                self.alternate = Future()
+                self.alternate.set_exception(exc)
+
+    def tick(self, now: float) -> None:
+        """Start the hedge when it is due (the routed compile is late or failed)."""
+        if self.alternate is None and self.can_hedge and (
+                now >= self.hedge_at or _state(self.primary) == FAILED):
+            self.start_hedge()
+
+    def view(self, expired: bool) -> list[int]:
+        return [int(expired), int(self.hedged), _state(self.primary), _state(self.alternate)]
+
+    def futures(self) -> list[Future[Grammar]]:
+        return [f for f in (self.primary, self.alternate) if f is not None and not f.done()]
+
+    def attempt(self, index: int) -> Future[Grammar]:
+        future = self.primary if index == 0 else self.alternate
+        assert future is not None
+        return future
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every rank does with one row: use attempt ``use``, ``fail``, ``hedge`` or wait."""
+
+    use: int | None = None
+    fail: str | None = None
+    hedge: bool = False
+
+
+def decide(can_hedge: bool, views: Sequence[Sequence[int]]) -> Decision:
+    """One row's outcome from every rank's view (a pure function: same on every rank)."""
+    for index in (0, 1):
+        if all(v[2 + index] == READY for v in views):
+            return Decision(use=index)
+    primary_dead = any(v[2] == FAILED for v in views)
+    hedge_dead = not can_hedge or any(v[3] == FAILED for v in views)
+    if primary_dead and hedge_dead:
+        return Decision(fail="compile")
+    if any(v[0] for v in views):
+        return Decision(fail="late")
+    if can_hedge and not all(v[1] for v in views) and (
+            primary_dead or any(v[1] for v in views)):
+        return Decision(hedge=True)
+    return Decision()
+
+
+def wait_for_change(pending: Sequence[PendingGrammar], until: float, *,
+                    poll_s: float | None) -> None:
+    """Sleep until a compile finishes or ``until``; ``poll_s`` caps it (other ranks' views
+    change without our futures finishing)."""
+    timeout = max(0.0, until - time.monotonic())
+    if poll_s is not None:
+        timeout = min(timeout, poll_s)
+    futures = [f for p in pending for f in p.futures()]
+    if futures:
+        wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+    elif timeout > 0:
+        time.sleep(timeout)

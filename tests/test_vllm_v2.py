@@ -240,6 +240,25 @@ def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, voc
     assert r.plugin.core.processor().errors == {}
 
 
+def test_finished_requests_are_not_filled(runner: Any, engine: Engine,
+                                          vocab: Vocabulary) -> None:
+    """V2 has no removal hook: a finished request's slot stays tracked until reused. Its
+    mask must not be filled on and on meanwhile (at most once more, the step after)."""
+    r = runner()
+    r.add("json", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
+    r.add("plain", None, [1, 2])
+    for tid in [*vocab.encode("beta"), IM_END]:
+        r.step(["json", "plain"])
+        r.commit({"json": tid, "plain": 5})
+    proc = r.plugin.core.processor()
+    filled = proc.rows_filled
+    r.remove("json")  # finished: the runner frees the slot, no processor hook
+    for _ in range(10):
+        r.step(["plain"])
+        r.commit({"plain": 5})
+    assert proc.rows_filled - filled <= 1
+
+
 def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> None:
     r = runner(fqcn=True)
     both = ours(r.procs)

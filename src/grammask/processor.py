@@ -156,6 +156,8 @@ class BatchProcessor:
         #: Milliseconds the last fill job spent advancing matchers and filling (metrics).
         self.last_advance_ms = 0.0
         self.last_fill_ms = 0.0
+        #: Mask rows filled by engines so far (work done, for metrics and tests).
+        self.rows_filled = 0
 
     # ------------------------------------------------------------------ batch membership
     def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
@@ -477,6 +479,7 @@ class BatchProcessor:
                     row.fail(f"mask fill failed: {exc}")
                     buffer[index].copy_(self._stop_row)
         indices.extend(index for _, index in fills)
+        self.rows_filled += len(fills)
         self.last_advance_ms = (advanced - started) * 1000
         self.last_fill_ms = (time.perf_counter() - advanced) * 1000
         return indices

@@ -7,7 +7,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from grammask import ConstraintRequest, Engine, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask import (
+    ConstraintRequest,
+    Engine,
+    GrammarSpec,
+    Vocabulary,
+    allocate_bitmask,
+    allowed_ids,
+)
 from grammask.backends import Matcher
 from grammask.processor import BatchProcessor
 from grammask.reasoning import ThinkGate, ThinkMarker
@@ -180,3 +187,34 @@ def test_processor_with_thinking_rows(engine36: Engine, qwen36: Vocabulary) -> N
         bitmask, rows = fill(proc)
         assert proc.status(0) == "thinking" and 0 not in rows
         assert proc.errors == {}
+
+
+def test_a_byte_marker_must_end_at_a_token_boundary(engine36: Engine,
+                                                    qwen36: Vocabulary) -> None:
+    """Bytes after the marker inside the marker's last token (``>{``) would reach the output
+    without the grammar seeing them: while thinking, such tokens are refused; a host that
+    samples one anyway gets that row failed, never text outside the grammar."""
+    request = ConstraintRequest(SPEC, think_end="</reasoning>")
+    closing = qwen36.token_id(">{")
+    with BatchProcessor(engine36, max_batch=2) as proc:
+        proc.add(0, request)
+        proc.add(1, request)
+        for row in (0, 1):
+            proc.advance(row, qwen36.encode("hmm </reasoning"))
+        bitmask, rows = fill(proc)
+        assert rows == [0, 1] and proc.status(0) == "thinking"
+        permitted = set(allowed_ids(bitmask[0], qwen36.vocab_size))
+        refused = [t for t in range(len(qwen36.tokens)) if t not in permitted]
+        assert closing in refused and qwen36.token_id(">") not in refused
+        assert all(qwen36.tokens[t].startswith(b">") and len(qwen36.tokens[t]) > 1
+                   for t in refused)
+        proc.advance(0, [qwen36.token_id(">")])  # ends exactly at the boundary
+        proc.advance(1, [closing])  # ignores the mask
+        bitmask, rows = fill(proc)
+        ref = engine36.compile(SPEC).matcher()
+        assert proc.status(0) == "active" and torch.equal(bitmask[0], mask_words(ref, qwen36))
+        assert proc.status(1) == "error" and "inside a token" in (proc.error(1) or "")
+        # an open gate whose output ends with none of the marker is not masked at all
+        proc.add(0, request)
+        _, rows = fill(proc)
+        assert 0 not in rows

@@ -48,6 +48,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .agreement import Agreement, Solo
@@ -56,7 +57,7 @@ from .compiler import Engine, Grammar
 from .errors import GrammarError
 from .firstmask import VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
 from .masks import Filler, FillWorker, MaskBuffers, apply_bitmask, stop_only_row
-from .reasoning import ThinkGate, ThinkMarker
+from .reasoning import BoundaryGuard, ThinkGate, ThinkMarker
 from .request import ConstraintRequest
 from .spec import GrammarSpec
 
@@ -153,6 +154,7 @@ class BatchProcessor:
                                 else None if think_end is None
                                 else ThinkMarker.for_vocab(self.vocab, think_end))
         self._markers: dict[str, ThinkMarker | None] = {}
+        self._guards: dict[bytes, BoundaryGuard] = {}
         #: Milliseconds the last fill job spent advancing matchers and filling (metrics).
         self.last_advance_ms = 0.0
         self.last_fill_ms = 0.0
@@ -468,6 +470,9 @@ class BatchProcessor:
                     indices.append(index)
             elif r.needs_mask and r.matcher is not None:
                 fills.append((r.matcher, index))
+            elif r.gate is not None and r.gate.thinking and self._guard_row(r.gate, buffer,
+                                                                             index):
+                indices.append(index)
         try:
             self._filler.fill(fills, buffer)
         except Exception:  # find the culprit row by row; the others still get their masks
@@ -484,11 +489,33 @@ class BatchProcessor:
         self.last_fill_ms = (time.perf_counter() - advanced) * 1000
         return indices
 
+    def _guard_row(self, gate: ThinkGate, buffer: torch.Tensor, index: int) -> bool:
+        """A thinking row with a byte marker: refuse tokens that would end the marker
+        inside themselves (``reasoning.BoundaryGuard``). False when nothing is refused."""
+        marker = gate.marker.end_bytes
+        if marker is None:
+            return False
+        guard = self._guards.get(marker)
+        if guard is None:
+            guard = self._guards[marker] = BoundaryGuard(marker, self.vocab.tokens)
+        ids = guard.forbidden(gate.marker_prefixes())
+        if ids.size == 0:
+            return False
+        row = buffer[index]
+        row.fill_(-1)
+        words = row.numpy().view(np.uint32)
+        np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        return True
+
     def _advance(self, r: _Row, tokens: list[int]) -> None:
         if r.error is not None or not tokens:
             return
         if r.gate is not None and r.gate.thinking:
             tokens = r.gate.feed(tokens)
+            if r.gate.leftover:
+                r.fail(f"the thinking end marker ended inside a token: its trailing bytes "
+                       f"{r.gate.leftover!r} would be output outside the grammar")
+                return
             if not tokens:
                 return
         if r.matcher is None:

@@ -13,15 +13,20 @@ the grammar. Per request a ``ThinkGate`` watches the output tokens for the end m
 - ``thinking=False`` (per request) constrains from the first token regardless.
 
 While thinking the matcher is neither masked nor advanced. The tokens that follow the marker in
-the same step go to the matcher. When a byte-matched marker ends inside a token, the rest of
-that token (``leftover``, usually whitespace) is outside the grammar: the constraint starts at
-the next token boundary, since a matcher can only take whole tokens.
+the same step go to the matcher. A byte-matched marker must end at a token boundary: the rest
+of a token that ends the marker inside itself (``>{`` for ``</reasoning>``) would be output
+the grammar never saw. So while such a gate is open its row gets a mask that allows every
+token except those (``BoundaryGuard``: a few tokens, depending on how much of the marker the
+output already ends with); a host that samples one anyway gets ``leftover`` set, and the
+processor fails that row rather than serve text outside the grammar.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .errors import InvalidSpecError
 from .vocab import Vocabulary
@@ -95,6 +100,10 @@ class ThinkGate:
         return not self._closed
 
     @property
+    def marker(self) -> ThinkMarker:
+        return self._marker
+
+    @property
     def thinking_tokens(self) -> int:
         """Output tokens that belonged to the thinking section (marker token included)."""
         return len(self._thinking_ids)
@@ -132,6 +141,17 @@ class ThinkGate:
                     break
                 data = self._bytes(tid) + data
             self._tail = data[max(0, len(data) - keep):] if keep else b""
+
+    def marker_prefixes(self) -> list[int]:
+        """How much of a byte marker the output ends with: every ``j`` such that the output
+        so far ends with the marker's first ``j`` bytes (several when the marker overlaps
+        itself). Empty for token markers and closed gates."""
+        marker = self._marker.end_bytes
+        if marker is None or self._closed:
+            return []
+        tail = self._tail
+        return [j for j in range(1, min(len(marker), len(tail) + 1))
+                if tail.endswith(marker[:j])]
 
     def _ends_at(self, tid: int) -> bool:
         marker = self._marker
@@ -178,3 +198,31 @@ def _ids_of(vocab: Vocabulary, names: Sequence[str]) -> list[int]:
         if tid in vocab.special_ids:
             ids.append(tid)
     return ids
+
+
+class BoundaryGuard:
+    """The tokens a byte-marker gate must refuse, so the marker ends at a token boundary.
+
+    ``inside``: tokens holding the whole marker with bytes after it. ``after[j]``: tokens
+    that complete the marker when the output already ends with its first ``j`` bytes, and
+    carry bytes past it. Built once per marker and vocabulary (one pass over the tokens)."""
+
+    def __init__(self, marker: bytes, tokens: Sequence[bytes]) -> None:
+        length = len(marker)
+        inside: list[int] = []
+        after: dict[int, list[int]] = {j: [] for j in range(1, length)}
+        for tid, data in enumerate(tokens):
+            at = data.find(marker)
+            if at >= 0 and at + length < len(data):
+                inside.append(tid)
+            for j in range(1, length):
+                rest = marker[j:]
+                if len(data) > len(rest) and data.startswith(rest):
+                    after[j].append(tid)
+        self.inside = np.asarray(inside, dtype=np.int64)
+        self.after = {j: np.asarray(ids, dtype=np.int64) for j, ids in after.items() if ids}
+
+    def forbidden(self, prefixes: Iterable[int]) -> np.ndarray:
+        """Token ids to refuse, given ``ThinkGate.marker_prefixes()``."""
+        parts = [self.inside, *(self.after[j] for j in prefixes if j in self.after)]
+        return np.unique(np.concatenate(parts)) if len(parts) > 1 else self.inside

@@ -338,21 +338,6 @@ def test_thinking_gate_reads_the_prompt_from_the_device(
         r.commit({"t": tid})
 
 
-def test_speculative_decoding_is_refused_at_start() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    from .vllm_fixtures import model_dir
-
-    config = EngineArgs(model=str(model_dir()), dtype="float32", max_model_len=256,
-                        max_num_seqs=MAX_REQS, enforce_eager=True,
-                        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                            "prompt_lookup_max": 2}).create_engine_config()
-    rs = RequestState(max_num_reqs=MAX_REQS, max_model_len=256, max_num_batched_tokens=256,
-                      num_speculative_steps=2, vocab_size=VOCAB, device=torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="speculative decoding"):
-        build_custom_logits_processors(config, rs, False, ())
-
-
 # ------------------------------------------------------------------------ churn
 @dataclass
 class _Live:

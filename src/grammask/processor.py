@@ -310,6 +310,94 @@ class BatchProcessor:
                         indices.add(index)
         return step.buffer, sorted(indices)
 
+    def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
+                    out_rows: Sequence[int]) -> None:
+        """Masks for speculative decoding: ``out[out_rows[k + 1]]`` gets the mask of the
+        position after ``drafts[:k + 1]`` (the last one is the bonus position).
+
+        ``out[out_rows[0]]`` must already hold the committed position's mask (from
+        ``wait_masks``, or all ones for a row it did not list). Draft tokens are fed
+        tentatively and rolled back, so the row keeps its committed state. The rules are
+        vLLM's own: a position still inside the thinking section is free (all ones, or the
+        marker-boundary guard); after a draft token the grammar refuses, every later position
+        repeats the last valid mask (which already refuses that token, so the rejection
+        sampler rejects it there and no later row is used); after a placeholder (negative id)
+        positions are free; an errored row gets its error mask everywhere."""
+        if len(out_rows) != len(drafts) + 1:
+            raise ValueError(f"{len(drafts)} draft tokens need {len(drafts) + 1} output rows, "
+                             f"got {len(out_rows)}")
+        r = self._rows.get(row)
+        if r is None or not drafts:
+            return
+        fed = gated = 0
+        prev = out_rows[0]
+        refused = free = False
+        try:
+            for tid, target in zip(drafts, out_rows[1:], strict=True):
+                if r.error is not None:
+                    self._error_row(out, target)
+                elif free or tid < 0:
+                    free = True
+                    out[target].fill_(-1)
+                elif refused:
+                    out[target].copy_(out[prev])
+                else:
+                    accepted, g, f = self._feed_tentatively(r, int(tid))
+                    gated += g
+                    fed += f
+                    if not accepted:
+                        refused = True
+                        out[target].copy_(out[prev])
+                    else:
+                        self._fill_position(r, out, target)
+                        prev = target
+        except Exception as exc:  # a bug of ours: this row alone ends
+            r.fail(f"speculative masks failed: {type(exc).__name__}: {exc}")
+            for target in out_rows:
+                self._error_row(out, target)
+        finally:
+            try:
+                if fed:
+                    assert r.matcher is not None
+                    r.matcher.rollback(fed)
+                if gated:
+                    assert r.gate is not None
+                    r.gate.rollback(gated)
+            except Exception as exc:
+                r.fail(f"undoing draft tokens failed: {type(exc).__name__}: {exc}")
+
+    def _feed_tentatively(self, r: _Row, tid: int) -> tuple[bool, int, int]:
+        """Feed one draft token: (accepted, gate tokens taken, matcher tokens taken)."""
+        if r.gate is not None and r.gate.thinking:
+            r.gate.feed([tid])
+            if r.gate.leftover:  # would end the marker mid-token: refused
+                return False, 1, 0
+            if not r.gate.thinking and r.matcher is None:
+                self._attach_all([r])  # thinking ends inside the window
+            return True, 1, 0
+        if r.matcher is None:
+            return False, 0, 0
+        accepted = r.matcher.accept(tid)
+        return accepted, 0, int(accepted)
+
+    def _fill_position(self, r: _Row, out: torch.Tensor, target: int) -> None:
+        if r.error is not None:
+            self._error_row(out, target)
+        elif r.gate is not None and r.gate.thinking:
+            if not self._guard_row(r.gate, out, target):
+                out[target].fill_(-1)
+        elif r.matcher is not None:
+            r.matcher.fill(out, target)
+            self.rows_filled += 1
+        else:
+            out[target].fill_(-1)
+
+    def _error_row(self, out: torch.Tensor, target: int) -> None:
+        if self.on_error == "stop":
+            out[target].copy_(self._stop_row)
+        else:
+            out[target].fill_(-1)
+
     # ------------------------------------------------------------------------- queries
     def info(self, row: int) -> RowInfo:
         r = self._rows.get(row)

@@ -235,16 +235,24 @@ def _checked(key: str, backend: str, prefer: str) -> None:
         _checker(backend, prefer).check(request.spec)
 
 
-def _frontend_settings() -> Settings:
+def _frontend_settings(config: Any = None) -> Settings:
     """Settings as the API server process sees them.
 
     vLLM calls ``validate_params`` (a classmethod) without its config, and the API server
     sets no current config; the ``InputProcessor`` that calls us holds it, so it is looked up
     in the calling frames. Without it (another host) only the environment counts."""
-    config = _caller_vllm_config()
+    config = _caller_vllm_config() if config is None else config
     extra = getattr(config, "additional_config", None) if config is not None else None
     return _settings_of(json.dumps(extra or {}, sort_keys=True, default=str),
                         _tp_size(config) if config is not None else 1)
+
+
+def _speculative_on_v1(config: Any) -> bool:
+    """vLLM's V1 runner drops entry-point logits processors when speculative decoding is
+    on (without a word), so a grammask request there would be served unconstrained."""
+    if config is None or not getattr(config, "speculative_config", None):
+        return False
+    return not bool(getattr(config, "use_v2_model_runner", False))
 
 
 @lru_cache(maxsize=8)
@@ -297,7 +305,14 @@ def validate_sampling_params(sampling_params: Any) -> None:
         return
     from vllm.exceptions import VLLMValidationError
 
-    settings = _frontend_settings()
+    config = _caller_vllm_config()
+    settings = _frontend_settings(config)
+    if _speculative_on_v1(config):
+        raise VLLMValidationError(
+            "grammask cannot mask speculative decoding on vLLM's V1 model runner (vLLM skips "
+            "custom logits processors there); run the V2 model runner (the default, or "
+            "VLLM_USE_V2_MODEL_RUNNER=1), or start without --speculative-config",
+            parameter=EXTRA_ARGS_KEY)
     if not settings.enabled:
         raise VLLMValidationError(
             "grammask is disabled on this server (setting enabled=false: GRAMMASK_ENABLED=0 "

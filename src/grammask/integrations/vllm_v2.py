@@ -39,13 +39,12 @@ import torch
 from ..bitmask import normal_tensors
 from ..compiler import Grammar
 from ..masks import MaskBuffers, apply_bitmask
+from ..processor import BatchProcessor
 from ..request import ConstraintRequest
 from .vllm_common import PluginCore
 
 log = logging.getLogger("grammask")
 
-#: tokens read per slot per step on the fast path (a step commits one without drafts)
-_WINDOW = 1
 
 
 @dataclass
@@ -80,6 +79,12 @@ class V2Batch:
 
     def __init__(self, vllm_config: Any, req_states: Any) -> None:
         n = int(req_states.max_num_reqs)
+        spec = getattr(vllm_config, "speculative_config", None)
+        #: draft tokens per request and step (0: no speculative decoding)
+        self.num_spec = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
+        #: tokens read per slot per step on the fast path: a step commits up to the accepted
+        #: drafts plus the bonus token
+        self._window = 1 + self.num_spec
         self.core = PluginCore(vllm_config, "v2", n)
         self.rs = req_states
         self.device: torch.device = req_states.device
@@ -96,17 +101,11 @@ class V2Batch:
             self._index_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
             self._known_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
             self._total_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-            self._tokens_host = torch.zeros(n, _WINDOW, dtype=torch.int32, pin_memory=pin)
+            self._tokens_host = torch.zeros(n, self._window, dtype=torch.int32,
+                                            pin_memory=pin)
         self._event: Any = None
         if not self.core.active:
             return
-        spec = getattr(vllm_config, "speculative_config", None)
-        if spec is not None and int(getattr(spec, "num_speculative_tokens", 0) or 0) > 0:
-            self.core.deactivate()
-            raise RuntimeError(
-                "grammask does not support speculative decoding on vLLM's V2 model runner "
-                "yet (a mask per draft position is not implemented): start without "
-                "--speculative-config, or set GRAMMASK_ENABLED=0 to run without grammask")
         if self._cuda:
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
@@ -153,9 +152,6 @@ class V2Batch:
             return logits
         self._sync()
         slots_np = np.asarray(ctx.idx_mapping_np)
-        if logits.shape[0] != slots_np.shape[0]:
-            raise RuntimeError("grammask: one logits row per request expected (speculative "
-                               "decoding is not supported)")
         tracked = (slots_np >= 0) & self._tracked[np.maximum(slots_np, 0)]
         if not tracked.any():
             self._live = set()
@@ -168,16 +164,20 @@ class V2Batch:
         if rows.size == 0:
             return logits
         try:
-            return self._mask(logits, rows, slots)
+            if logits.shape[0] == slots_np.shape[0] and not self.num_spec:
+                return self._mask(logits, rows, slots)
+            return self._mask_drafts(logits, ctx, slots)
         except Exception as exc:  # a bug of ours: these rows end, vLLM's step goes on
             log.exception("grammask: masking failed; its rows get stop-only masks")
             for slot in slots:
                 self._fail_slot(slot, f"masking failed: {type(exc).__name__}: {exc}")
-            _stop_only(logits, [int(r) for r in rows], core.engine.vocab.stop_ids
-                       if core.engine is not None else ())
+            expanded = _host(ctx.expanded_idx_mapping)
+            _stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
+                       core.engine.vocab.stop_ids if core.engine is not None else ())
             return logits
 
-    def _mask(self, logits: torch.Tensor, rows: np.ndarray, slots: list[int]) -> torch.Tensor:
+    def _prepare(self, slots: list[int]) -> BatchProcessor:
+        """Placeholders resolved and every sampling slot in the processor."""
         proc = self.core.processor()
         for slot, st in self._slots.items():  # rare: resolve placeholders before masking
             if st.missing is not None:
@@ -186,19 +186,59 @@ class V2Batch:
             st = self._slots[slot]
             if not st.added:
                 self._join(slot, st)
+        return proc
+
+    def _buffer(self, vocab_size: int) -> tuple[MaskBuffers, torch.Tensor]:
+        if self._masks is None:
+            rows = int(self.rs.max_num_reqs) * (1 + self.num_spec)
+            self._masks = MaskBuffers(rows, vocab_size)
+        return self._masks, self._masks.acquire()
+
+    def _mask(self, logits: torch.Tensor, rows: np.ndarray, slots: list[int]) -> torch.Tensor:
+        """One logits row per request: gather the slots' mask rows into batch order."""
+        proc = self._prepare(slots)
         bitmask, masked = proc.wait_masks(slots)
         ready = set(masked)
         pairs = [(int(r), s) for r, s in zip(rows, slots, strict=True) if s in ready]
         if not pairs:
             return logits
-        vocab_size = proc.vocab_size
-        if self._masks is None:
-            self._masks = MaskBuffers(int(self.rs.max_num_reqs), vocab_size)
-        buffer = self._masks.acquire()
+        masks, buffer = self._buffer(proc.vocab_size)
         picked = bitmask.index_select(0, torch.tensor([s for _, s in pairs]))
         buffer.index_copy_(0, torch.tensor([r for r, _ in pairs]), picked)
-        apply_bitmask(logits, buffer, vocab_size=vocab_size, indices=[r for r, _ in pairs],
-                      buffers=self._masks)
+        apply_bitmask(logits, buffer, vocab_size=proc.vocab_size,
+                      indices=[r for r, _ in pairs], buffers=masks)
+        return logits
+
+    def _mask_drafts(self, logits: torch.Tensor, ctx: Any, slots: list[int]) -> torch.Tensor:
+        """Speculative decoding: a request owns one logits row per draft token plus the
+        bonus row (``expanded_local_pos`` 0..n); row k's mask follows the first k drafts,
+        which are this step's ``input_ids`` of rows 1..k (row 0's input is committed)."""
+        expanded = _host(ctx.expanded_idx_mapping)
+        local = _host(ctx.expanded_local_pos)
+        inputs = _host(ctx.input_ids)
+        proc = self._prepare(slots)
+        bitmask, masked = proc.wait_masks(slots)
+        ready = set(masked)
+        masks, buffer = self._buffer(proc.vocab_size)
+        sampling = set(slots)
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        for row, (slot, pos) in enumerate(zip(expanded.tolist(), local.tolist(), strict=True)):
+            if slot in sampling:
+                by_slot.setdefault(int(slot), []).append((int(pos), row))
+        indices: list[int] = []
+        for slot, placed in by_slot.items():
+            out_rows = [row for _, row in sorted(placed)]
+            if slot in ready:
+                buffer[out_rows[0]].copy_(bitmask[slot])
+            else:
+                buffer[out_rows[0]].fill_(-1)
+            drafts = [int(inputs[row]) for row in out_rows[1:]]
+            proc.fill_drafts(slot, drafts, buffer, out_rows)
+            if slot in ready or len(out_rows) > 1:
+                indices += out_rows
+        if indices:
+            apply_bitmask(logits, buffer, vocab_size=proc.vocab_size,
+                          indices=sorted(indices), buffers=masks)
         return logits
 
     # ------------------------------------------------------------------ internals
@@ -245,7 +285,7 @@ class V2Batch:
             self._known_host[:n] = torch.tensor([self._slots[s].known for s in slots])
             index = self._index_host[:n].to(self.device, non_blocking=self._cuda)
             known = self._known_host[:n].to(self.device, non_blocking=self._cuda)
-            columns = (known.unsqueeze(1) + torch.arange(_WINDOW, device=self.device)
+            columns = (known.unsqueeze(1) + torch.arange(self._window, device=self.device)
                        ).clamp_(max=max_len - 1)
             self._total_host[:n].copy_(self.rs.total_len.gpu.index_select(0, index),
                                        non_blocking=self._cuda)
@@ -277,7 +317,7 @@ class V2Batch:
             new = int(totals[i]) - st.known
             if new <= 0:
                 continue
-            take = min(new, _WINDOW)
+            take = min(new, self._window)
             st.output.extend(int(t) for t in tokens[i][:take])
             if new > take:  # more than a step's worth: placeholders, read in apply()
                 st.output.extend([-1] * (new - take))
@@ -333,3 +373,10 @@ def _stop_only(logits: torch.Tensor, rows: list[int], stop_ids: tuple[int, ...] 
     block.fill_(float("-inf"))
     block[:, stops] = kept
     logits[index] = block
+
+
+def _host(tensor: Any) -> np.ndarray:
+    """A small index tensor on the host (a device sync on GPU: after the forward anyway)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    return np.asarray(tensor.detach().to("cpu").numpy())

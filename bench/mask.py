@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="defaults for a smoke run: 10 schemas, 1 instance, batch sizes 1,16, "
                         "8 steps (explicit options still win)")
+    p.add_argument("--drafts",
+                   help="speculative decoding instead: mask cost per step with these draft "
+                        "counts per row, e.g. 0,1,2,4 (bench/drafts.py)")
     p.add_argument("--json", dest="json_out")
     p.add_argument("--log-dir")
     p.add_argument("--quiet", action="store_true")
@@ -243,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                            strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    systems = parse_systems(args.systems)
     subsets = [s for s in args.subsets.split(",") if s] or None
     cases = load_maskbench(args.corpus, args.sample, args.seed, subsets, need_instances=True)
+    if args.drafts:
+        return _drafts_main(args, cases, argv)
+    systems = parse_systems(args.systems)
     if not args.no_extras:
         cases += [c for c in extra_cases(args.corpus) if c.instances]
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
@@ -271,6 +276,28 @@ def main(argv: list[str] | None = None) -> int:
                     "per_step": result["batch"]},
     }
     print(tables(payload))
+    if args.json_out:
+        write_json(args.json_out, payload)
+    return 0
+
+
+def _drafts_main(args: argparse.Namespace, cases: list[Case], argv: list[str] | None) -> int:
+    from bench import drafts
+
+    sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    counts = [int(d) for d in args.drafts.split(",") if d.strip()]
+    machine = machine_info()
+    started = time.time()
+    result = drafts.measure(cases, batch_sizes=sizes, drafts=counts, steps=args.steps,
+                            tokenizer=args.tokenizer)
+    payload = {"benchmark": "mask-drafts",
+               "argv": ["grammask", "bench", "mask", *(argv if argv is not None
+                                                        else sys.argv[1:])],
+               "config": {"sample": args.sample, "seed": args.seed, "batch_sizes": sizes,
+                          "drafts": counts, "steps": args.steps, "cases": len(cases)},
+               "machine": machine, "wall_s": round(time.time() - started, 1),
+               "summary": result}
+    print(drafts.tables(result))
     if args.json_out:
         write_json(args.json_out, payload)
     return 0

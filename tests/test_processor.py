@@ -452,3 +452,24 @@ def test_host_mistakes_raise(engine: Engine) -> None:
         with pytest.raises(ValueError, match="outside"):
             proc.step()
             proc.apply(torch.zeros(0, 8))
+
+
+def test_metrics_count_errors_waits_and_fills(engine: Engine, qwen25: Vocabulary) -> None:
+    from grammask import metrics
+
+    before = metrics.snapshot()
+    with BatchProcessor(engine, max_batch=3, wait_s=0.05) as proc:
+        proc.add(0, GrammarSpec.regex("(unclosed"))
+        proc.add(1, GrammarSpec.choice(["a", "b"], backend="xgrammar"), grammar=Future())
+        proc.add(2, GrammarSpec.choice(["a", "b"]))
+        run_step(proc, 3, qwen25)
+    after = metrics.snapshot()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('grammask_row_errors_total{cause="compile"}') == 1
+    assert delta('grammask_row_errors_total{cause="late"}') == 1
+    assert delta('grammask_first_mask_wait_seconds_count{outcome="ready"}') == 1
+    assert delta('grammask_first_mask_wait_seconds_count{outcome="late"}') == 1
+    assert delta("grammask_fill_seconds_count") >= 1

@@ -51,6 +51,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from . import metrics
 from .agreement import Agreement, Solo
 from .backends.base import Matcher
 from .compiler import Engine, Grammar
@@ -99,9 +100,12 @@ class _Row:
         self.need_since: float | None = None
         self.late = False  # a placeholder stopped the last read
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, cause: str = "other") -> None:
+        """Enter the sticky error state; ``cause`` is the metric label (compile, late,
+        rejected, gate, matcher, fill, host, ...)."""
         if self.error is None:
             self.error = message
+            metrics.ROW_ERRORS.labels(cause=cause).inc()
             log.warning("grammask: request %s: %s", self.request.spec.describe(), message)
 
     @property
@@ -187,14 +191,14 @@ class BatchProcessor:
         try:
             r.gate = self._gate(request, prompt_ids)
         except Exception as exc:  # a bad marker or prompt: this row alone fails
-            r.fail(f"thinking gate failed: {type(exc).__name__}: {exc}")
+            r.fail(f"thinking gate failed: {type(exc).__name__}: {exc}", cause="gate")
 
-    def fail(self, row: int, message: str) -> None:
+    def fail(self, row: int, message: str, cause: str = "host") -> None:
         """Put ``row`` into the error state (adapters that lose track of a row's tokens)."""
         r = self._rows.get(row)
         if r is not None:
             self._mutate()
-            r.fail(message)
+            r.fail(message, cause=cause)
 
     def remove(self, row: int) -> None:
         self._mutate()
@@ -303,7 +307,7 @@ class BatchProcessor:
             for index, r, _ in late:
                 if r.late and r.needs_mask and r.error is None:
                     r.fail("an output token was still a placeholder (negative id) when its "
-                           "mask was needed")
+                           "mask was needed", cause="host")
                     indices.discard(index)
                     if self.on_error == "stop":
                         step.buffer[index].copy_(self._stop_row)
@@ -352,7 +356,7 @@ class BatchProcessor:
                         self._fill_position(r, out, target)
                         prev = target
         except Exception as exc:  # a bug of ours: this row alone ends
-            r.fail(f"speculative masks failed: {type(exc).__name__}: {exc}")
+            r.fail(f"speculative masks failed: {type(exc).__name__}: {exc}", cause="drafts")
             for target in out_rows:
                 self._error_row(out, target)
         finally:
@@ -364,7 +368,7 @@ class BatchProcessor:
                     assert r.gate is not None
                     r.gate.rollback(gated)
             except Exception as exc:
-                r.fail(f"undoing draft tokens failed: {type(exc).__name__}: {exc}")
+                r.fail(f"undoing draft tokens failed: {type(exc).__name__}: {exc}", cause="drafts")
 
     def _feed_tentatively(self, r: _Row, tid: int) -> tuple[bool, int, int]:
         """Feed one draft token: (accepted, gate tokens taken, matcher tokens taken)."""
@@ -533,7 +537,7 @@ class BatchProcessor:
             if k and r.gate is not None:
                 r.gate.rollback(k)
         except Exception as exc:
-            r.fail(f"rollback of {num_tokens} tokens failed: {exc}")
+            r.fail(f"rollback of {num_tokens} tokens failed: {exc}", cause="host")
 
     def _run(self, work: list[tuple[int, _Row, list[int]]], buffer: torch.Tensor) -> list[int]:
         """The fill job (worker thread, or the host thread for late rows): advance every row
@@ -544,7 +548,7 @@ class BatchProcessor:
             try:
                 self._advance(r, tokens)
             except Exception as exc:  # the gate or a matcher broke: this row alone fails
-                r.fail(f"advancing failed: {type(exc).__name__}: {exc}")
+                r.fail(f"advancing failed: {type(exc).__name__}: {exc}", cause="matcher")
         # the same rows on every rank: errors and gates follow the (shared) sampled tokens
         self._attach_all([r for _, r, _ in work
                           if r.error is None and r.needs_mask and r.matcher is None])
@@ -569,12 +573,14 @@ class BatchProcessor:
                     matcher.fill(buffer, index)
                 except Exception as exc:
                     row = next(r for i, r, _ in work if i == index)
-                    row.fail(f"mask fill failed: {exc}")
+                    row.fail(f"mask fill failed: {exc}", cause="fill")
                     buffer[index].copy_(self._stop_row)
         indices.extend(index for _, index in fills)
         self.rows_filled += len(fills)
         self.last_advance_ms = (advanced - started) * 1000
-        self.last_fill_ms = (time.perf_counter() - advanced) * 1000
+        finished = time.perf_counter()
+        self.last_fill_ms = (finished - advanced) * 1000
+        metrics.FILL_SECONDS.observe(finished - started)
         return indices
 
     def _guard_row(self, gate: ThinkGate, buffer: torch.Tensor, index: int) -> bool:
@@ -602,7 +608,8 @@ class BatchProcessor:
             tokens = r.gate.feed(tokens)
             if r.gate.leftover:
                 r.fail(f"the thinking end marker ended inside a token: its trailing bytes "
-                       f"{r.gate.leftover!r} would be output outside the grammar")
+                       f"{r.gate.leftover!r} would be output outside the grammar",
+                       cause="gate")
                 return
             if not tokens:
                 return
@@ -625,7 +632,7 @@ class BatchProcessor:
                 text = (repr(self.vocab.tokens[tid]) if 0 <= tid < len(self.vocab.tokens)
                         else "out of the vocabulary")
                 r.fail(f"token {tid} ({text}) rejected by the grammar after {r.fed} "
-                       f"constrained tokens{reason}")
+                       f"constrained tokens{reason}", cause="rejected")
                 return
             r.fed += 1
 
@@ -646,19 +653,27 @@ class BatchProcessor:
                 gathered = self.agreement.gather(views)
             except Exception as exc:  # a lost peer: these rows cannot be agreed on
                 for r in rows:
-                    r.fail(f"ranks could not agree on the grammar: {exc}")
+                    r.fail(f"ranks could not agree on the grammar: {exc}", cause="agreement")
                 return
             waiting = []
             for i, r in enumerate(rows):
                 decision = decide(r.pending.can_hedge,
                                   [view[i * VIEW:(i + 1) * VIEW] for view in gathered])
+                if decision.fail is not None or decision.use is not None:
+                    outcome = ("hedge" if decision.use == 1 else "ready"
+                               if decision.use == 0 else decision.fail or "failed")
+                    metrics.FIRST_MASK_WAIT.labels(outcome=outcome).observe(
+                        now - (r.need_since or now))
+                    if r.pending.hedged and decision.use is not None:
+                        metrics.HEDGES.labels(
+                            served_by="hedge" if decision.use else "routed").inc()
                 if decision.use is not None:
                     self._attach(r, r.pending.attempt(decision.use).result())
                 elif decision.fail == "late":
                     r.fail(f"grammar not compiled within wait_s={self.wait_s:g} s of its "
-                           "first mask (it goes on compiling for the cache)")
+                           "first mask (it goes on compiling for the cache)", cause="late")
                 elif decision.fail is not None:
-                    r.fail(f"grammar failed to compile: {self._compile_error(r)}")
+                    r.fail(f"grammar failed to compile: {self._compile_error(r)}", cause="compile")
                 else:
                     if decision.hedge:
                         r.pending.start_hedge()
@@ -687,7 +702,7 @@ class BatchProcessor:
         try:
             matcher = grammar.matcher()
         except Exception as exc:
-            r.fail(f"making the matcher failed: {type(exc).__name__}: {exc}")
+            r.fail(f"making the matcher failed: {type(exc).__name__}: {exc}", cause="matcher")
             return
         r.grammar = grammar
         r.matcher = matcher
@@ -701,7 +716,7 @@ class BatchProcessor:
         log.error("grammask: fill job failed: %s: %s", type(exc).__name__, exc)
         indices = set()
         for index, r, _ in work:
-            r.fail(f"fill job failed: {type(exc).__name__}: {exc}")
+            r.fail(f"fill job failed: {type(exc).__name__}: {exc}", cause="fill")
             if self.on_error == "stop":
                 buffer[index].copy_(self._stop_row)
                 indices.add(index)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Literal
 
-from .. import __version__
+from .. import __version__, metrics
 from ..agreement import Agreement, Solo, tp_group_for_vllm
 from ..compiler import Engine, Grammar
 from ..errors import GrammarError
@@ -62,6 +62,7 @@ class Settings:
     parallel_min: int = 16
     on_error: str = "stop"
     think_end: str = "auto"
+    metrics_port: int = 0
 
     @property
     def think_end_arg(self) -> str | None:
@@ -109,6 +110,15 @@ def _optional_int(value: object) -> int | None:
     return int(_positive(int)(value))
 
 
+def _port(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a port number, got {value!r}")
+    number = int(value) if isinstance(value, int) else int(str(value))
+    if not 0 <= number <= 65535:
+        raise ValueError(f"expected a port 0..65535, got {value!r}")
+    return number
+
+
 def _think_end(value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected 'auto', 'none' or the marker text, got {value!r}")
@@ -138,6 +148,8 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                  "a failed row gets a stop-only mask (stop) or none (free)"),
     "think_end": (_think_end, "thinking end marker: auto (from the tokenizer, e.g. "
                   "</think>), none, or the marker text"),
+    "metrics_port": (_port, "grammask's own Prometheus exporter in the engine core (0: off; "
+                     "or set PROMETHEUS_MULTIPROC_DIR to see them on vLLM's /metrics)"),
 }
 
 
@@ -175,6 +187,15 @@ def load_settings(additional_config: object = None, env: Mapping[str, str] | Non
 def settings_for(vllm_config: Any) -> Settings:
     return load_settings(getattr(vllm_config, "additional_config", None),
                          tensor_parallel_size=_tp_size(vllm_config))
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+    except Exception:  # not initialised (tests, one process): the only rank
+        return 0
 
 
 def _tp_size(vllm_config: Any) -> int:
@@ -431,6 +452,9 @@ class PluginCore:
         self.engine = shared_engine(vllm_config, self.settings)
         # a collective: every rank builds its plugin at the same point of start-up
         self.agreement = tp_group_for_vllm() if _tp_size(vllm_config) > 1 else Solo()
+        port = self.settings.metrics_port
+        if port and _tp_rank() == 0 and metrics.start_exporter(port):
+            log.info("grammask: metrics on http://0.0.0.0:%d/metrics", port)
         key = (id(vllm_config), kind)
         with _ACTIVE_LOCK:
             ref = _ACTIVE.get(key)

@@ -1,0 +1,111 @@
+"""Prometheus metrics: what an operator needs to see grammar waits and failures.
+
+Names follow SGLang's and vLLM's style (``grammask_...``; seconds as histograms, events as
+counters). Without ``prometheus_client`` installed every metric is a no-op, so the library
+never depends on it.
+
+In a vLLM server the processor runs in the engine-core process, not the API server that
+answers ``/metrics``. Two ways to see them:
+
+- start the server with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory: every process
+  writes its metrics there and vLLM's ``/metrics`` (which uses prometheus_client's
+  multiprocess collector then) serves grammask's beside its own;
+- or the plugin setting ``metrics_port``: grammask's own exporter in the engine core
+  (tensor-parallel rank 0), ``http://host:PORT/metrics``.
+
+Every metric is also readable in Python through ``snapshot()`` (tests, embedders).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+_prom: Any
+try:
+    import prometheus_client as _prom
+except ImportError:  # pragma: no cover - prometheus_client is optional
+    _prom = None
+
+#: seconds buckets from 100 us to 60 s: compiles span five orders of magnitude
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+            0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Noop:
+    def labels(self, *args: Any, **kwargs: Any) -> _Noop:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, value: float) -> None:
+        pass
+
+
+def _histogram(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+    if _prom is None:
+        return _Noop()
+    return _prom.Histogram(name, doc, list(labels), buckets=_BUCKETS)
+
+
+def _counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+    if _prom is None:
+        return _Noop()
+    return _prom.Counter(name, doc, list(labels))
+
+
+COMPILE_SECONDS = _histogram(
+    "grammask_compile_seconds", "Grammar compile time per engine attempt",
+    ("backend", "kind", "outcome"))
+CACHE_REQUESTS = _counter(
+    "grammask_cache_requests", "Compiled-grammar cache lookups", ("tier", "result"))
+FALLBACKS = _counter(
+    "grammask_fallbacks", "Compiles served by another engine than the routed one",
+    ("from_backend", "to_backend", "reason"))
+UNENFORCED = _counter(
+    "grammask_unenforced_requests", "Grammars served with keywords the engine does not enforce",
+    ("backend",))
+ROW_ERRORS = _counter(
+    "grammask_row_errors", "Rows put into the error state (stop-only mask)", ("cause",))
+FIRST_MASK_WAIT = _histogram(
+    "grammask_first_mask_wait_seconds",
+    "How long a row's first mask waited for its grammar (the batch waits too)", ("outcome",))
+HEDGES = _counter(
+    "grammask_hedges", "First masks that started the other engine's compile", ("served_by",))
+FILL_SECONDS = _histogram(
+    "grammask_fill_seconds", "Mask work per decode step on the fill thread (advance + fill)")
+
+_exporter_lock = threading.Lock()
+_exporter_port: int | None = None
+
+
+def available() -> bool:
+    return _prom is not None
+
+
+def start_exporter(port: int, addr: str = "0.0.0.0") -> bool:
+    """grammask's own ``/metrics`` endpoint (once per process); False without prometheus."""
+    global _exporter_port
+    if _prom is None:
+        return False
+    with _exporter_lock:
+        if _exporter_port is None:
+            _prom.start_http_server(port, addr=addr)
+            _exporter_port = port
+    return True
+
+
+def snapshot() -> dict[str, float]:
+    """Every grammask sample in this process, ``name{label="v",...}`` -> value."""
+    if _prom is None:
+        return {}
+    out: dict[str, float] = {}
+    for metric in _prom.REGISTRY.collect():
+        if not metric.name.startswith("grammask_"):
+            continue
+        for sample in metric.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -63,6 +64,7 @@ class Settings:
     on_error: str = "stop"
     think_end: str = "auto"
     metrics_port: int = 0
+    warmup_dir: str = ""
 
     @property
     def think_end_arg(self) -> str | None:
@@ -148,6 +150,8 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                  "a failed row gets a stop-only mask (stop) or none (free)"),
     "think_end": (_think_end, "thinking end marker: auto (from the tokenizer, e.g. "
                   "</think>), none, or the marker text"),
+    "warmup_dir": (lambda v: str(v).strip(), "a directory of specs compiled at start-up, "
+                   "before the server reports healthy (grammask.warmup; empty: none)"),
     "metrics_port": (_port, "grammask's own Prometheus exporter in the engine core (0: off; "
                      "or set PROMETHEUS_MULTIPROC_DIR to see them on vLLM's /metrics)"),
 }
@@ -417,8 +421,23 @@ def shared_engine(vllm_config: Any, settings: Settings) -> Engine:
             # server reports healthy, so no first request waits on them past its budget
             _ = vocab.xgrammar_info
             _ = vocab.llguidance_tokenizer
+            if settings.warmup_dir:
+                _warm_up(engine, settings.warmup_dir)
             _ENGINES[key] = engine
     return engine
+
+
+def _warm_up(engine: Engine, directory: str) -> None:
+    from ..warmup import summary_table, warm
+
+    started = time.perf_counter()
+    try:
+        results = warm(engine, directory)
+    except GrammarError as exc:
+        log.error("grammask: warm-up skipped: %s", exc)
+        return
+    log.info("grammask: warm-up of %s in %.1f s\n%s", directory,
+             time.perf_counter() - started, summary_table(results))
 
 
 # ------------------------------------------------------------------------- the core

@@ -293,7 +293,14 @@ def test_thinking_gate(runner: Any, engine: Engine, vocab: Vocabulary, case: str
     for step, tid in enumerate([*thoughts, *vocab.encode("beta")]):
         r.schedule()
         row = allowed(r.logits()[0])
-        if row.all():
+        if step < len(thoughts) and not row.all():
+            # a text marker may only end at a token boundary: while thinking, only tokens
+            # that would end it inside themselves are refused (here ":" plus more bytes)
+            refused = (~row).nonzero().flatten().tolist()
+            assert case == "custom_marker" and row[tid]
+            assert all(vocab.tokens[t].startswith(b":") and len(vocab.tokens[t]) > 1
+                       for t in refused), [vocab.tokens[t] for t in refused[:5]]
+        elif row.all():
             assert masked_at is None, "masked once, masked for good"
         else:
             masked_at = masked_at if masked_at is not None else step

@@ -168,7 +168,7 @@ def test_guidance_error_state_ends_like_a_stop(qwen25: Vocabulary) -> None:
 
     grammar = llg.LLMatcher.grammar_from_json_schema(EMPTY_FOR_GUIDANCE)
     m = GuidanceMatcher(llg.LLMatcher(qwen25.llguidance_tokenizer, grammar, log_level=0),
-                        qwen25.stop_ids)
+                        qwen25.stop_ids, qwen25.vocab_size)
     row = mask_of(m, qwen25)
     assert m.engine_matcher.is_error()
     allowed = {i for i in range(qwen25.vocab_size) if bit(row, i)}

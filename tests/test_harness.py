@@ -158,13 +158,15 @@ class LeakyMatcher:
     """Allows (mask and accept alike) one extra token at the first step, as a buggy engine
     might: the output then carries the token's bytes the grammar never allowed."""
 
-    def __init__(self, inner: Matcher, leak: int, started: bool = False) -> None:
-        self.inner, self.leak, self.started = inner, leak, started
+    def __init__(self, inner: Matcher, leak: int, started: bool = False,
+                 leaked: bool = False) -> None:
+        self.inner, self.leak, self.started, self.leaked = inner, leak, started, leaked
 
     def accept(self, token_id: int) -> bool:
         first = not self.started
         self.started = True
         if first and token_id == self.leak:
+            self.leaked = True  # taken without the inner matcher: rollback steps over it
             return True
         return self.inner.accept(token_id)
 
@@ -175,6 +177,11 @@ class LeakyMatcher:
             bitmask[row, self.leak >> 5] |= _bit(self.leak & 31)
 
     def rollback(self, num_tokens: int) -> None:
+        inner = self.inner.accepted()
+        if num_tokens > inner and self.leaked:
+            self.leaked = False
+            self.started = False
+            num_tokens -= 1
         self.inner.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
@@ -184,7 +191,7 @@ class LeakyMatcher:
         return self.inner.can_terminate()
 
     def fork(self) -> Matcher:
-        return LeakyMatcher(self.inner.fork(), self.leak, self.started)
+        return LeakyMatcher(self.inner.fork(), self.leak, self.started, self.leaked)
 
     def reset(self) -> None:
         self.inner.reset()

@@ -7,6 +7,7 @@ valid instance and -- when nothing is listed as unenforced -- rejects the invali
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from grammask import (
     Engine,
     GrammarError,
     GrammarSpec,
+    InvalidSchemaError,
     UnsupportedError,
     Vocabulary,
     route,
@@ -245,3 +247,152 @@ def test_search_pattern_reads_regex_structure(pattern: str, full_match: str) -> 
     from grammask.normalize import search_pattern
 
     assert search_pattern(pattern) == full_match
+
+
+# ------------------------------------------------------------------ invalid keyword values
+@pytest.mark.parametrize(("schema", "where", "fragment"), [
+    ({"type": "strin"}, "/type", "unknown type 'strin'"),
+    ({"type": ["string", 5]}, "/type/1", "unknown type 5"),
+    ({"properties": {"a": {"type": "foo"}}}, "/properties/a/type", "unknown type"),
+    ({"$ref": "#/$defs/missing"}, "/$ref", "points to nothing"),
+    ({"properties": {"a": {"$ref": "#/definitions/x"}}}, "/properties/a/$ref", "nothing"),
+    ({"type": "array", "minItems": -1}, "/minItems", "non-negative integer"),
+    ({"type": "array", "maxItems": 1.5}, "/maxItems", "non-negative integer"),
+    ({"type": "string", "minLength": -2}, "/minLength", "non-negative"),
+    ({"type": "string", "maxLength": "3"}, "/maxLength", "non-negative"),
+    ({"type": "object", "minProperties": -1}, "/minProperties", "non-negative"),
+    ({"type": "object", "maxProperties": True}, "/maxProperties", "non-negative"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "/minLength", "greater than"),
+    ({"type": "array", "items": {"minItems": 3, "maxItems": 1}}, "/items/minItems",
+     "greater than"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "/minimum", "greater than"),
+    ({"type": "array", "items": {"type": "integer", "maximum": "x"}}, "/items/maximum",
+     "must be a number"),
+    ({"type": "number", "multipleOf": 0}, "/multipleOf", "greater than 0"),
+    ({"type": "number", "minimum": 10**400}, "/minimum", "range of a double"),
+    ({"enum": 5}, "/enum", "enum must be an array"),
+    ({"required": "a"}, "/required", "required must be an array"),
+    ({"required": [1]}, "/required/0", "strings"),
+    ({"anyOf": []}, "/anyOf", "non-empty array"),
+    ({"properties": {"a": 5}}, "/properties/a", "object or a boolean"),
+    ({"properties": []}, "/properties", "an object"),
+])
+@pytest.mark.parametrize("backend", [None, "xgrammar", "guidance"])
+def test_invalid_keyword_values_name_the_pointer(eng: Engine, schema: Any, where: str,
+                                                 fragment: str, backend: Any) -> None:
+    """Each used to compile on one engine (``minItems: -1`` on xgrammar) or fail without a
+    location (``xgrammar: RuntimeError`` for a bound past a double)."""
+    spec = GrammarSpec.json_schema(schema, backend=backend)
+    with pytest.raises(InvalidSchemaError, match=fragment) as info:
+        eng.compile(spec)
+    assert info.value.where == where
+    with pytest.raises(InvalidSchemaError):
+        eng.check(spec)
+
+
+def test_an_empty_range_under_not_is_not_an_error(eng: Engine, qwen25: Vocabulary) -> None:
+    """``not: {minLength: 5, maxLength: 3}`` is a (silly) way to say anything: valid."""
+    grammar = eng.compile(GrammarSpec.json_schema(
+        {"type": "integer", "not": {"minLength": 5, "maxLength": 3}}))
+    assert _complete(grammar, qwen25, 7)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_engine_errors_are_located(eng: Engine, backend: Any) -> None:
+    """Valid schemas the engines cannot compile: the message names the keyword's pointer."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1e30}}}
+    with pytest.raises(InvalidSchemaError) as info:
+        eng.compile(GrammarSpec.json_schema(schema, backend=backend))
+    assert info.value.where == "/properties/n/minimum"
+    assert "RuntimeError" not in str(info.value)
+
+
+# ------------------------------------------------------------------ NUL inside patterns
+NUL_SCHEMA = json.loads('{"type": "object", "properties": {"path": {"type": "string", '
+                        '"pattern": "^/[^\\u0000]+$"}}, "required": ["path"]}')
+
+
+@pytest.mark.parametrize("backend", [None, "xgrammar", "guidance"])
+@pytest.mark.parametrize("form", ["nul-char", "escape-text"])
+def test_a_nul_in_a_pattern_compiles_on_both_engines(eng: Engine, qwen25: Vocabulary,
+                                                     backend: Any, form: str) -> None:
+    """``[^\\u0000]`` (6 corpus schemas) was refused as "string contains a NUL character";
+    xgrammar refuses a NUL in a regex, so it gets the ``\\x00`` escape instead."""
+    schema = json.loads(json.dumps(NUL_SCHEMA))
+    if form == "escape-text":
+        schema["properties"]["path"]["pattern"] = "^/[^\\u0000]+$"
+    assert "\x00" in NUL_SCHEMA["properties"]["path"]["pattern"]  # a real U+0000
+    grammar = eng.compile(GrammarSpec.json_schema(schema, backend=backend))
+    assert not grammar.unenforced
+    assert _complete(grammar, qwen25, {"path": "/usr/bin"})
+    assert not _complete(grammar, qwen25, {"path": "/a\x00b"})
+    assert not _complete(grammar, qwen25, {"path": "usr"})
+
+
+# ------------------------------------------------------------------ oneOf with open objects
+ONE_OF_KEYS = {"oneOf": [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+
+
+def test_overlapping_one_of_with_open_objects_is_listed(eng: Engine, qwen25: Vocabulary) -> None:
+    """Open objects let ``{"a": 1, "b": 2}`` match both branches; llguidance serves the oneOf
+    as anyOf, so the gap is listed (and strict mode refuses)."""
+    spec = GrammarSpec.json_schema(ONE_OF_KEYS, extra_properties=True)
+    decision = route(spec)
+    assert decision.backend == "guidance" and decision.lenient
+    assert any("oneOf (overlapping branches)" in g for g in decision.unenforced)
+    grammar = eng.compile(spec)
+    assert any("oneOf" in g for g in grammar.unenforced)
+    assert _complete(grammar, qwen25, {"a": 1, "b": 2})  # the listed gap
+    for forced in ("guidance", "xgrammar"):
+        assert any("oneOf" in g for g in route(spec.with_backend(forced)).unenforced)
+    with pytest.raises(UnsupportedError, match="oneOf") as info:
+        eng.compile(GrammarSpec.json_schema(ONE_OF_KEYS, extra_properties=True, strict=True))
+    assert info.value.where == "/"
+    closed = eng.compile(GrammarSpec.json_schema(ONE_OF_KEYS))  # closed: truly disjoint
+    assert not closed.unenforced and not _complete(closed, qwen25, {"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize("branches", [
+    [{"type": "string"}, {"type": "integer"}],
+    [{"type": "object", "properties": {"k": {"const": "x"}, "a": {"type": "integer"}},
+      "required": ["k"]},
+     {"type": "object", "properties": {"k": {"enum": ["y", "z"]}}, "required": ["k"]}],
+    [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "additionalProperties": False},
+     {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}],
+])
+def test_provably_disjoint_one_of_is_not_listed(branches: list[Any]) -> None:
+    spec = GrammarSpec.json_schema({"oneOf": branches}, extra_properties=True)
+    assert "oneOf (overlapping branches)" not in route(spec).features
+
+
+# ------------------------------------------------------------------ open objects cost
+def test_open_objects_route_to_guidance_with_a_factual_reason() -> None:
+    """xgrammar's non-strict mode compiles open objects slowly (864 ms p50 on 300 corpus
+    schemas): open objects go to llguidance, and the reason names the cause, no timing."""
+    schema = {**OBJ_AB, "required": ["a"]}  # no free-form text: closed, it is xgrammar's
+    assert route(GrammarSpec.json_schema(schema)).backend == "xgrammar"
+    decision = route(GrammarSpec.json_schema(schema, extra_properties=True))
+    assert decision.backend == "guidance" and decision.fallback == "xgrammar"
+    assert "extra_properties" in decision.reason and "xgrammar" in decision.reason
+    for spec in (GrammarSpec.json_schema(schema, extra_properties=True),
+                 GrammarSpec.json_schema({"type": "object", "properties": {
+                     "s": {"type": "string"}}}), GrammarSpec.regex("a+"),
+                 GrammarSpec.json_object(), GrammarSpec.choice(["a"]),
+                 GrammarSpec.grammar('root ::= "a"'), GrammarSpec.grammar('start: "a"')):
+        assert not re.search(r"\d+(\.\d+)? ?(ms|s\b)|\d+-\d+x", route(spec).reason), spec
+
+
+# ------------------------------------------------------------------ empty languages
+def test_ref_cycle_is_an_empty_language_with_its_pointer(eng: Engine) -> None:
+    schema = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+              "$ref": "#/$defs/a"}
+    for backend in (None, "xgrammar", "guidance"):
+        with pytest.raises(UnsupportedError, match="nothing can be generated") as info:
+            eng.compile(GrammarSpec.json_schema(schema, backend=backend))
+        assert info.value.where == "/$defs/b/$ref"
+    decision_features = route(GrammarSpec.json_schema(
+        {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"})).features
+    assert "$ref with siblings" not in decision_features  # $defs constrains nothing

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from grammask import GrammarSpec, InvalidSchemaError, InvalidSpecError, parse_extra_args
+from grammask import (
+    GrammarSpec,
+    InvalidGrammarError,
+    InvalidSchemaError,
+    InvalidSpecError,
+    parse_extra_args,
+)
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 
@@ -109,7 +115,6 @@ def test_extra_args_round_trip() -> None:
          "/"),
         (lambda: GrammarSpec.json_schema(42), InvalidSpecError, "got int", "schema"),  # type: ignore[arg-type]
         (lambda: GrammarSpec.json_schema({"a": float("nan")}), InvalidSchemaError, "nan", "/a"),
-        (lambda: GrammarSpec.json_schema({"a": "x\x00y"}), InvalidSchemaError, "NUL", "/a"),
         (lambda: GrammarSpec.regex(b"ab"), InvalidSpecError, "must be a string", "regex"),  # type: ignore[arg-type]
         (lambda: GrammarSpec.regex("a\x00b"), InvalidSpecError, "NUL", "regex offset 1"),
         (lambda: GrammarSpec.choice([]), InvalidSpecError, "empty", "choice"),
@@ -140,3 +145,42 @@ def test_huge_and_deep_schemas_are_refused_cleanly() -> None:
         GrammarSpec.json_schema(deep)
     with pytest.raises(InvalidSchemaError, match="deeper than|nests"):
         GrammarSpec.json_schema(json.dumps(deep))
+
+
+def test_a_nul_inside_a_json_string_is_legal() -> None:
+    """JSON strings may hold U+0000 (``[^\\u0000]`` patterns in 6 corpus schemas); only a raw
+    NUL in a spec's text framing is refused."""
+    spec = GrammarSpec.json_schema('{"pattern": "^/[^\\u0000]+$", "const": "a\\u0000"}')
+    assert spec.schema["pattern"] == "^/[^\x00]+$"
+    GrammarSpec.json_schema({"properties": {"k\x00": {"enum": ["x\x00y"]}}})
+    with pytest.raises(InvalidSpecError, match="NUL"):
+        GrammarSpec.regex("a\x00b")
+
+
+@pytest.mark.parametrize(("tag", "where", "fragment"), [
+    ({"structures": [{"begin": "<a>", "end": "</a>", "schema": {}}]},
+     "structural_tag/triggers", "triggers must be"),
+    ({"structures": 5, "triggers": ["<"]}, "structural_tag/structures", "structures must be"),
+    ({"structures": [5], "triggers": ["<"]}, "structural_tag/structures/0", "object"),
+    ({"structures": [{"begin": "<a>"}], "triggers": 5}, "structural_tag/triggers", "triggers"),
+    ({"structures": [{"end": "x"}], "triggers": ["<"]}, "structural_tag/structures/0/begin",
+     "begin must be"),
+    ({"structures": [{"begin": "[a]"}], "triggers": ["<"]},
+     "structural_tag/structures/0/begin", "no trigger"),
+    ({"structures": [{"begin": "<a>", "schema": 5}], "triggers": ["<"]},
+     "structural_tag/structures/0/schema", "JSON schema"),
+    ({"structures": [{"begin": "<a>", "shema": {}}], "triggers": ["<"]},
+     "structural_tag/structures/0/shema", "unknown"),
+    ({"type": "structural_tag", "format": 5}, "structural_tag/format", "format must be"),
+    ({"type": "structural_tag"}, "structural_tag/format", "format must be"),
+    ({"type": "structural_tag", "format": {"type": 3}}, "structural_tag/format/type",
+     "format.type"),
+    ({"format": {"type": "const_string", "value": "x"}}, "structural_tag/type", "expected type"),
+])
+def test_malformed_structural_tags_name_the_field(tag: dict[str, object], where: str,
+                                                  fragment: str) -> None:
+    """They used to reach the engines and read ``'triggers'`` or ``'int' object is not
+    iterable``."""
+    with pytest.raises(InvalidGrammarError, match=fragment) as info:
+        GrammarSpec.structural_tag(tag)
+    assert info.value.where == where

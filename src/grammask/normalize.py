@@ -12,6 +12,7 @@ exact rewrite.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,7 @@ def search_pattern(pattern: str) -> str:
 
 
 def normalize_schema(schema: Any, *, close_objects: bool, explicit_free: bool = False,
-                     search_patterns: bool = True) -> Any:
+                     search_patterns: bool = True, escape_nul: bool = False) -> Any:
     """A rewritten copy; the input is never modified.
 
     ``search_patterns=False`` leaves ``pattern`` / ``patternProperties`` as written: for
@@ -53,24 +54,51 @@ def normalize_schema(schema: Any, *, close_objects: bool, explicit_free: bool = 
     ``explicit_free`` (xgrammar): spell out ``additionalProperties: {}`` / ``items: {}`` on
     containers that declare no members, since xgrammar's strict mode would otherwise leave
     only ``{}`` / ``[]`` once a keyword such as ``required`` or ``maxItems`` is present.
+
+    ``escape_nul`` (xgrammar): a NUL in a pattern (``[^\u0000]`` in the schema's JSON) is
+    legal, but xgrammar refuses "null characters" in a regex; the ``\\x00`` escape it reads.
     """
+    if escape_nul:
+        schema = _walk(schema, False, in_all_of=False, free=False, search=False, nul=True)
     return _walk(schema, close_objects, in_all_of=False, free=explicit_free,
                  search=search_patterns)
 
 
-def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool, search: bool = True) -> Any:
+def escape_nul_chars(pattern: str) -> str:
+    """The pattern with each NUL character written as the regex escape ``\\x00``."""
+    if "\x00" not in pattern:
+        return pattern
+    out: list[str] = []
+    escaped = False
+    for ch in pattern:
+        if ch == "\x00":
+            out.append("x00" if escaped else "\\x00")  # an escaped NUL is a NUL too
+            escaped = False
+        else:
+            out.append(ch)
+            escaped = ch == "\\" and not escaped
+    return "".join(out)
+
+
+def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool, search: bool = True,
+          nul: bool = False) -> Any:
     if not isinstance(node, dict):
         return node
     out: dict[str, Any] = {}
 
     def walk(v: Any, all_of: bool = False) -> Any:
-        return _walk(v, close, in_all_of=all_of, free=free, search=search)
+        return _walk(v, close, in_all_of=all_of, free=free, search=search, nul=nul)
+
+    def pat(p: str) -> str:
+        if nul:
+            return escape_nul_chars(p)
+        return search_pattern(p) if search else p
 
     for key, value in node.items():
         if key == "pattern" and isinstance(value, str):
-            out[key] = search_pattern(value) if search else value
+            out[key] = pat(value)
         elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {(search_pattern(k) if search else k): walk(v) for k, v in value.items()}
+            out[key] = {(pat(k) if isinstance(k, str) else k): walk(v) for k, v in value.items()}
         elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
             out[key] = {k: walk(v) for k, v in value.items()}
         elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
@@ -142,3 +170,84 @@ def structural_chars(pattern: str) -> Iterator[tuple[str, int]]:
 
 def _has_top_level_alternation(pattern: str) -> bool:
     return any(ch == "|" and depth == 0 for ch, depth in structural_chars(pattern))
+
+
+_CHILD_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_CHILD_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_CHILD_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+
+
+def subschemas(node: Any, pointer: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every object subschema with its JSON pointer ("" for the root), parents first."""
+    stack: list[tuple[str, Any]] = [(pointer, node)]
+    while stack:
+        ptr, cur = stack.pop()
+        if not isinstance(cur, dict):
+            continue
+        yield ptr, cur
+        for key in _CHILD_MAPS:
+            child = cur.get(key)
+            if isinstance(child, dict):
+                stack.extend((f"{ptr}/{key}/{escape_key(k)}", v) for k, v in child.items())
+        for key in _CHILD_LISTS:
+            child = cur.get(key)
+            if isinstance(child, list):
+                stack.extend((f"{ptr}/{key}/{i}", v) for i, v in enumerate(child))
+        for key in _CHILD_ONE:
+            child = cur.get(key)
+            if isinstance(child, list):
+                stack.extend((f"{ptr}/{key}/{i}", v) for i, v in enumerate(child))
+            elif child is not None:
+                stack.append((f"{ptr}/{key}", child))
+
+
+def escape_key(key: str) -> str:
+    """A key as a JSON pointer segment."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_INT64 = 2**63
+
+
+def _integer_node(node: dict[str, Any]) -> bool:
+    typ = node.get("type")
+    return typ == "integer" or (isinstance(typ, list) and "integer" in typ)
+
+
+#: Engine messages that name no keyword, and the keywords (with a test) they come from.
+_HINTS: tuple[tuple[str, Any], ...] = (
+    ("Integer exceeds", lambda n, k: _integer_node(n) and k in _BOUNDS
+     and isinstance(n[k], int | float) and abs(n[k]) >= _INT64),
+    ("Integer constraint must be a whole number", lambda n, k: _integer_node(n)
+     and k in _BOUNDS and isinstance(n[k], float) and not n[k].is_integer()),
+    ("integer range", lambda n, k: _integer_node(n) and k in _BOUNDS),
+    ("float range", lambda n, k: k in _BOUNDS),
+    ("not JSON serializable", lambda n, k: k in _BOUNDS and isinstance(n[k], int)
+     and abs(n[k]) >= _INT64),
+)
+_WORD = re.compile(r"[$A-Za-z]+")
+_KEYWORDS = frozenset({
+    "type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
+    "uniqueItems", "items", "prefixItems", "contains", "minContains", "maxContains",
+    "properties", "patternProperties", "additionalProperties", "required", "minProperties",
+    "maxProperties", "propertyNames", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+    "$ref", "$defs", "definitions", "dependentRequired", "dependentSchemas",
+    "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$anchor", "$dynamicRef",
+})
+
+
+def locate(schema: Any, message: str) -> str | None:
+    """The JSON pointer of the keyword an engine's error message is about, when it can be
+    told: the first keyword the message names (or implies) found in the schema."""
+    tests = [test for hint, test in _HINTS if hint in message]
+    named = [w for w in _WORD.findall(message) if w in _KEYWORDS]
+    if not tests and not named:
+        return None
+    for ptr, node in subschemas(schema):
+        for key in node:
+            if any(test(node, key) for test in tests) or (not tests and key in named):
+                return f"{ptr}/{escape_key(key)}"
+    return None

@@ -9,8 +9,12 @@ the same request gives the same backend on every rank. The policy:
    xgrammar first -- unless its compile would stall the request. Measured on corpus schemas
    with the Qwen2.5 vocabulary: xgrammar compiles schemas without free-form text (no plain
    string, free key or untyped value) in 1-2 ms, but any free-form string costs ~25 ms and the
-   tail reaches seconds, while llguidance compiles in ~1.4 ms at p50. So free-form text goes to
-   llguidance (``free_text_pointer`` decides; deterministic), the rest to xgrammar;
+   tail reaches seconds, while llguidance compiles in ~1.4 ms at p50. Open objects
+   (``extra_properties=True``, xgrammar's non-strict mode) cost xgrammar 864 ms p50 on 300
+   corpus schemas, 2-10 s for single schemas that take 20-60 ms closed. So free-form text and
+   open objects go to llguidance (``free_text_pointer`` decides; deterministic), the rest to
+   xgrammar. Reasons name the keyword and the engine, never a timing (timings are facts of
+   this machine and this release, kept here);
 3. when neither enforces everything: the one with fewer gaps (ties to llguidance), the gaps
    listed in ``Route.unenforced``; in strict mode that is an ``UnsupportedError`` instead;
 4. other kinds: xgrammar for choice lists, structural tags and GBNF (its native syntax; the
@@ -27,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import InvalidSchemaError, UnsupportedError
-from .normalize import ends_with_anchor, structural_chars
-from .spec import BackendName, GrammarSpec
+from .normalize import ends_with_anchor, escape_key, structural_chars, subschemas
+from .spec import BackendName, GrammarSpec, canonical_json, check_keywords, resolve_pointer
 
 #: What xgrammar 0.2.8 ignores, gets wrong or refuses, keyword by keyword (measured with
 #: bench/keyword_probe.py; table in docs/keyword-probe.md).
@@ -74,6 +78,8 @@ GUIDANCE_GAPS: dict[str, str] = {
     "minProperties/maxProperties": "refused unless every property is required",
     "format (llguidance unknown)": "refused as unknown (lenient mode ignores it)",
     "pattern (lookaround)": "refused, even in lenient mode",
+    "oneOf (overlapping branches)": "refused; lenient mode treats it as anyOf (an instance "
+                                    "matching several branches passes)",
 }
 
 #: llguidance gaps lenient mode cannot serve: when both engines have gaps, xgrammar then
@@ -124,6 +130,19 @@ def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
         raise InvalidSchemaError(
             "remote $ref is not supported: grammask never fetches schemas over the network; "
             "inline the referenced schema under $defs", where=features["$ref (remote)"])
+    if spec.kind == "json_schema":
+        # keyword values are checked here, not at spec construction: the route runs for
+        # every check and compile (cache misses only), and a GrammarSpec stays a plain value
+        check_keywords(spec.schema)
+        empty = empty_ref_cycle(spec.schema)
+        if empty is not None:
+            raise UnsupportedError(
+                f"the schema's language is empty: nothing can be generated ($ref at {empty} "
+                "leads back to itself without a value)", where=empty)
+        if spec.extra_properties:  # closed objects keep llguidance's own disjointness proof
+            overlap = overlapping_one_of(spec.schema)
+            if overlap is not None:
+                features.setdefault("oneOf (overlapping branches)", overlap)
     if spec.whitespace_pattern is not None:
         features["whitespace_pattern"] = "options"
     if spec.backend is not None:
@@ -136,16 +155,20 @@ def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
     ll_gaps = _gaps(features, GUIDANCE_GAPS)
     if not xg_gaps and not ll_gaps:
         free = None if prefer == "xgrammar" else free_text_pointer(spec.schema)
-        if spec.extra_properties and prefer != "xgrammar":
-            free = free or "/ (open objects)"
-        if prefer != "guidance" and free is None:
+        open_objects = spec.extra_properties and prefer != "xgrammar"
+        if prefer != "guidance" and free is None and not open_objects:
             why = ("xgrammar preferred by configuration" if prefer == "xgrammar" else
-                   "no free-form text, so xgrammar compiles in ~2 ms and fills fastest")
+                   "no free-form text, so xgrammar compiles fast and fills fastest")
             return Route("xgrammar", f"both engines enforce every keyword; {why}",
                          unenforced=common, fallback="guidance", features=features)
-        why = ("llguidance preferred by configuration" if free is None else
-               f"free-form text at {free} makes xgrammar precompute string masks "
-               "(~25 ms, seconds in the tail); llguidance compiles in ~1 ms")
+        if open_objects:
+            why = ("open objects (extra_properties=True) put xgrammar in its non-strict mode, "
+                   "whose compile is slow; llguidance compiles them lazily")
+        elif free is None:
+            why = "llguidance preferred by configuration"
+        else:
+            why = (f"free-form text at {free} makes xgrammar precompute string masks at "
+                   "compile time; llguidance computes masks lazily")
         return Route("guidance", f"both engines enforce every keyword; {why}",
                      unenforced=common, lenient=lenient_safe, fallback="xgrammar",
                      features=features)
@@ -186,25 +209,26 @@ def _route_other(spec: GrammarSpec, features: dict[str, str]) -> Route:
     if spec.kind == "json_object":
         if spec.whitespace_pattern is not None:
             return Route("guidance", "whitespace_pattern needs llguidance", features=features)
-        return Route("guidance", "json_object: llguidance compiles it in ~1 ms "
-                     "(xgrammar ~30 ms)", fallback="xgrammar", features=features)
+        return Route("guidance", "json_object is free-form JSON: xgrammar precomputes its string "
+                     "masks at compile time, llguidance computes masks lazily",
+                     fallback="xgrammar", features=features)
     if spec.kind == "grammar" and spec.syntax == "ebnf":
-        return Route("xgrammar", "GBNF is native to xgrammar (2-160 ms for llama.cpp's "
-                     "grammars); llguidance's GBNF-to-Lark conversion folds trailing "
-                     "whitespace into terminals and refuses some valid texts",
+        return Route("xgrammar", "GBNF is native to xgrammar; llguidance's GBNF-to-Lark "
+                     "conversion folds trailing whitespace into terminals and refuses some "
+                     "valid texts",
                      fallback="guidance", features=features)
     if spec.kind == "grammar":
-        return Route("guidance", "Lark is native to llguidance (compiles 5-80x faster)",
+        return Route("guidance", "Lark is native to llguidance (xgrammar compiles it eagerly)",
                      fallback="xgrammar", features=features)
     if spec.kind == "structural_tag":
         legacy = "structures" in json.loads(spec.source)
         return Route("xgrammar", "structural tags are native to xgrammar",
                      fallback="guidance" if legacy else None, features=features)
     if spec.kind == "regex":
-        return Route("guidance", "regex: llguidance compiles it lazily (~2 ms); xgrammar's "
-                     "compile grows with the pattern (64 ms for an email regex here)",
+        return Route("guidance", "regex: llguidance compiles it lazily; xgrammar's compile "
+                     "grows with the pattern",
                      fallback="xgrammar", features=features)
-    return Route("xgrammar", "choice: a finite set, xgrammar compiles it in ~1-4 ms and fills "
+    return Route("xgrammar", "choice: a finite set, xgrammar compiles it eagerly and fills "
                  "fastest", fallback="guidance", features=features)
 
 
@@ -236,6 +260,91 @@ def _admits_free_text(node: dict[str, Any]) -> bool:
     if "array" in types and "items" not in node and "prefixItems" not in node:
         return True
     return not any(key in node for key in _STRUCTURE_KEYS)  # untyped: any value
+
+
+def empty_ref_cycle(schema: Any) -> str | None:
+    """The pointer of a ``$ref`` the root reaches through nothing but ``$ref``s and comes back
+    to: such a schema has no instance (``{"$ref": "#"}``), and every token would be masked."""
+    node, seen, pointer = schema, set(), ""
+    while isinstance(node, dict):
+        ref = node.get("$ref")
+        others = [k for k in node if k != "$ref" and k not in _ANNOTATIONS
+                  and k not in _REF_NEUTRAL]
+        if not isinstance(ref, str) or not ref.startswith("#") or others:
+            return None
+        if ref in seen:
+            return f"{pointer}/$ref"
+        seen.add(ref)
+        pointer = ref[1:]
+        node = resolve_pointer(schema, ref)
+    return None
+
+
+def overlapping_one_of(schema: Any) -> str | None:
+    """The pointer of the first ``oneOf`` whose branches an instance may match together when
+    objects are open (two objects requiring different keys: ``{"a", "b"}`` matches both).
+    Branches count as disjoint only when proven: different types, a shared required key with
+    disjoint ``const``/``enum`` values, or a closed branch that lacks a key the other
+    requires."""
+    for pointer, node in _subschemas(schema, ""):
+        branches = node.get("oneOf")
+        if not isinstance(branches, list):
+            continue
+        resolved = [_deref(schema, b) for b in branches]
+        for i, a in enumerate(resolved):
+            if any(not _disjoint(a, b) for b in resolved[i + 1:]):
+                return pointer or "/"
+    return None
+
+
+def _deref(schema: Any, node: Any) -> Any:
+    for _ in range(32):
+        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)
+                and node["$ref"].startswith("#") and len(node) == 1):
+            return node
+        node = resolve_pointer(schema, node["$ref"])
+    return node
+
+
+def _types(node: dict[str, Any]) -> set[str] | None:
+    typ = node.get("type")
+    if "const" in node or "enum" in node or typ is None:
+        return None
+    names = set(typ if isinstance(typ, list) else [typ])
+    return names | {"number"} if "integer" in names else names
+
+
+def _values(node: Any) -> list[Any] | None:
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return [node["const"]]
+    enum = node.get("enum")
+    return enum if isinstance(enum, list) else None
+
+
+def _disjoint(a: Any, b: Any) -> bool:
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return a is False or b is False
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:  # integer counts as a number
+        return True
+    pa, pb = a.get("properties"), b.get("properties")
+    pa, pb = (pa if isinstance(pa, dict) else {}), (pb if isinstance(pb, dict) else {})
+    ra, rb = a.get("required"), b.get("required")
+    ra, rb = (ra if isinstance(ra, list) else []), (rb if isinstance(rb, list) else [])
+    for key in set(ra) & set(rb):
+        va, vb = _values(pa.get(key)), _values(pb.get(key))
+        if va is not None and vb is not None and not any(
+                canonical_json(x) == canonical_json(y) for x in va for y in vb):
+            return True
+    for one, other_required in ((a, rb), (b, ra)):
+        props = one.get("properties")
+        declared = props if isinstance(props, dict) else {}
+        if (one.get("additionalProperties") is False and "patternProperties" not in one
+                and any(k not in declared for k in other_required)):
+            return True
+    return False
 
 
 def _gaps(features: dict[str, str], table: dict[str, str]) -> list[str]:
@@ -285,7 +394,7 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
             yield "$ref to the root"
         elif ref != "#" and not ref.startswith("#/"):
             yield "$anchor / $dynamicRef"
-        if any(k not in _ANNOTATIONS for k in node if k != "$ref"):
+        if any(k not in _ANNOTATIONS and k not in _REF_NEUTRAL for k in node if k != "$ref"):
             yield "$ref with siblings"
     if "$dynamicRef" in node or "$dynamicAnchor" in node:
         yield "$anchor / $dynamicRef"
@@ -352,34 +461,8 @@ def _has_optional(node: dict[str, Any]) -> bool:
 
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment",
                           "deprecated", "readOnly", "writeOnly"})
-_CHILD_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_CHILD_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_CHILD_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
-              "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-
-
-def _subschemas(node: Any, pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    stack: list[tuple[str, Any]] = [(pointer, node)]
-    while stack:
-        ptr, cur = stack.pop()
-        if not isinstance(cur, dict):
-            continue
-        yield ptr, cur
-        for key in _CHILD_MAPS:
-            child = cur.get(key)
-            if isinstance(child, dict):
-                stack.extend((f"{ptr}/{key}/{_esc(k)}", v) for k, v in child.items())
-        for key in _CHILD_LISTS:
-            child = cur.get(key)
-            if isinstance(child, list):
-                stack.extend((f"{ptr}/{key}/{i}", v) for i, v in enumerate(child))
-        for key in _CHILD_ONE:
-            child = cur.get(key)
-            if isinstance(child, list):
-                stack.extend((f"{ptr}/{key}/{i}", v) for i, v in enumerate(child))
-            elif child is not None:
-                stack.append((f"{ptr}/{key}", child))
-
-
-def _esc(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
+#: Keys beside a ``$ref`` that constrain nothing (they hold or name definitions).
+_REF_NEUTRAL = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$comment",
+                          "$anchor", "$vocabulary"})
+_subschemas = subschemas
+_esc = escape_key

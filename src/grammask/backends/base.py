@@ -1,40 +1,58 @@
 """The contract every engine adapter keeps; the rest of grammask sees only these names.
 
-Semantics shared by both backends (tests hold both to them):
+Semantics shared by both backends (tests/test_matcher_contract.py holds both to every line):
 
 - ``Matcher.accept(token)`` returns False and leaves the state *unchanged* when the token is not
-  allowed (llguidance's own ``consume_token`` would enter a sticky error state instead).
+  allowed, and equally for an id that is no token at all (``< 0``, ``>= vocab_size``, not an
+  ``int``): xgrammar would wrap ``2**32 + i`` to token ``i``, llguidance would die on it.
 - A stop token (``Vocabulary.stop_ids``) is allowed only where the grammar may end; accepting it
   terminates the matcher. Once terminated, only stop tokens are allowed and accepted (force EOS),
-  and ``rollback`` can step back over them.
-- ``fill(bitmask, row)`` writes one row of an int32 bitmask shaped
-  ``(batch, ceil(vocab_size / 32))`` on the CPU; bit ``i % 32`` of word ``i // 32`` set means
-  token ``i`` is allowed. Ids past the tokenizer (model padding) and special tokens are never
-  set. Both engines release the GIL while filling, so a fill thread overlaps the model's forward.
+  and ``rollback`` can step back over them. ``is_terminated()`` is True only after a stop token
+  was accepted (or llguidance lost the parse); a grammar that is merely complete (``abc``
+  after ``abc``) is ``can_terminate()``, on both engines.
+- ``rollback(n)`` undoes exactly the last ``n`` accepted tokens; ``n`` must be an ``int`` with
+  ``0 <= n <=`` the tokens accepted since the start or last ``reset`` (both adapters say how
+  many: ``accepted()``), else ``ValueError`` and the state is unchanged.
+- ``fill(bitmask, row)`` writes one row of a CPU, C-contiguous int32 bitmask shaped
+  ``(batch, ceil(vocab_size / 32))``, ``0 <= row < batch``; anything else is a ``ValueError``
+  raised before any write (engines write through raw pointers: a uint8 or strided tensor
+  would be corrupted, or the heap). Bit ``i % 32`` of word ``i // 32`` set means token ``i``
+  is allowed. Ids past the tokenizer (model padding) and special tokens are never set. The
+  checks are attribute reads only (the fill is the hot path). Both engines release the GIL
+  while filling, so a fill thread overlaps the model's forward.
 - Matchers are not thread-safe: one thread drives one matcher at a time. ``fork`` gives an
-  independent copy (used by the mask audit and speculative decoding).
-- ``CompiledGrammar`` is immutable and shared across threads; ``matcher()`` is cheap.
+  independent copy in the same state (same mask, same ``accepted()``, same termination).
+- ``CompiledGrammar`` is immutable and shared across threads; ``matcher()`` is cheap. A grammar
+  whose language is empty (no token and no stop is allowed at the start: ``root ::= root``)
+  never compiles: ``UnsupportedError`` (a row masked to all zeros would have every logit -inf).
+- ``engine_matcher`` (both adapters) is the raw engine matcher, for the batch-parallel fills
+  only: a caller must not advance it (the adapter's counters would go stale).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Protocol
 
 import torch
 
+from ..errors import UnsupportedError
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 
 
 class Matcher(Protocol):
     def accept(self, token_id: int) -> bool:
-        """Advance by one token; False (state unchanged) when the token is not allowed."""
+        """Advance by one token; False (state unchanged) when the token is not allowed or is
+        not a token id of the vocabulary."""
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed-token bits of the next position into ``bitmask[row]``."""
+        """Write the allowed-token bits of the next position into ``bitmask[row]``;
+        ``ValueError`` (nothing written) for a bitmask or row outside the contract."""
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
+        """Undo the last ``num_tokens`` accepted tokens; ``ValueError`` (state unchanged) when
+        ``num_tokens`` is negative or more than were accepted."""
 
     def is_terminated(self) -> bool:
         """A stop token has been accepted; only stop tokens are allowed from now on."""
@@ -61,7 +79,8 @@ class Backend(Protocol):
     name: BackendName
 
     def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool) -> CompiledGrammar:
-        """Compile for one vocabulary; raises a ``GrammarError`` subclass on bad input.
+        """Compile for one vocabulary; raises a ``GrammarError`` subclass on bad input, and
+        ``UnsupportedError`` when the grammar's language is empty.
 
         ``lenient`` asks the engine to ignore keywords it cannot enforce instead of refusing
         (the router lists them as unenforced)."""
@@ -73,18 +92,74 @@ class Backend(Protocol):
 
 
 class _EndTracking:
-    """Stop tokens accepted after termination are no-ops the engines do not count; track them
-    so rollback stays exact."""
+    """The shared half of both adapters: argument checks of the contract, and the counters
+    engines do not keep (stop tokens accepted after termination are no-ops to the engines;
+    tracking them, and the tokens the engine consumed, keeps rollback exact and checkable)."""
 
-    def __init__(self, stop_ids: tuple[int, ...]) -> None:
+    def __init__(self, stop_ids: tuple[int, ...], vocab_size: int) -> None:
         self._stop_ids = stop_ids
+        self._vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
         self._extra_stops = 0
+        self._depth = 0  # tokens the engine consumed (stop tokens after the end excluded)
+
+    def accepted(self) -> int:
+        """Tokens accepted since the start (or the last reset): what ``rollback`` can undo."""
+        return self._depth + self._extra_stops
+
+    def _token(self, token_id: object) -> int | None:
+        """The id as a Python int when it names a token of the vocabulary, else None."""
+        if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
+            return None
+        tid = operator.index(token_id)
+        return tid if 0 <= tid < self._vocab_size else None
+
+    def _rollback_count(self, num_tokens: object) -> int:
+        if isinstance(num_tokens, bool) or not hasattr(num_tokens, "__index__"):
+            raise ValueError(f"rollback: num_tokens must be an int, got "
+                             f"{type(num_tokens).__name__}")
+        n = operator.index(num_tokens)
+        if not 0 <= n <= self.accepted():
+            raise ValueError(f"rollback: num_tokens={n} is outside 0..{self.accepted()} "
+                             "(the tokens accepted so far)")
+        return n
+
+    def _check_fill(self, bitmask: torch.Tensor, row: object) -> int:
+        """Refuse what an engine would write wrongly or out of bounds: attribute reads only."""
+        if not isinstance(bitmask, torch.Tensor):
+            raise ValueError(f"fill: bitmask must be a torch.Tensor, got "
+                             f"{type(bitmask).__name__}")
+        if bitmask.dtype != torch.int32:
+            raise ValueError(f"fill: bitmask dtype must be torch.int32, got {bitmask.dtype}")
+        if bitmask.device.type != "cpu":
+            raise ValueError(f"fill: bitmask must be on the CPU, got {bitmask.device}")
+        if bitmask.dim() != 2 or bitmask.shape[1] != self._words:
+            raise ValueError(f"fill: bitmask shape must be (batch, {self._words}) for vocab_size "
+                             f"{self._vocab_size}, got {tuple(bitmask.shape)}")
+        if not bitmask.is_contiguous():
+            raise ValueError(f"fill: bitmask must be contiguous, got strides "
+                             f"{bitmask.stride()}")
+        if isinstance(row, bool) or not hasattr(row, "__index__"):
+            raise ValueError(f"fill: row must be an int, got {type(row).__name__}")
+        index = operator.index(row)
+        if not 0 <= index < bitmask.shape[0]:
+            raise ValueError(f"fill: row {index} is outside 0..{bitmask.shape[0] - 1}")
+        return index
 
     def _stop_only(self, bitmask: torch.Tensor, row: int) -> None:
         out = bitmask[row]
         out.zero_()
         for tid in self._stop_ids:
             out[tid >> 5] |= _bit(tid & 31)
+
+
+def refuse_empty_language(first_mask: torch.Tensor, engine: str, where: str | None) -> None:
+    """A start state that allows no token and no stop: nothing can ever be generated, and a
+    served row would mask every logit to -inf. Checked once per compile."""
+    if not bool(first_mask.any()):
+        raise UnsupportedError(f"{engine}: the grammar's language is empty: nothing can be "
+                               "generated (no token and no stop is allowed at the start)",
+                               where=where)
 
 
 def _bit(i: int) -> int:

@@ -22,73 +22,88 @@ from ..errors import (
     InvalidSchemaError,
     UnsupportedError,
 )
-from ..normalize import normalize_schema
+from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
-from .base import Matcher, _EndTracking
+from .base import Matcher, _EndTracking, refuse_empty_language
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
 
 
 class GuidanceMatcher(_EndTracking):
-    def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...],
+    def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...], vocab_size: int,
                  first_mask: torch.Tensor | None = None) -> None:
-        super().__init__(stop_ids)
+        super().__init__(stop_ids, vocab_size)
         self._m = inner
         self._first_mask = first_mask  # the start state's mask, computed once per grammar
-        self._depth = 0  # tokens consumed by the engine (stop tokens after the end excluded)
+        # the depth at which the engine consumed a stop token: llguidance reports a complete
+        # grammar (``abc`` after ``abc``) as stopped before any stop token, xgrammar does not
+        self._stop_at: int | None = None
 
     def accept(self, token_id: int) -> bool:
+        tid = self._token(token_id)  # llguidance kills the matcher on ids past the vocabulary
+        if tid is None:
+            return False
         if self._m.is_stopped():
             # also true in llguidance's error state (it lost the parse): that ends the output
             # like a stop, its mask allows only the stop tokens, and accepting one agrees
-            if token_id in self._stop_ids:
+            if tid in self._stop_ids:
                 self._extra_stops += 1
                 return True
             return False
         # validate first: a refused consume_token would poison the matcher for good.
-        if self._m.validate_tokens([token_id]) != 1:
+        if self._m.validate_tokens([tid]) != 1:
             return False
-        if not self._m.consume_token(token_id):
+        if not self._m.consume_token(tid):
             return False
         self._depth += 1
+        if tid in self._stop_ids:
+            self._stop_at = self._depth
         return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        index = self._check_fill(bitmask, row)  # a uint8 tensor here corrupts the heap
         if self._m.is_stopped():  # stopped or in error: stop tokens only
-            self._stop_only(bitmask, row)
+            self._stop_only(bitmask, index)
             return
-        out = bitmask[row]
+        out = bitmask[index]
         first = self._first_mask
-        if self._depth == 0 and first is not None and first.numel() == out.numel():
+        if self._depth == 0 and first is not None:
             out.copy_(first)
             return
-        self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        self._m.unsafe_compute_mask_ptr(out.data_ptr(), self._words * 4)
 
     def rollback(self, num_tokens: int) -> None:
-        undo_extra = min(num_tokens, self._extra_stops)
+        n = self._rollback_count(num_tokens)  # llguidance dies silently past it
+        undo_extra = min(n, self._extra_stops)
         self._extra_stops -= undo_extra
-        if num_tokens - undo_extra:
-            self._m.rollback(num_tokens - undo_extra)
-            self._depth = max(0, self._depth - (num_tokens - undo_extra))
+        if n - undo_extra:
+            self._m.rollback(n - undo_extra)
+            self._depth -= n - undo_extra
+            if self._stop_at is not None and self._stop_at > self._depth:
+                self._stop_at = None
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_stopped())  # error states count: llguidance stops them
+        # a stop was accepted, or llguidance lost the parse (it then allows only stops)
+        return self._extra_stops > 0 or self._stop_at is not None or bool(self._m.is_error())
 
     def can_terminate(self) -> bool:
         return bool(self._m.is_stopped() or self._m.is_accepting())
 
     def fork(self) -> Matcher:
-        twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids, self._first_mask)
+        twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids, self._vocab_size,
+                               self._first_mask)
         twin._extra_stops = self._extra_stops
         twin._depth = self._depth
+        twin._stop_at = self._stop_at
         return twin
 
     def reset(self) -> None:
         self._m.reset()
         self._extra_stops = 0
         self._depth = 0
+        self._stop_at = None
 
     @property
     def error(self) -> str:
@@ -96,6 +111,8 @@ class GuidanceMatcher(_EndTracking):
 
     @property
     def engine_matcher(self) -> llg.LLMatcher:
+        """The raw llguidance matcher, for batch fills only (advancing it would leave this
+        adapter's counters stale)."""
         return self._m
 
 
@@ -103,16 +120,18 @@ class GuidanceCompiled:
     backend: BackendName = "guidance"
 
     def __init__(self, template: llg.LLMatcher, grammar: str, stop_ids: tuple[int, ...],
-                 warnings: list[str], first_mask: torch.Tensor) -> None:
+                 warnings: list[str], first_mask: torch.Tensor, vocab_size: int) -> None:
         self._template = template
         self._stop_ids = stop_ids
         self._first_mask = first_mask
+        self._vocab_size = vocab_size
         self.warnings = warnings
         # an estimate: llguidance exposes none
         self.memory_bytes = len(grammar) * 4 + 64 * 1024 + first_mask.numel() * 4
 
     def matcher(self) -> GuidanceMatcher:
-        return GuidanceMatcher(self._template.deep_copy(), self._stop_ids, self._first_mask)
+        return GuidanceMatcher(self._template.deep_copy(), self._stop_ids, self._vocab_size,
+                               self._first_mask)
 
 
 class GuidanceBackend:
@@ -126,7 +145,8 @@ class GuidanceBackend:
             raise _translate(spec, template.get_error())
         first_mask = _first_mask(spec, template, vocab)
         return GuidanceCompiled(template, grammar, vocab.stop_ids,
-                                list(template.get_grammar_warnings()), first_mask)
+                                list(template.get_grammar_warnings()), first_mask,
+                                vocab.vocab_size)
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
         grammar = grammar_text(spec, lenient=lenient)
@@ -144,11 +164,13 @@ def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary) -
     with normal_tensors():
         words = torch.zeros((vocab.vocab_size + 31) // 32, dtype=torch.int32)
     probe.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+    where = "/" if spec.kind == "json_schema" else None
     if probe.is_error():
         reason = str(probe.get_error()).strip().splitlines()[0][:200]
-        raise UnsupportedError(f"llguidance: the compiled grammar can produce no output "
-                               f"(first mask failed: {reason})", where="/" if spec.kind ==
-                               "json_schema" else None)
+        raise UnsupportedError(f"llguidance: the compiled grammar can produce no output: "
+                               f"nothing can be generated (first mask failed: {reason})",
+                               where=where)
+    refuse_empty_language(words, "llguidance", where)
     return words
 
 
@@ -234,6 +256,8 @@ def _translate(spec: GrammarSpec, message: str) -> GrammarError:
     if lark_pos:  # llguidance's Lark errors start "LINE(COLUMN): ..."
         where = f"line {lark_pos.group(1)} column {lark_pos.group(2)}"
     text = f"llguidance: {message}"
+    if spec.kind == "json_schema" and where is None:
+        where = locate(spec.schema, message)
     if spec.kind in ("json_schema", "json_object"):
         if "Unimplemented" in message or "not supported" in message.lower():
             return UnsupportedError(text, where=where)

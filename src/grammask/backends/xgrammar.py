@@ -11,11 +11,12 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from ..bitmask import normal_tensors
 from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
-from ..normalize import normalize_schema
+from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
-from .base import Matcher, _EndTracking
+from .base import Matcher, _EndTracking, refuse_empty_language
 
 _COMPACT = (",", ":")
 _THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large grammars
@@ -24,29 +25,39 @@ _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
 
 class XGrammarMatcher(_EndTracking):
-    def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...]) -> None:
-        super().__init__(stop_ids)
+    def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...],
+                 vocab_size: int) -> None:
+        super().__init__(stop_ids, vocab_size)
         self._m = inner
 
     def accept(self, token_id: int) -> bool:
+        tid = self._token(token_id)  # xgrammar would wrap 2**32 + i to token i
+        if tid is None:
+            return False
         if self._m.is_terminated():
-            if token_id in self._stop_ids:
+            if tid in self._stop_ids:
                 self._extra_stops += 1
                 return True
             return False
-        return bool(self._m.accept_token(token_id))
+        if not self._m.accept_token(tid):
+            return False
+        self._depth += 1
+        return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        index = self._check_fill(bitmask, row)
         if self._m.is_terminated():
-            self._stop_only(bitmask, row)
+            self._stop_only(bitmask, index)
         else:
-            self._m.fill_next_token_bitmask(bitmask, row)
+            self._m.fill_next_token_bitmask(bitmask, index)
 
     def rollback(self, num_tokens: int) -> None:
-        undo_extra = min(num_tokens, self._extra_stops)
+        n = self._rollback_count(num_tokens)  # xgrammar raises a bare RuntimeError past it
+        undo_extra = min(n, self._extra_stops)
         self._extra_stops -= undo_extra
-        if num_tokens - undo_extra:
-            self._m.rollback(num_tokens - undo_extra)
+        if n - undo_extra:
+            self._m.rollback(n - undo_extra)
+            self._depth -= n - undo_extra
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
@@ -55,31 +66,36 @@ class XGrammarMatcher(_EndTracking):
         return bool(self._m.is_terminated() or self._m.is_completed())
 
     def fork(self) -> Matcher:
-        twin = XGrammarMatcher(self._m.fork(), self._stop_ids)
+        twin = XGrammarMatcher(self._m.fork(), self._stop_ids, self._vocab_size)
         twin._extra_stops = self._extra_stops
+        twin._depth = self._depth
         return twin
 
     def reset(self) -> None:
         self._m.reset()
         self._extra_stops = 0
+        self._depth = 0
 
     @property
     def engine_matcher(self) -> xgr.GrammarMatcher:
-        """The raw xgrammar matcher, for batch fills."""
+        """The raw xgrammar matcher, for batch fills only (advancing it would leave this
+        adapter's counters stale)."""
         return self._m
 
 
 class XGrammarCompiled:
     backend: BackendName = "xgrammar"
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: tuple[int, ...]) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: tuple[int, ...],
+                 vocab_size: int) -> None:
         self._compiled = compiled
         self._stop_ids = stop_ids
+        self._vocab_size = vocab_size
         self.memory_bytes = int(compiled.memory_size_bytes)
 
     def matcher(self) -> XGrammarMatcher:
         inner = xgr.GrammarMatcher(self._compiled, override_stop_tokens=list(self._stop_ids))
-        return XGrammarMatcher(inner, self._stop_ids)
+        return XGrammarMatcher(inner, self._stop_ids, self._vocab_size)
 
 
 class XGrammarBackend:
@@ -108,7 +124,9 @@ class XGrammarBackend:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a message
             raise _translate(spec, exc) from exc
-        return XGrammarCompiled(compiled, vocab.stop_ids)
+        result = XGrammarCompiled(compiled, vocab.stop_ids, vocab.vocab_size)
+        _refuse_empty(result, spec, vocab)
+        return result
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
         try:
@@ -117,6 +135,15 @@ class XGrammarBackend:
             raise
         except Exception as exc:
             raise _translate(spec, exc) from exc
+
+
+def _refuse_empty(compiled: XGrammarCompiled, spec: GrammarSpec, vocab: Vocabulary) -> None:
+    """xgrammar compiles an empty language (``root ::= root``) and masks every token: find it
+    from the start state's mask, once per compile."""
+    with normal_tensors():
+        words = torch.zeros((1, (vocab.vocab_size + 31) // 32), dtype=torch.int32)
+    compiled.matcher().fill(words, 0)
+    refuse_empty_language(words, "xgrammar", "/" if spec.kind == "json_schema" else None)
 
 
 def json_options(spec: GrammarSpec) -> dict[str, Any]:
@@ -128,7 +155,8 @@ def json_options(spec: GrammarSpec) -> dict[str, Any]:
 
 
 def _schema_text(spec: GrammarSpec) -> str:
-    return json.dumps(normalize_schema(spec.schema, close_objects=False, explicit_free=True))
+    return json.dumps(normalize_schema(spec.schema, close_objects=False, explicit_free=True,
+                                       escape_nul=True))
 
 
 def _compile(comp: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -186,10 +214,22 @@ def _choice_ebnf(choices: list[str]) -> str:
 
 def _translate(spec: GrammarSpec, exc: Exception) -> GrammarError:
     text = _NOISE.sub("", str(exc).strip()).splitlines()
-    message = " ".join(line.strip() for line in text[:3]) or type(exc).__name__
-    message = f"xgrammar: {message}"
+    message = " ".join(line.strip() for line in text[:3])
+    where = _LINE.search(message)
+    location = where.group(1) if where else None
     if spec.kind in ("json_schema", "json_object"):
-        return InvalidSchemaError(message)
+        if spec.kind == "json_schema":
+            location = locate(spec.schema, message) or location
+        if not message:  # a failed check with no text (e.g. a bound past a double)
+            message = (f"the JSON schema compiler failed without a message "
+                       f"({type(exc).__name__}); no keyword could be blamed")
+        return InvalidSchemaError(f"xgrammar: {message}", where=location)
+    message = message or f"failed without a message ({type(exc).__name__})"
+    if spec.kind == "structural_tag" and location is None:
+        location = "structural_tag/format" if "format" in message.lower() else "structural_tag"
     if spec.kind == "regex":
-        return InvalidRegexError(message)
-    return InvalidGrammarError(message)
+        return InvalidRegexError(f"xgrammar: {message}", where=location)
+    return InvalidGrammarError(f"xgrammar: {message}", where=location)
+
+
+_LINE = re.compile(r"(line \d+(?:,? ?(?:col(?:umn)?)? ?\d+)?)", re.IGNORECASE)

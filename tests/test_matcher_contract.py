@@ -1,0 +1,238 @@
+"""The matcher contract (``grammask.backends.base``), row by row, on both engines.
+
+Every misuse must leave the matcher as it was: each test records the state (mask, accepted
+count, termination) before the misuse, checks it after, and then finishes a valid output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from grammask import Engine, GrammarSpec, UnsupportedError, Vocabulary, allocate_bitmask
+from grammask.backends.guidance import GuidanceMatcher
+from grammask.backends.xgrammar import XGrammarMatcher
+from grammask.masks import Filler
+from grammask.spec import BackendName
+
+from .helpers import bit, feed, mask_of
+
+BACKENDS: list[BackendName] = ["xgrammar", "guidance"]
+PATTERN = "abc|abd"  # "ab" then one of two endings; complete (but not stopped) after "abc"
+
+
+@pytest.fixture(scope="module")
+def eng(qwen25: Vocabulary) -> Engine:
+    return Engine(qwen25, timeout_s=60)
+
+
+AdapterMatcher = XGrammarMatcher | GuidanceMatcher
+
+
+def _matcher(eng: Engine, backend: BackendName) -> AdapterMatcher:
+    m = eng.compile(GrammarSpec.regex(PATTERN, backend=backend)).matcher()
+    assert isinstance(m, XGrammarMatcher | GuidanceMatcher)
+    return m
+
+
+def _state(m: AdapterMatcher, vocab: Vocabulary) -> tuple[Any, ...]:
+    return (mask_of(m, vocab).clone().tolist(), m.accepted(), m.is_terminated(),
+            m.can_terminate())
+
+
+def _finishes(m: AdapterMatcher, vocab: Vocabulary, rest: str) -> bool:
+    """The matcher still works: it takes ``rest``, then a stop, and is then terminated."""
+    return (feed(m, vocab, rest) and m.accept(vocab.stop_ids[0]) and m.is_terminated()
+            and not m.accept(vocab.encode("a")[0]))
+
+
+def _after_ab(eng: Engine, vocab: Vocabulary, backend: BackendName) -> AdapterMatcher:
+    m = _matcher(eng, backend)
+    assert feed(m, vocab, "a") and feed(m, vocab, "b")  # two tokens, one at a time
+    assert m.accepted() == 2
+    return m
+
+
+# ---------------------------------------------------------------------------- accept(id)
+def _bad_ids(vocab: Vocabulary) -> list[object]:
+    c = vocab.encode("c")[0]
+    return [vocab.vocab_size, vocab.vocab_size + 5, -1, -(2**31), 2**32 + c, 2**32, 2**63,
+            2**64 + c, True, float(c), str(c), None]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accept_of_a_non_token_is_false_and_changes_nothing(eng: Engine, qwen25: Vocabulary,
+                                                            backend: BackendName) -> None:
+    for bad in _bad_ids(qwen25):
+        m = _after_ab(eng, qwen25, backend)
+        before = _state(m, qwen25)
+        assert m.accept(bad) is False, bad  # type: ignore[arg-type]
+        assert _state(m, qwen25) == before, bad
+        assert _finishes(m, qwen25, "c"), bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accept_takes_numpy_and_torch_integers(eng: Engine, qwen25: Vocabulary,
+                                               backend: BackendName) -> None:
+    import numpy as np
+
+    m = _matcher(eng, backend)
+    a, b = qwen25.encode("a")[0], qwen25.encode("b")[0]
+    assert m.accept(np.int64(a))  # type: ignore[arg-type]
+    assert m.accept(torch.tensor(b))  # type: ignore[arg-type]
+    assert m.accepted() == 2 and _finishes(m, qwen25, "d")
+
+
+# ---------------------------------------------------------------------------- rollback(n)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("count", [3, 100, -1, -5, 1.0, "1", None])
+def test_bad_rollback_is_a_value_error_and_changes_nothing(
+        eng: Engine, qwen25: Vocabulary, backend: BackendName, count: object) -> None:
+    m = _after_ab(eng, qwen25, backend)
+    before = _state(m, qwen25)
+    with pytest.raises(ValueError, match="rollback"):
+        m.rollback(count)  # type: ignore[arg-type]
+    assert _state(m, qwen25) == before
+    m.rollback(1)  # the counter is intact: exactly one token comes off
+    assert m.accepted() == 1 and _finishes(m, qwen25, "bd")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollback_past_the_stop_tokens_is_bounded_too(eng: Engine, qwen25: Vocabulary,
+                                                      backend: BackendName) -> None:
+    m = _after_ab(eng, qwen25, backend)
+    assert feed(m, qwen25, "c") and m.accept(qwen25.stop_ids[0]) and m.accept(qwen25.stop_ids[1])
+    accepted = m.accepted()
+    with pytest.raises(ValueError):
+        m.rollback(accepted + 1)
+    m.rollback(0)
+    m.rollback(accepted)
+    assert m.accepted() == 0 and not m.is_terminated()
+    assert _finishes(m, qwen25, "abd")
+
+
+# ---------------------------------------------------------------------------- fill(bitmask, row)
+BAD_MASKS = ["uint8", "int64", "float32", "narrow", "wide", "one-dim", "three-dim", "strided",
+             "transposed", "row -1", "row 2", "row float"]
+
+
+def _bad_masks(vocab: Vocabulary) -> dict[str, tuple[torch.Tensor, int]]:
+    words = (vocab.vocab_size + 31) // 32
+    good = allocate_bitmask(2, vocab.vocab_size)
+    return {
+        "uint8": (torch.full((2, words * 4), 7, dtype=torch.uint8), 0),
+        "int64": (torch.full((2, words), 7, dtype=torch.int64), 0),
+        "float32": (torch.full((2, words), 7.0), 0),
+        "narrow": (torch.full((2, words - 1), 7, dtype=torch.int32), 0),
+        "wide": (torch.full((2, words + 1), 7, dtype=torch.int32), 0),
+        "one-dim": (torch.full((words,), 7, dtype=torch.int32), 0),
+        "three-dim": (torch.full((1, 2, words), 7, dtype=torch.int32), 0),
+        "strided": (torch.full((2, words * 2), 7, dtype=torch.int32)[:, ::2], 0),
+        "transposed": (torch.full((words, 2), 7, dtype=torch.int32).t(), 0),
+        "row -1": (good, -1),
+        "row 2": (good, 2),
+        "row float": (good, 0.0),  # type: ignore[dict-item]
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", BAD_MASKS)
+def test_bad_fill_is_a_value_error_before_any_write(eng: Engine, qwen25: Vocabulary,
+                                                    backend: BackendName, case: str) -> None:
+    for fresh in (True, False):  # llguidance copies its first mask; later fills compute
+        m = _matcher(eng, backend) if fresh else _after_ab(eng, qwen25, backend)
+        before = _state(m, qwen25)
+        bitmask, row = _bad_masks(qwen25)[case]
+        snapshot = bitmask.clone()
+        with pytest.raises(ValueError, match="fill"):
+            m.fill(bitmask, row)
+        assert torch.equal(bitmask, snapshot), case
+        assert _state(m, qwen25) == before
+        assert _finishes(m, qwen25, "abc" if fresh else "d")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fill_writes_only_its_row(eng: Engine, qwen25: Vocabulary, backend: BackendName) -> None:
+    m = _after_ab(eng, qwen25, backend)
+    bitmask = allocate_bitmask(3, qwen25.vocab_size)
+    m.fill(bitmask, 1)
+    assert bool((bitmask[0] == -1).all()) and bool((bitmask[2] == -1).all())
+    assert bit(bitmask[1], qwen25.encode("c")[0]) and not bit(bitmask[1], qwen25.encode("a")[0])
+
+
+# ---------------------------------------------------------------------------- is_terminated
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_terminated_only_after_a_stop_token(eng: Engine, qwen25: Vocabulary,
+                                            backend: BackendName) -> None:
+    """``abc`` is complete: llguidance calls that stopped, the contract does not."""
+    m = _matcher(eng, backend)
+    assert not m.is_terminated()
+    assert feed(m, qwen25, "abc")
+    assert not m.is_terminated() and m.can_terminate()
+    count = m.accepted()
+    row = mask_of(m, qwen25)
+    assert bit(row, qwen25.stop_ids[0]) and not bit(row, qwen25.encode("a")[0])
+    assert m.accept(qwen25.stop_ids[0]) and m.is_terminated()
+    m.rollback(1)
+    assert not m.is_terminated() and m.can_terminate() and m.accepted() == count
+    twin = m.fork()
+    assert m.accept(qwen25.stop_ids[1]) and m.is_terminated()
+    assert not twin.is_terminated()
+
+
+# ---------------------------------------------------------------------------- fork
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prefix", ["", "a", "ab", "abc", "abc<stop>"])
+def test_fork_is_identical_and_independent(eng: Engine, qwen25: Vocabulary,
+                                           backend: BackendName, prefix: str) -> None:
+    m = _matcher(eng, backend)
+    assert feed(m, qwen25, prefix.replace("<stop>", ""))
+    if prefix.endswith("<stop>"):
+        assert m.accept(qwen25.stop_ids[0])
+    twin = m.fork()
+    assert _state(twin, qwen25) == _state(m, qwen25)
+    before = _state(m, qwen25)
+    rest = {"": "abd", "a": "bd", "ab": "d", "abc": "", "abc<stop>": ""}[prefix]
+    if prefix.endswith("<stop>"):
+        twin.rollback(1)
+        assert not twin.is_terminated()
+    else:
+        assert _finishes(twin, qwen25, rest)
+    assert _state(m, qwen25) == before  # advancing the twin left the original alone
+    if prefix.endswith("<stop>"):
+        m.rollback(1)
+    assert _finishes(m, qwen25, rest)
+
+
+# ---------------------------------------------------------------------------- empty language
+EMPTY: list[Callable[[], GrammarSpec]] = [
+    lambda: GrammarSpec.grammar("root ::= root"),
+    lambda: GrammarSpec.grammar("start: start"),
+    lambda: GrammarSpec.json_schema({"$ref": "#"}),
+    lambda: GrammarSpec.json_schema({"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                     "$ref": "#/$defs/a"}),
+]
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, None])
+@pytest.mark.parametrize("make", EMPTY, ids=["gbnf", "lark", "ref-root", "ref-cycle"])
+def test_empty_language_is_refused_at_compile(eng: Engine, backend: BackendName | None,
+                                              make: Callable[[], GrammarSpec]) -> None:
+    spec = make().with_backend(backend)
+    with pytest.raises(UnsupportedError, match="nothing can be generated") as info:
+        eng.compile(spec)
+    assert "siblings" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------- batch fill
+def test_batch_fill_still_drives_engine_matchers(eng: Engine, qwen25: Vocabulary) -> None:
+    """``Filler`` fills through ``engine_matcher``: same rows as the adapters' own fills."""
+    rows = [(_after_ab(eng, qwen25, b) if i % 2 else _matcher(eng, b), i)
+            for i, b in enumerate(BACKENDS * 2)]
+    batch = allocate_bitmask(len(rows), qwen25.vocab_size)
+    Filler(parallel_min=1, threads=1).fill(rows, batch)
+    for m, i in rows:
+        assert torch.equal(batch[i], mask_of(m, qwen25)), i

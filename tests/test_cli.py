@@ -40,3 +40,39 @@ def test_bad_spec_exits_nonzero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "InvalidRegexError" in capsys.readouterr().err
     assert main(["compile", '{"type": "strin"}', "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["error"] == "InvalidSchemaError"
+
+
+def _nested_one_of(depth: int, width: int) -> dict[str, object]:
+    node: dict[str, object] = {"type": "string", "pattern": "[a-z]{2,8}@[a-z]+\\.com"}
+    for d in range(depth):
+        node = {"oneOf": [{"type": "object", "properties": {
+            f"k{d}_{i}": node, "e": {"type": "string", "format": "email"}},
+            "required": [f"k{d}_{i}"]} for i in range(width)]}
+    return node
+
+
+def test_compile_exits_promptly_after_a_timeout(tmp_path: object) -> None:
+    """A timed-out native compile kept the interpreter alive at exit (error at 7 s, exit at
+    22 s, once 150 s). This schema takes xgrammar ~20 s here; the process must end right
+    after printing the error, not when the abandoned compile finishes."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "slow.json"
+    path.write_text(json.dumps(_nested_one_of(4, 3)))
+    proc = subprocess.Popen([sys.executable, "-m", "grammask.cli", "compile", str(path),
+                             "--backend", "xgrammar", "--timeout", "1"],
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    while line and "error:" not in line:
+        line = proc.stderr.readline()
+    printed = time.monotonic()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert "CompileTimeoutError" in line and code == 2
+    assert time.monotonic() - printed < 8  # the old exit waited the compile out (~20 s)

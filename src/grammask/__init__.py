@@ -14,7 +14,9 @@ from .bitmask import allocate_bitmask, allowed_ids
 from .compiler import Engine, Grammar, Stats
 from .errors import (
     CompileTimeoutError,
+    EngineClosedError,
     GrammarError,
+    InternalCompileError,
     InvalidGrammarError,
     InvalidRegexError,
     InvalidSchemaError,
@@ -33,9 +35,11 @@ __all__ = [
     "CompileTimeoutError",
     "ConstraintRequest",
     "Engine",
+    "EngineClosedError",
     "Grammar",
     "GrammarError",
     "GrammarSpec",
+    "InternalCompileError",
     "InvalidGrammarError",
     "InvalidRegexError",
     "InvalidSchemaError",

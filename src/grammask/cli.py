@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .compiler import Engine
+from .compiler import Engine, running_compiles
 from .errors import GrammarError, InvalidSpecError
 from .spec import GrammarSpec
 from .vocab import load_vocabulary
@@ -20,6 +21,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    if argv is None and running_compiles():
+        # run as a program with an abandoned native compile still going (a timeout): the
+        # interpreter would wait for it at exit (minutes); nothing is left to do, so leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "bench":
         return _bench(args[1:])

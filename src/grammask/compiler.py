@@ -1,36 +1,65 @@
 """The compile service: routing, bounded parallel compiles, single-flight, LRU and timeouts.
 
 - ``compile_async`` returns at once; the compile starts immediately so it overlaps the prefill.
+  Each caller gets a future of its own: cancelling it drops only that caller.
 - N concurrent requests for one key share one compile (single-flight).
-- Results live in an LRU bounded by bytes; failures in a negative cache that expires.
-- Every engine call runs under a time budget. A runaway native compile cannot be killed, so it
-  is *abandoned*: its slot is handed back (up to ``max_abandoned`` at once) and the request
-  falls back to the other engine when that one can serve the spec, else gets a
-  ``CompileTimeoutError``. Beyond ``max_abandoned`` the runaway keeps its slot, so the CPU
-  spent on runaways stays bounded.
+- Results live in an LRU bounded by (calibrated) bytes; evictions hand memory back to the OS.
+  Failures live in a bounded negative cache that expires; only user errors go there.
+- Every request has one deadline (``timeout_s`` from submission) covering slot waits, the
+  routed engine and its fallbacks; a reaper resolves any request still pending at its deadline.
+- A runaway native compile cannot be killed, so it is *abandoned*: its slot is handed back (up
+  to ``max_abandoned`` at once per engine; beyond that it keeps the slot, so the CPU spent on
+  runaways stays bounded). Each engine has its own slots, so xgrammar runaways never hold up
+  llguidance compiles (fallbacks included). A spec that timed out on an engine is not retried
+  there until ``negative_ttl_s`` passes, and a runaway that finishes late fills the cache.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import copy
+import ctypes
+import ctypes.util
+import heapq
+import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .backends import CompiledGrammar, Matcher, get_backend
-from .errors import CompileTimeoutError, GrammarError, InvalidSpecError
+from .errors import (
+    CompileTimeoutError,
+    EngineClosedError,
+    GrammarError,
+    InternalCompileError,
+    InvalidSpecError,
+)
 from .router import Preference, Route, route
 from .spec import BackendName, GrammarSpec
 from .vocab import Vocabulary
 
 log = logging.getLogger("grammask")
 T = TypeVar("T")
+
+#: Measured RSS growth per cached grammar = SCALE * the engine's own estimate + BASE bytes
+#: (bench/stress.py --calibrate; corpus schemas, Qwen2.5 vocabulary, glibc). xgrammar's
+#: ``memory_size_bytes`` misses allocator overhead and the matcher-side structures; the
+#: llguidance figure is grammask's own guess (llguidance reports none).
+FOOTPRINT: dict[str, tuple[float, int]] = {"xgrammar": (0.57, 180 * 1024),
+                                             "guidance": (2.3, 0)}
+
+#: Errors that say nothing about the spec: never cached as the spec's fault, and the other
+#: engine is tried.
+_INTERNAL = (MemoryError, RecursionError, SystemError, OSError, AssertionError)
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +79,9 @@ class Grammar:
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.compiled.memory_bytes)
+        """Estimated process memory this grammar holds (calibrated against measured RSS)."""
+        scale, base = FOOTPRINT.get(self.backend, (1.0, 0))
+        return int(scale * int(self.compiled.memory_bytes) + base)
 
 
 @dataclass
@@ -69,6 +100,41 @@ class Stats:
     negative_hits: int = 0
     evictions: int = 0
     abandoned: int = 0
+    internal_errors: int = 0
+    late_results: int = 0
+    trims: int = 0
+
+
+def fresh_error(error: BaseException) -> BaseException:
+    """A copy without traceback, cause or context: raising a stored error object again and
+    again grows its traceback (and keeps every frame alive) on each raise."""
+    try:
+        twin = copy.copy(error)
+    except Exception:  # an exception class that does not copy: a plain one says the same
+        twin = GrammarError(str(error))
+    twin.__traceback__ = None
+    twin.__cause__ = None
+    twin.__context__ = None
+    twin.__suppress_context__ = True
+    return twin
+
+
+_libc: ctypes.CDLL | None = None
+with contextlib.suppress(OSError, TypeError):
+    _name = ctypes.util.find_library("c")
+    if _name:
+        _candidate = ctypes.CDLL(_name)
+        if hasattr(_candidate, "malloc_trim"):
+            _libc = _candidate
+
+
+def trim_heap() -> bool:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``): freed grammars otherwise
+    stay in the process as free-list memory. False where the allocator has no such call."""
+    if _libc is None:
+        return False
+    _libc.malloc_trim(0)
+    return True
 
 
 class _Job:
@@ -81,6 +147,9 @@ class _Job:
         self.error: BaseException | None = None
         self.abandoned = False
         self.keeps_slot = False
+        self.on_late: Callable[[object, BaseException | None], None] | None = None
+        self.tid = 0  # the worker's native thread id
+        self.tasks_before: set[str] = set()  # the process's threads when the job started
 
 
 _RUNNING: set[_Job] = set()
@@ -90,7 +159,8 @@ _RUNNING_LOCK = threading.Lock()
 @atexit.register
 def _finish_running_compiles() -> None:
     """Workers are daemons (idle ones must not block exit), but a native compile torn down
-    mid-flight aborts the process: let running ones finish first (bounded)."""
+    mid-flight aborts the process: let running ones finish first (bounded). A program that
+    must exit at once flushes its output and calls ``os._exit`` (the CLI does)."""
     deadline = time.monotonic() + 120
     with _RUNNING_LOCK:
         jobs = list(_RUNNING)
@@ -98,10 +168,41 @@ def _finish_running_compiles() -> None:
         job.done.wait(max(0.0, deadline - time.monotonic()))
 
 
+def running_compiles() -> int:
+    """Native compiles still running in this process (abandoned ones included)."""
+    with _RUNNING_LOCK:
+        return len(_RUNNING)
+
+
+def _tasks() -> set[str]:
+    try:
+        return set(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: nothing to lower
+        return set()
+
+
+def _deprioritize(job: _Job) -> int:
+    """Lower an abandoned compile's CPU priority to nice 19 (Linux: per thread): the worker
+    and the threads started since the job began that are not Python's (the engine's own
+    compile threads; a compile that started meanwhile on another worker may be caught too,
+    and merely runs at low priority while it competes). Runaways then take CPU only when
+    nothing else wants it. Returns how many threads were lowered."""
+    if not job.tid or not hasattr(os, "setpriority"):
+        return 0
+    python = {t.native_id for t in threading.enumerate()} - {job.tid}
+    targets = {job.tid} | {int(t) for t in _tasks() - job.tasks_before if t.isdigit()}
+    lowered = 0
+    for tid in targets - python:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+            lowered += 1
+    return lowered
+
+
 class _Runner:
-    """Runs native compiles on persistent worker threads with a concurrency bound and a
-    deadline. A worker whose job is abandoned finishes it and exits; a new worker is started
-    on demand, so capacity survives runaways (up to ``max_abandoned`` of them at once)."""
+    """Runs one engine's native compiles on persistent worker threads with a concurrency bound
+    and a deadline. A worker whose job is abandoned finishes it and exits; a new worker is
+    started on demand, so capacity survives runaways (up to ``max_abandoned`` of them)."""
 
     def __init__(self, max_running: int, max_abandoned: int) -> None:
         self._slots = threading.BoundedSemaphore(max_running)
@@ -115,10 +216,22 @@ class _Runner:
     def abandoned(self) -> int:
         return self._abandoned
 
-    def run(self, fn: Callable[[], T], timeout: float, what: str) -> T:
-        start = time.monotonic()
-        if not self._slots.acquire(timeout=timeout):
-            raise CompileTimeoutError(f"no compile slot free within {timeout:.1f} s for {what}")
+    def run(self, fn: Callable[[], T], deadline: float, what: str,
+            on_late: Callable[[object, BaseException | None], None] | None = None,
+            can_fall_back: bool = False, slot_deadline: float | None = None,
+            on_abandon: Callable[[_Job], None] | None = None) -> T:
+        """``fn()`` on a worker; CompileTimeoutError when it is not done by ``deadline`` (a
+        ``time.monotonic`` value; waiting for a slot counts). ``on_late`` gets the outcome of
+        a job that finished after its caller gave up. A request that ``can_fall_back`` does
+        not queue behind runaways that kept their slots: it goes to its fallback at once;
+        ``slot_deadline`` bounds the wait for a slot (default: ``deadline``); ``on_abandon``
+        gets the job when the caller gives up on it (later requests may wait on it)."""
+        if not self._slots.acquire(blocking=False):
+            if can_fall_back and self._abandoned > self._max_abandoned:
+                raise CompileTimeoutError(f"every {what} compile slot is held by a runaway")
+            budget = min(deadline, slot_deadline or deadline) - time.monotonic()
+            if budget <= 0 or not self._slots.acquire(timeout=budget):
+                raise CompileTimeoutError(f"no {what} compile slot free before the deadline")
         job = _Job(fn)
         with self._lock:
             if self._idle:
@@ -126,16 +239,24 @@ class _Runner:
             else:
                 threading.Thread(target=self._work, name="grammask-compile", daemon=True).start()
         self._jobs.put(job)
-        if not job.done.wait(max(0.0, timeout - (time.monotonic() - start))):
+        if not job.done.wait(max(0.0, deadline - time.monotonic())):
             with self._lock:
                 if not job.done.is_set():
                     job.abandoned = True
+                    job.on_late = on_late
                     self._abandoned += 1
                     if self._abandoned <= self._max_abandoned:
                         self._slots.release()  # a fresh compile may start meanwhile
                     else:
                         job.keeps_slot = True
-                    raise CompileTimeoutError(f"{what} compile exceeded {timeout:.1f} s")
+                    abandoned = True
+                else:
+                    abandoned = False
+            if abandoned:
+                _deprioritize(job)
+                if on_abandon is not None:
+                    on_abandon(job)
+                raise CompileTimeoutError(f"{what} compile exceeded its time budget")
         if job.error is not None:
             raise job.error
         return job.value  # type: ignore[return-value]
@@ -143,6 +264,8 @@ class _Runner:
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
+            job.tid = threading.get_native_id()
+            job.tasks_before = _tasks()
             with _RUNNING_LOCK:
                 _RUNNING.add(job)
             try:
@@ -157,9 +280,85 @@ class _Runner:
                     self._abandoned -= 1
                     if job.keeps_slot:
                         self._slots.release()
-                    return  # the caller moved on; a fresh worker replaces this one
+            if job.abandoned:
+                if job.on_late is not None:
+                    try:
+                        job.on_late(job.value, job.error)
+                    except Exception:  # a late result is a bonus; never kill the worker
+                        log.exception("grammask: storing a late compile result failed")
+                return  # the caller moved on; a fresh worker replaces this one
+            with self._lock:
                 self._slots.release()
                 self._idle += 1
+
+
+def _join(job: _Job, deadline: float, what: str) -> CompiledGrammar:
+    """Wait (until ``deadline``) for a compile an earlier request abandoned."""
+    if not job.done.wait(max(0.0, deadline - time.monotonic())):
+        raise CompileTimeoutError(f"{what} is still compiling this spec (an earlier "
+                                  f"request's compile, past its budget)")
+    if job.error is not None:
+        raise job.error
+    return job.value  # type: ignore[return-value]
+
+
+class _Flight:
+    """One in-flight compile of a key and the callers' futures waiting on it."""
+
+    def __init__(self, key: str, deadline: float) -> None:
+        self.key = key
+        self.deadline = deadline
+        self.waiters: list[Future[Grammar]] = []
+        self.done = False
+
+
+class _Reaper:
+    """Resolves flights still pending at their deadline (one daemon thread per engine), so a
+    request's future is done by ``timeout_s`` even when its build waits for a thread."""
+
+    GRACE_S = 0.05
+
+    def __init__(self, fire: Callable[[_Flight], None]) -> None:
+        self._fire = fire
+        self._heap: list[tuple[float, int, _Flight]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, flight: _Flight) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (flight.deadline + self.GRACE_S, next(self._seq), flight))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="grammask-reaper",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        """Runs while flights are pending, then exits (an idle engine holds no thread, and
+        a dropped one can be collected)."""
+        while True:
+            with self._cond:
+                while not self._stopped:
+                    while self._heap and self._heap[0][2].done:
+                        heapq.heappop(self._heap)
+                    if not self._heap:
+                        self._thread = None
+                        return
+                    if self._heap[0][0] <= time.monotonic():
+                        break
+                    self._cond.wait(self._heap[0][0] - time.monotonic())
+                if self._stopped:
+                    self._thread = None
+                    return
+                _, _, flight = heapq.heappop(self._heap)
+            self._fire(flight)
 
 
 class Engine:
@@ -176,10 +375,11 @@ class Engine:
         negative_ttl_s: float = 30.0,
         max_abandoned: int = 2,
         prefer: Preference = "auto",
+        max_negative: int = 1024,
     ) -> None:
         if backend not in (None, "auto", "xgrammar", "guidance", "llguidance"):
             raise InvalidSpecError(f"backend must be auto, xgrammar or guidance, got {backend!r}")
-        if timeout_s <= 0 or max_workers < 1 or cache_bytes < 0:
+        if timeout_s <= 0 or max_workers < 1 or cache_bytes < 0 or max_negative < 0:
             raise InvalidSpecError("timeout_s and max_workers must be positive")
         self.vocab = vocab
         self.default_backend: BackendName | None = (
@@ -188,72 +388,99 @@ class Engine:
         self.timeout_s = timeout_s
         self.cache_bytes = cache_bytes
         self.negative_ttl_s = negative_ttl_s
+        self.max_negative = max_negative
         self.prefer: Preference = prefer
         self.stats = Stats()
-        self._runner = _Runner(max_workers, max_abandoned)
+        self._runners: dict[str, _Runner] = {
+            "xgrammar": _Runner(max_workers, max_abandoned),
+            "guidance": _Runner(max_workers, max_abandoned)}
+        # builders mostly wait on runners: twice the runners' slots, and the reaper enforces
+        # deadlines for builds still queued here
         self._pool = ThreadPoolExecutor(max_workers=max(8, 4 * max_workers),
                                         thread_name_prefix="grammask-route")
+        self._reaper = _Reaper(self._expire)
         self._lock = threading.Lock()
+        self._closed = False
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._cache_used = 0
-        self._inflight: dict[str, Future[Grammar]] = {}
-        self._failed: dict[str, tuple[float, GrammarError]] = {}
+        self._inflight: dict[str, _Flight] = {}
+        # key -> (expiry, error without traceback); insertion order = expiry order
+        self._failed: OrderedDict[str, tuple[float, GrammarError]] = OrderedDict()
+        # (key, engine) -> its abandoned compile, still running: later requests wait on it
+        # rather than start another runaway
+        self._slow: dict[tuple[str, str], _Job] = {}
+        self._last_trim = 0.0
+        self._trim_pending = False
+        # engine tokenizers are built once per vocabulary (seconds, holding the GIL): here,
+        # outside every request's deadline
+        for name in ("xgrammar", "guidance"):
+            if self.default_backend in (None, name):
+                self._engine_tokenizer(name)
 
     # ----------------------------------------------------------------------- public
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> Grammar:
-        """Blocking compile. A cache hit returns at once; a miss is routed and compiled on the
-        calling thread (the engine call itself still runs under the compile deadline)."""
-        if isinstance(spec, GrammarSpec):
-            spec = self._effective(spec)
-            with self._lock:
-                hit = self._cache.get(spec.key)
-                if hit is not None:
-                    self._cache.move_to_end(spec.key)
-                    self.stats.hits += 1
-                    return hit
-        fut, build = self._lookup(spec)
-        if build is not None:
-            self._build(build, fut)
-        return fut.result(timeout)
+        """Blocking compile. A cache hit returns at once; a miss waits at most ``timeout``
+        seconds (default: the engine's ``timeout_s``), then raises ``CompileTimeoutError``
+        while the compile goes on for whoever else waits (its result is cached)."""
+        fut = self.compile_async(spec)
+        if fut.done():
+            return fut.result()
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            fut.cancel()
+            raise CompileTimeoutError(
+                f"{spec.describe()} was not compiled within {timeout:.2f} s") from None
 
     def compile_async(self, spec: GrammarSpec) -> Future[Grammar]:
-        """Start compiling now (e.g. at request admission, overlapping the prefill)."""
+        """Start compiling now (e.g. at request admission, overlapping the prefill).
+
+        The future is this caller's own: ``cancel()`` on it leaves other callers' alone."""
         fut, build = self._lookup(spec)
         if build is not None:
-            self._pool.submit(self._build, build, fut)
+            spec, flight = build
+            try:
+                self._pool.submit(self._build, spec, flight)
+            except RuntimeError:  # the pool shut down: close() raced this request
+                self._resolve(flight, error=EngineClosedError("the engine is closed"))
         return fut
 
-    def _lookup(self, spec: GrammarSpec) -> tuple[Future[Grammar], GrammarSpec | None]:
-        """The request's future, and the effective spec when the caller must build it (a
-        miss: the future is already registered in flight, so concurrent requests join it)."""
+    def _lookup(self, spec: GrammarSpec
+                ) -> tuple[Future[Grammar], tuple[GrammarSpec, _Flight] | None]:
+        """The request's future, and the effective spec and flight when the caller must
+        build it (a miss: the flight is already registered, so concurrent requests join)."""
         if not isinstance(spec, GrammarSpec):
             raise InvalidSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
         spec = self._effective(spec)
         key = spec.key
+        fut: Future[Grammar] = Future()
         with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
-                done: Future[Grammar] = Future()
-                done.set_result(hit)
-                return done, None
+                fut.set_result(hit)
+                return fut, None
             failed = self._failed.get(key)
             if failed is not None:
                 if failed[0] > time.monotonic():
                     self.stats.negative_hits += 1
-                    err: Future[Grammar] = Future()
-                    err.set_exception(failed[1])
-                    return err, None
+                    fut.set_exception(fresh_error(failed[1]))
+                    return fut, None
                 del self._failed[key]
             running = self._inflight.get(key)
             if running is not None:
                 self.stats.joined += 1
-                return running, None
+                running.waiters.append(fut)
+                return fut, None
             self.stats.misses += 1
-            fut: Future[Grammar] = Future()
-            self._inflight[key] = fut
-        return fut, spec
+            flight = _Flight(key, time.monotonic() + self.timeout_s)
+            flight.waiters.append(fut)
+            self._inflight[key] = flight
+        self._reaper.add(flight)
+        return fut, (spec, flight)
 
     def cached(self, spec: GrammarSpec) -> Grammar | None:
         with self._lock:
@@ -286,15 +513,26 @@ class Engine:
         with self._lock:
             return {"entries": len(self._cache), "bytes": self._cache_used,
                     "limit_bytes": self.cache_bytes, "inflight": len(self._inflight),
-                    "negative": len(self._failed), "abandoned": self._runner.abandoned}
+                    "negative": len(self._failed),
+                    "abandoned": sum(r.abandoned for r in self._runners.values())}
 
     def clear(self) -> None:
+        """Drop every cached grammar and failure, and hand the memory back to the OS."""
         with self._lock:
             self._cache.clear()
             self._failed.clear()
             self._cache_used = 0
+        self._trim(force=True)
 
     def close(self) -> None:
+        """Fail every pending request with ``EngineClosedError``; later requests fail at once.
+        Compiles already running finish in the background and are dropped."""
+        with self._lock:
+            self._closed = True
+            flights = list(self._inflight.values())
+        for flight in flights:
+            self._resolve(flight, error=EngineClosedError("the engine was closed"))
+        self._reaper.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------------- internals
@@ -303,46 +541,121 @@ class Engine:
             return spec.with_backend(self.default_backend)
         return spec
 
-    def _build(self, spec: GrammarSpec, fut: Future[Grammar]) -> None:
+    def _engine_tokenizer(self, backend: str) -> None:
+        _ = self.vocab.xgrammar_info if backend == "xgrammar" else self.vocab.llguidance_tokenizer
+
+    def _resolve(self, flight: _Flight, grammar: Grammar | None = None,
+                 error: BaseException | None = None) -> bool:
+        """Settle every caller's future of a flight once; False when already settled."""
+        with self._lock:
+            if flight.done:
+                return False
+            flight.done = True
+            if self._inflight.get(flight.key) is flight:
+                del self._inflight[flight.key]
+            waiters, flight.waiters = flight.waiters, []
+        for fut in waiters:
+            if fut.done():  # cancelled by its caller
+                continue
+            with contextlib.suppress(InvalidStateError):  # cancelled just now
+                if error is not None:
+                    fut.set_exception(fresh_error(error))
+                else:
+                    fut.set_result(grammar)  # type: ignore[arg-type]
+        return True
+
+    def _expire(self, flight: _Flight) -> None:
+        """The reaper's call: a flight reached its deadline with its build still going."""
+        error = CompileTimeoutError(f"not compiled within {self.timeout_s:.2f} s")
+        if self._resolve(flight, error=error):
+            with self._lock:
+                self.stats.timeouts += 1
+
+    def _build(self, spec: GrammarSpec, flight: _Flight) -> None:
+        if flight.done:  # expired or closed while queued
+            return
         try:
-            grammar = self._compile_routed(spec)
+            grammar = self._compile_routed(spec, flight.deadline)
         except BaseException as exc:
-            error = exc if isinstance(exc, GrammarError) else GrammarError(
+            error = exc if isinstance(exc, GrammarError) else InternalCompileError(
                 f"internal error while compiling: {type(exc).__name__}: {exc}")
             with self._lock:
                 self.stats.errors += 1
-                self._inflight.pop(spec.key, None)
-                if not isinstance(error, CompileTimeoutError):
-                    self._failed[spec.key] = (time.monotonic() + self.negative_ttl_s, error)
-            fut.set_exception(error)
+                if isinstance(error, InternalCompileError):
+                    self.stats.internal_errors += 1
+                elif not isinstance(error, CompileTimeoutError):
+                    self._remember_failure(spec.key, error)
+            self._resolve(flight, error=error)
             return
         with self._lock:
-            self._inflight.pop(spec.key, None)
-            self._insert(spec.key, grammar)
-        fut.set_result(grammar)
+            if not self._closed:
+                self._insert(spec.key, grammar)
+        self._resolve(flight, grammar=grammar)
+        self._trim()
+
+    def _remember_failure(self, key: str, error: GrammarError) -> None:
+        """Negative cache (under the lock): errors kept without their traceback; expired
+        entries purged; at most ``max_negative`` entries, oldest dropped first."""
+        now = time.monotonic()
+        while self._failed:
+            oldest = next(iter(self._failed.values()))
+            if oldest[0] > now and len(self._failed) < self.max_negative:
+                break
+            self._failed.popitem(last=False)
+        if self.max_negative:
+            self._failed.pop(key, None)
+            self._failed[key] = (now + self.negative_ttl_s, fresh_error(error))  # type: ignore[assignment]
 
     def _insert(self, key: str, grammar: Grammar) -> None:
         size = grammar.memory_bytes
         if size > self.cache_bytes:
             return
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cache_used -= old.memory_bytes
         self._cache[key] = grammar
         self._cache_used += size
+        self._trim_pending = True  # compile scratch memory is freed but not yet returned
         while self._cache_used > self.cache_bytes:
-            _, old = self._cache.popitem(last=False)
-            self._cache_used -= old.memory_bytes
+            _, evicted = self._cache.popitem(last=False)
+            self._cache_used -= evicted.memory_bytes
             self.stats.evictions += 1
+            self._trim_pending = True
 
-    def _compile_routed(self, spec: GrammarSpec) -> Grammar:
+    def _trim(self, force: bool = False) -> None:
+        """After inserts and evictions, return freed memory (evicted grammars, compile
+        scratch) to the OS, at most once a second: a trim walks the heap."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and (not self._trim_pending or now - self._last_trim < 1.0):
+                return
+            self._trim_pending = False
+            self._last_trim = now
+            self.stats.trims += 1
+        trim_heap()
+
+    def _compile_routed(self, spec: GrammarSpec, deadline: float) -> Grammar:
         decision = route(spec, prefer=self.prefer)
+        fallbacks = self._fallbacks(spec, decision)
+        # one budget for the whole request: keep some for the fallbacks (llguidance compiles
+        # in milliseconds) so a runaway primary still leaves time to fall back
+        first_deadline = slot_deadline = deadline
+        if fallbacks:
+            left = max(0.0, deadline - time.monotonic())
+            first_deadline = deadline - 0.3 * left
+            slot_deadline = deadline - 0.8 * left  # busy engine: the fallback may be free
         try:
-            return self._attempt(spec, decision.backend, decision)
+            return self._attempt(spec, decision.backend, decision, first_deadline,
+                                 can_fall_back=bool(fallbacks), slot_deadline=slot_deadline)
         except GrammarError as first:
-            for fallback in self._fallbacks(spec, decision):
+            if isinstance(first, InternalCompileError):
+                fallbacks += self._other_engine(spec, decision, fallbacks)
+            for fallback in fallbacks:
                 log.warning("grammask: %s on %s failed (%s); trying %s%s", spec.describe(),
                             decision.backend, first.message, fallback.backend,
                             " (lenient)" if fallback.lenient else "")
                 try:
-                    grammar = self._attempt(spec, fallback.backend, fallback)
+                    grammar = self._attempt(spec, fallback.backend, fallback, deadline)
                 except GrammarError:
                     continue
                 with self._lock:
@@ -353,6 +666,15 @@ class Engine:
                                grammar.compile_ms, grammar.compiled,
                                fallback_from=decision.backend)
             raise
+
+    def _other_engine(self, spec: GrammarSpec, decision: Route, have: list[Route]
+                      ) -> list[Route]:
+        """After an internal error: the other engine, when the fallbacks lack it."""
+        other: BackendName = "xgrammar" if decision.backend == "guidance" else "guidance"
+        if spec.backend is not None or any(r.backend == other for r in have):
+            return []
+        return [Route(other, "fallback after an internal error",
+                      unenforced=decision.unenforced)]
 
     def _fallbacks(self, spec: GrammarSpec, decision: Route) -> list[Route]:
         """What may still serve a spec its routed engine refused, best first.
@@ -378,24 +700,53 @@ class Engine:
                                      lenient=other == "guidance" and bool(gaps)))
         return out
 
-    def _attempt(self, spec: GrammarSpec, backend: BackendName, decision: Route) -> Grammar:
+    def _attempt(self, spec: GrammarSpec, backend: BackendName, decision: Route,
+                 deadline: float, can_fall_back: bool = False,
+                 slot_deadline: float | None = None) -> Grammar:
         engine = get_backend(backend)
-        # engine tokenizers are built once per vocabulary, outside the compile budget
-        _ = self.vocab.xgrammar_info if backend == "xgrammar" else self.vocab.llguidance_tokenizer
+        slow_key = (spec.key, backend)
+        with self._lock:
+            running = self._slow.get(slow_key)
+        self._engine_tokenizer(backend)
         started = time.perf_counter()
+
+        def late(value: object, error: BaseException | None) -> None:
+            self._late_result(spec, backend, decision, started, value, error)
+
+        def abandoned(job: _Job) -> None:
+            with self._lock:  # a job already done has had its late result handled
+                if not job.done.is_set():
+                    self._slow[slow_key] = job
+
         try:
-            compiled = self._runner.run(
-                lambda: engine.compile(spec, self.vocab, lenient=decision.lenient),
-                self.timeout_s, backend)
+            if running is not None:  # an earlier request's compile of it is still going
+                compiled: CompiledGrammar = _join(running, deadline, backend)
+            else:
+                compiled = self._runners[backend].run(
+                    lambda: engine.compile(spec, self.vocab, lenient=decision.lenient),
+                    deadline, backend, on_late=late, can_fall_back=can_fall_back,
+                    slot_deadline=slot_deadline, on_abandon=abandoned)
         except CompileTimeoutError:
             with self._lock:
                 self.stats.timeouts += 1
-                self.stats.abandoned = self._runner.abandoned
+                self.stats.abandoned = sum(r.abandoned for r in self._runners.values())
             raise
+        except GrammarError as exc:
+            if isinstance(exc.__cause__, _INTERNAL):
+                raise InternalCompileError(f"{backend}: internal error: "
+                                           f"{type(exc.__cause__).__name__}") from exc
+            raise
+        except Exception as exc:
+            raise InternalCompileError(
+                f"{backend}: internal error: {type(exc).__name__}: {exc}") from exc
         elapsed = (time.perf_counter() - started) * 1000
         with self._lock:
             self.stats.compiles[backend] += 1
             self.stats.compile_ms[backend] += elapsed
+        return self._grammar(spec, backend, decision, compiled, elapsed)
+
+    def _grammar(self, spec: GrammarSpec, backend: BackendName, decision: Route,
+                 compiled: CompiledGrammar, elapsed: float) -> Grammar:
         unenforced = list(decision.unenforced)
         if decision.lenient and not unenforced:
             # lenient mode was asked for a formality (unknown format) or as a rescue: report
@@ -408,3 +759,22 @@ class Engine:
         log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend,
                  decision.reason, elapsed)
         return Grammar(spec, backend, decision.reason, tuple(unenforced), elapsed, compiled)
+
+    def _late_result(self, spec: GrammarSpec, backend: BackendName, decision: Route,
+                     started: float, value: object, error: BaseException | None) -> None:
+        """An abandoned compile finished: cache it unless the request was served otherwise,
+        so the work is not lost and the spec is no longer treated as a runaway."""
+        elapsed = (time.perf_counter() - started) * 1000
+        with self._lock:
+            self._slow.pop((spec.key, backend), None)
+            self.stats.abandoned = sum(r.abandoned for r in self._runners.values())
+            if error is not None or self._closed or spec.key in self._cache:
+                return
+            self.stats.late_results += 1
+            self.stats.compiles[backend] += 1
+            self.stats.compile_ms[backend] += elapsed
+        grammar = self._grammar(spec, backend, decision, value, elapsed)  # type: ignore[arg-type]
+        with self._lock:
+            if not self._closed and spec.key not in self._cache:
+                self._insert(spec.key, grammar)
+        self._trim()

@@ -38,3 +38,13 @@ class UnsupportedError(GrammarError):
 
 class CompileTimeoutError(GrammarError):
     """Compilation ran past its time budget on every backend that could serve the spec."""
+
+
+class InternalCompileError(GrammarError):
+    """An engine failed for a reason other than the input (out of memory, an engine bug).
+
+    Not remembered in the negative cache: the next request for the spec compiles again."""
+
+
+class EngineClosedError(GrammarError):
+    """The engine was closed: pending requests fail with this, and so do new ones."""

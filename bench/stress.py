@@ -1,0 +1,304 @@
+"""Stress benchmark of the compile service: latency under bad and slow specs, and memory.
+
+Two measurements (``python -m bench.stress``; ``--quick`` for a short run):
+
+1. **latency**: ``--threads`` threads (200) send a mix of good, bad (invalid) and slow
+   (pathological for xgrammar) specs to one ``Engine``; the good requests' p50/p99 latency is
+   compared with a run that sends only the good ones (ratio printed). Slow specs must not
+   starve good requests, and no request may outlive ``timeout_s`` by much.
+2. **memory**: ``--schemas`` corpus schemas (3,000) compiled through an Engine with a
+   ``--cache-mib`` limit (64): RSS against the cache's byte count as it fills and evicts, and
+   after ``clear()``. Before it, a calibration: per engine, RSS growth per cached grammar
+   against ``Grammar.memory_bytes`` (the estimate the cache is bounded by).
+
+Results: a table on stdout and JSON (``--json``, default ``out/bench/stress.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.paths import DEFAULT_CORPUS, REPO_ROOT
+from bench.stats import dist, fmt_ms, machine_info, render_table, write_json
+from grammask import Engine, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
+from grammask.compiler import trim_heap
+
+MIB = 1024 * 1024
+
+
+def rss() -> int:
+    """Resident set size in bytes (Linux /proc; after a collection)."""
+    gc.collect()
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def corpus_schemas(corpus: Path, n: int, seed: int = 0) -> list[Any]:
+    """``n`` maskbench schemas, shuffled across subsets (deterministic)."""
+    schemas: list[Any] = []
+    for path in sorted((corpus / "maskbench").glob("*.jsonl.gz")):
+        with gzip.open(path, "rt") as fh:
+            schemas += [json.loads(line)["schema"] for line in fh]
+    random.Random(seed).shuffle(schemas)
+    return schemas[:n]
+
+
+def nested_one_of(depth: int, width: int, tag: str) -> dict[str, Any]:
+    """Seconds to minutes for xgrammar (the product of branches); ms for llguidance."""
+    node: dict[str, Any] = {"type": "string", "pattern": "[a-z]{2,8}@[a-z]+\\.com"}
+    for d in range(depth):
+        node = {"oneOf": [{"type": "object", "properties": {
+            f"{tag}{d}_{i}": node, "e": {"type": "string", "format": "email"}},
+            "required": [f"{tag}{d}_{i}"]} for i in range(width)]}
+    return node
+
+
+# --------------------------------------------------------------------------- latency
+def good_spec(i: int) -> GrammarSpec:
+    kind = i % 4
+    if kind == 0:
+        return GrammarSpec.json_schema({"type": "object", "properties": {
+            f"k{i}": {"type": "integer"}, "n": {"enum": ["a", "b"]}}, "required": [f"k{i}"]})
+    if kind == 1:
+        return GrammarSpec.regex(f"id-{i}-[0-9]+")
+    if kind == 2:
+        return GrammarSpec.choice([f"c{i}", "other"])
+    return GrammarSpec.grammar(f'start: "g{i}" NUM\nNUM: /[0-9]+/')
+
+
+def bad_spec(i: int) -> GrammarSpec:
+    return [GrammarSpec.regex(f"bad{i}("), GrammarSpec.json_schema({"type": f"strin{i}"}),
+            GrammarSpec.grammar(f'start: "b{i}" |\nfoo')][i % 3]
+
+
+def slow_spec(i: int) -> GrammarSpec:
+    return GrammarSpec.json_schema(nested_one_of(3, 3, f"s{i}_"), backend="xgrammar")
+
+
+def latency_run(vocab: Vocabulary, *, threads: int, per_thread: int, mixed: bool,
+                timeout_s: float, workers: int, n_good: int, n_slow: int,
+                seed: int) -> dict[str, Any]:
+    """One run: every thread sends ``per_thread`` requests; in a mixed run 70% good,
+    20% bad, 10% slow (over ``n_slow`` distinct runaways)."""
+    engine = Engine(vocab, max_workers=workers, timeout_s=timeout_s, max_abandoned=2)
+    good_ms: list[float] = []
+    over: list[float] = []
+    outcome = {"good_ok": 0, "good_failed": 0, "bad_errors": 0, "slow_timeouts": 0,
+               "slow_ok": 0}
+    failures: dict[str, int] = {}
+    lock = threading.Lock()
+    start_gate = threading.Barrier(threads)
+
+    def client(t: int) -> None:
+        rng = random.Random(seed * 1000 + t)
+        start_gate.wait()
+        for _ in range(per_thread):
+            draw = rng.random() if mixed else 0.0
+            what = "good" if draw < 0.7 else "bad" if draw < 0.9 else "slow"
+            t0 = time.perf_counter()
+            err: GrammarError | None = None
+            try:  # bad specs may fail as early as GrammarSpec validation
+                engine.compile(good_spec(rng.randrange(n_good)) if what == "good" else
+                               bad_spec(rng.randrange(50)) if what == "bad" else
+                               slow_spec(rng.randrange(n_slow)))
+            except GrammarError as exc:
+                err = exc
+            ms = (time.perf_counter() - t0) * 1000
+            with lock:
+                if ms > timeout_s * 1000:
+                    over.append(ms - timeout_s * 1000)
+                if what == "good":
+                    good_ms.append(ms)
+                    outcome["good_ok" if err is None else "good_failed"] += 1
+                    if err is not None:
+                        name = f"{type(err).__name__}: {err.message[:60]}"
+                        failures[name] = failures.get(name, 0) + 1
+                elif what == "bad":
+                    outcome["bad_errors"] += err is not None
+                else:
+                    outcome["slow_timeouts" if err is not None else "slow_ok"] += 1
+
+    t0 = time.perf_counter()
+    pool = [threading.Thread(target=client, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    wall = time.perf_counter() - t0
+    stats = engine.stats
+    engine.close()
+    return {"mixed": mixed, "wall_s": round(wall, 2), "good": dist(good_ms), **outcome,
+            "good_failures": failures, "max_over_timeout_ms": round(max(over, default=0.0), 1),
+            "requests_over_timeout": len(over),
+            "stats": {"hits": stats.hits, "misses": stats.misses, "joined": stats.joined,
+                      "timeouts": stats.timeouts, "abandoned_now": stats.abandoned,
+                      "negative_hits": stats.negative_hits, "fallbacks": stats.fallbacks,
+                      "late_results": stats.late_results}}
+
+
+# ---------------------------------------------------------------------------- memory
+def calibrate(vocab: Vocabulary, schemas: list[Any], backend: str, n: int) -> dict[str, Any]:
+    """RSS growth per cached grammar against the estimate, one engine forced, no evictions.
+    xgrammar gets the schemas auto-routing sends it (the others take it seconds each)."""
+    engine = Engine(vocab, max_workers=2, timeout_s=5, cache_bytes=1 << 40)
+    picked = [s for s in schemas
+              if backend == "guidance" or _routes_to(engine, s, "xgrammar")][:n]
+    trim_heap()
+    before = rss()
+    for schema in picked:
+        with contextlib.suppress(GrammarError):
+            engine.compile(GrammarSpec.json_schema(schema, backend=backend))  # type: ignore[arg-type]
+    trim_heap()
+    grown = rss() - before
+    info = engine.cache_info()
+    engine.clear()
+    engine.close()
+    entries = max(1, info["entries"])
+    return {"backend": backend, "grammars": info["entries"],
+            "rss_per_grammar_kib": round(grown / entries / 1024, 1),
+            "estimate_per_grammar_kib": round(info["bytes"] / entries / 1024, 1),
+            "rss_over_estimate": round(grown / max(1, info["bytes"]), 3)}
+
+
+def _calibrate_in_child(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "bench.stress", "--calibrate-only", backend,
+                          "--calibrate", str(args.calibrate), "--corpus", str(args.corpus),
+                          "--tokenizer", args.tokenizer, "--seed", str(args.seed)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _routes_to(engine: Engine, schema: Any, backend: str) -> bool:
+    try:
+        return engine.route(GrammarSpec.json_schema(schema)).backend == backend
+    except GrammarError:
+        return False
+
+
+def memory_run(vocab: Vocabulary, schemas: list[Any], cache_mib: int,
+               every: int) -> dict[str, Any]:
+    engine = Engine(vocab, max_workers=2, timeout_s=2, cache_bytes=cache_mib * MIB)
+    trim_heap()
+    base = rss()
+    samples: list[dict[str, float]] = []
+    errors = 0
+    t0 = time.perf_counter()
+    for i, schema in enumerate(schemas, 1):
+        try:
+            engine.compile(GrammarSpec.json_schema(schema))
+        except GrammarError:
+            errors += 1
+        if i % every == 0 or i == len(schemas):
+            info = engine.cache_info()
+            samples.append({"compiled": i, "rss_mib": round(rss() / MIB, 1),
+                            "rss_growth_mib": round((rss() - base) / MIB, 1),
+                            "cache_mib": round(info["bytes"] / MIB, 1),
+                            "entries": info["entries"]})
+    wall = time.perf_counter() - t0
+    peak = max(s["rss_growth_mib"] for s in samples)
+    before_clear = rss()
+    engine.clear()
+    after_clear = rss()
+    stats = engine.stats
+    engine.close()
+    return {"schemas": len(schemas), "cache_limit_mib": cache_mib, "errors": errors,
+            "wall_s": round(wall, 1), "base_rss_mib": round(base / MIB, 1),
+            "peak_growth_mib": peak, "final_growth_mib": samples[-1]["rss_growth_mib"],
+            "after_clear_growth_mib": round((after_clear - base) / MIB, 1),
+            "clear_returned_mib": round((before_clear - after_clear) / MIB, 1),
+            "evictions": stats.evictions, "trims": stats.trims, "samples": samples}
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="grammask bench stress", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    ap.add_argument("--tokenizer", default="qwen2.5")
+    ap.add_argument("--schemas", type=int, default=3000, help="corpus schemas in the RSS run")
+    ap.add_argument("--cache-mib", type=int, default=64)
+    ap.add_argument("--calibrate", type=int, default=300,
+                    help="grammars per engine in the calibration (0: skip)")
+    ap.add_argument("--threads", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=10, help="requests per thread")
+    ap.add_argument("--timeout", type=float, default=2.0, help="Engine timeout_s")
+    ap.add_argument("--workers", type=int, default=2, help="Engine max_workers")
+    ap.add_argument("--skip", choices=["latency", "memory"], action="append", default=[])
+    ap.add_argument("--quick", action="store_true", help="300 schemas, 50 threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_out", default=str(REPO_ROOT / "out" / "bench" /
+                                                         "stress.json"))
+    ap.add_argument("--calibrate-only", choices=["guidance", "xgrammar"],
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.calibrate_only:
+        vocab = load_vocabulary(args.tokenizer)
+        _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
+        schemas = corpus_schemas(args.corpus, 4 * args.calibrate, args.seed)
+        print(json.dumps(calibrate(vocab, schemas, args.calibrate_only, args.calibrate)))
+        return 0
+    if args.quick:
+        args.schemas, args.threads, args.calibrate = 300, 50, 100
+    vocab = load_vocabulary(args.tokenizer)
+    _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
+    payload: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
+                               "machine": machine_info()}
+    if "memory" not in args.skip:
+        schemas = corpus_schemas(args.corpus, max(args.schemas, args.calibrate), args.seed)
+        if args.calibrate:
+            # each engine in a fresh process: a used heap reuses free memory without growing
+            cal = [_calibrate_in_child(b, args) for b in ("guidance", "xgrammar")]
+            payload["calibration"] = cal
+            print(render_table(["engine", "grammars", "RSS KiB/grammar", "estimate KiB",
+                                "RSS / estimate"],
+                               [[c["backend"], c["grammars"], c["rss_per_grammar_kib"],
+                                 c["estimate_per_grammar_kib"], c["rss_over_estimate"]]
+                                for c in cal]))
+            print()
+        mem = memory_run(vocab, schemas[:args.schemas], args.cache_mib,
+                         max(1, args.schemas // 10))
+        payload["memory"] = mem
+        print(render_table(["compiled", "RSS MiB", "RSS growth MiB", "cache MiB", "entries"],
+                           [[s["compiled"], s["rss_mib"], s["rss_growth_mib"], s["cache_mib"],
+                             s["entries"]] for s in mem["samples"]]))
+        print(f"\ncache limit {mem['cache_limit_mib']} MiB; peak RSS growth "
+              f"{mem['peak_growth_mib']} MiB; after clear() {mem['after_clear_growth_mib']} MiB "
+              f"above the start ({mem['clear_returned_mib']} MiB returned); "
+              f"{mem['evictions']} evictions, {mem['trims']} trims, {mem['wall_s']} s")
+    if "latency" not in args.skip:
+        runs = {}
+        for mixed in (False, True):
+            runs["mixed" if mixed else "good_only"] = latency_run(
+                vocab, threads=args.threads, per_thread=args.requests, mixed=mixed,
+                timeout_s=args.timeout, workers=args.workers, n_good=400, n_slow=6,
+                seed=args.seed)
+        ratio = runs["mixed"]["good"]["p99_ms"] / max(1e-9, runs["good_only"]["good"]["p99_ms"])
+        payload["latency"] = {**runs, "good_p99_ratio": round(ratio, 2)}
+        print(render_table(
+            ["run", "good n", "good p50 ms", "good p99 ms", "good max ms", "good failed",
+             "bad errors", "slow timeouts", "max over timeout ms", "wall s"],
+            [[name, r["good"]["n"], fmt_ms(r["good"]["p50_ms"]), fmt_ms(r["good"]["p99_ms"]),
+              fmt_ms(r["good"]["max_ms"]), r["good_failed"], r["bad_errors"],
+              r["slow_timeouts"], r["max_over_timeout_ms"], r["wall_s"]]
+             for name, r in runs.items()]))
+        print(f"\ngood p99 with bad+slow / good only: {ratio:.2f}x\n")
+    write_json(args.json_out, payload)
+    print(f"\nwrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -51,7 +51,7 @@ SCENARIOS: dict[str, tuple[str, tuple[str, str], float, float]] = {
     # rank 1's compile finishes 0.3 s later than rank 0's, well within wait_s: both wait
     "one-rank-slower": ("forced", ("ready", "after:0.3"), 10.0, 10.0),
     # rank 1's finishes after wait_s ran out: both fail the row, although rank 0 had it
-    "late-on-one-rank": ("forced", ("ready", "after:0.6"), 0.2, 10.0),
+    "late-on-one-rank": ("forced", ("ready", "after:3.0"), 0.3, 10.0),
     # rank 1's never finishes: it hedges, rank 0 follows, both serve llguidance's grammar
     "hedged-on-one-rank": ("auto", ("ready", "never"), 10.0, 0.05),
     # rank 0's compile failed (say, a timeout), rank 1's succeeded: both fail the row
@@ -90,9 +90,9 @@ def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
         future.set_result(compiled)
     elif behaviour == "error":
         future.set_exception(CompileTimeoutError("compile ran past its budget"))
-    elif behaviour.startswith("after:"):
+    dist.barrier()  # both ranks start their steps together (and their clocks)
+    if behaviour.startswith("after:"):
         threading.Timer(float(behaviour[6:]), future.set_result, [compiled]).start()
-    dist.barrier()  # both ranks start their steps together
     agreement = TorchGroup(dist.group.WORLD) if agree else Solo()
     result: dict[str, Any] = {}
     with BatchProcessor(engine, max_batch=2, wait_s=wait_s, hedge_s=hedge_s,

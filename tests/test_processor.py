@@ -16,6 +16,8 @@ from grammask.backends import Matcher
 from grammask.masks import Filler
 from grammask.processor import BatchProcessor
 
+from .helpers import PATIENT
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3},
@@ -64,7 +66,7 @@ def test_masks_follow_the_grammar_and_force_eos(engine: Engine, qwen25: Vocabula
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ref = engine.compile(spec).matcher()
     out: list[int] = []
-    with BatchProcessor(engine, max_batch=3) as proc:
+    with BatchProcessor(engine, max_batch=3, **PATIENT) as proc:
         proc.add(1, spec, prompt_ids=[1, 2, 3], output_ids=out)
         for tid in qwen25.encode(INSTANCE):
             logits = run_step(proc, 3, qwen25)
@@ -91,7 +93,7 @@ def test_several_tokens_per_step_and_unconstrained_rows_untouched(
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
     ref = engine.compile(spec).matcher()
-    with BatchProcessor(engine, max_batch=4) as proc:
+    with BatchProcessor(engine, max_batch=4, **PATIENT) as proc:
         proc.add(2, spec)
         proc.add(3, None)
         noise = torch.randn(4, qwen25.vocab_size)
@@ -112,7 +114,7 @@ def test_placeholders_are_read_when_resolved(engine: Engine, qwen25: Vocabulary)
     ids = qwen25.encode(INSTANCE)
     ref = engine.compile(spec).matcher()
     live: list[int] = []
-    with BatchProcessor(engine, max_batch=2) as proc:
+    with BatchProcessor(engine, max_batch=2, **PATIENT) as proc:
         proc.add(0, spec, output_ids=live)
         run_step(proc, 2, qwen25)
         live.extend([ids[0], -1])  # async scheduling: the last token is not known yet
@@ -135,7 +137,7 @@ def test_rollback_explicit_and_by_shrinking_list(engine: Engine, qwen25: Vocabul
     ids = qwen25.encode(INSTANCE)
     g = engine.compile(spec)
     live: list[int] = []
-    with BatchProcessor(engine, max_batch=2) as proc:
+    with BatchProcessor(engine, max_batch=2, **PATIENT) as proc:
         proc.add(0, spec)
         proc.add(1, spec, output_ids=live)
         proc.advance(0, ids[:6])
@@ -241,7 +243,7 @@ def test_a_failure_while_attaching_one_row_fails_only_that_row(
     good = engine.compile(GrammarSpec.choice(["alpha", "beta"]))
     broken = _BrokenGrammar(good.spec, good.backend, good.reason, good.unenforced,
                             good.compile_ms, good.compiled)
-    with BatchProcessor(engine, max_batch=3) as proc:
+    with BatchProcessor(engine, max_batch=3, **PATIENT) as proc:
         proc.add(0, good.spec, grammar=broken)
         proc.add(1, good.spec, grammar=good)
         from grammask.request import ConstraintRequest
@@ -258,7 +260,7 @@ def test_step_on_some_rows_fills_the_rest_when_they_are_needed(
         engine: Engine, qwen25: Vocabulary, grammars: list[Grammar]) -> None:
     """``step(rows)`` fills only the rows a host expects to sample; ``wait_masks(rows)``
     fills any it missed, from their unread tokens."""
-    with BatchProcessor(engine, max_batch=3) as proc:
+    with BatchProcessor(engine, max_batch=3, **PATIENT) as proc:
         outs: list[list[int]] = [[], [], []]
         for row in range(3):
             proc.add(row, SPECS[3], output_ids=outs[row], grammar=grammars[3])
@@ -279,7 +281,7 @@ def test_step_on_some_rows_fills_the_rest_when_they_are_needed(
 
 
 def test_free_policy_leaves_errored_rows_unmasked(engine: Engine, qwen25: Vocabulary) -> None:
-    with BatchProcessor(engine, max_batch=2, on_error="free") as proc:
+    with BatchProcessor(engine, max_batch=2, on_error="free", **PATIENT) as proc:
         proc.add(0, GrammarSpec.regex("(unclosed"))
         proc.add(1, GrammarSpec.regex("[0-9]+"))
         logits = run_step(proc, 2, qwen25)
@@ -330,7 +332,7 @@ def test_churn_against_reference_matchers(grammars: list[Grammar], qwen25: Vocab
         bits = [b for b in range(32) if (int(words[w]) >> b) & 1]
         return w * 32 + rng.choice(bits)
 
-    with BatchProcessor(engine, max_batch=batch, think_end=None) as proc:
+    with BatchProcessor(engine, max_batch=batch, think_end=None, **PATIENT) as proc:
         for step in range(1000):
             op = rng.random()
             free = [r for r in range(batch) if r not in refs]
@@ -423,7 +425,7 @@ def test_fill_runs_on_the_worker_during_the_forward(engine: Engine, qwen25: Voca
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ref = engine.compile(spec).matcher()
     a = torch.randn(256, 256)
-    with BatchProcessor(engine, max_batch=4, filler=spy) as proc:
+    with BatchProcessor(engine, max_batch=4, filler=spy, **PATIENT) as proc:
         for row in range(4):
             proc.add(row, spec)
         proc.step()  # returns while the fill job waits for the host to be busy
@@ -441,7 +443,7 @@ def test_fill_runs_on_the_worker_during_the_forward(engine: Engine, qwen25: Voca
 
 
 def test_host_mistakes_raise(engine: Engine) -> None:
-    with BatchProcessor(engine, max_batch=2) as proc:
+    with BatchProcessor(engine, max_batch=2, **PATIENT) as proc:
         with pytest.raises(IndexError):
             proc.add(2, GrammarSpec.regex("a"))
         with pytest.raises(TypeError):

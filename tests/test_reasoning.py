@@ -19,6 +19,8 @@ from grammask.backends import Matcher
 from grammask.processor import BatchProcessor
 from grammask.reasoning import ThinkGate, ThinkMarker
 
+from .helpers import PATIENT
+
 THINK, END_THINK, IM_START, IM_END = 248068, 248069, 248045, 248046
 SPEC = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
                                 "required": ["a"]}, any_whitespace=False)
@@ -157,7 +159,7 @@ def test_processor_with_thinking_rows(engine36: Engine, qwen36: Vocabulary) -> N
     closed_prompt = open_prompt + chat(qwen36, "\n", END_THINK, "\n\n")
     ref = engine36.compile(SPEC).matcher()
     answer = qwen36.encode('{"a":7')
-    with BatchProcessor(engine36, max_batch=4) as proc:
+    with BatchProcessor(engine36, max_batch=4, **PATIENT) as proc:
         proc.add(0, SPEC, open_prompt)  # thinking
         proc.add(1, SPEC, closed_prompt)  # thinking disabled by the template
         proc.add(2, ConstraintRequest(SPEC, thinking=False), open_prompt)  # per-request switch
@@ -196,7 +198,7 @@ def test_a_byte_marker_must_end_at_a_token_boundary(engine36: Engine,
     samples one anyway gets that row failed, never text outside the grammar."""
     request = ConstraintRequest(SPEC, think_end="</reasoning>")
     closing = qwen36.token_id(">{")
-    with BatchProcessor(engine36, max_batch=2) as proc:
+    with BatchProcessor(engine36, max_batch=2, **PATIENT) as proc:
         proc.add(0, request)
         proc.add(1, request)
         for row in (0, 1):

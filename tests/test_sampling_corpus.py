@@ -31,6 +31,8 @@ from grammask import Engine, Grammar, GrammarError, GrammarSpec, Vocabulary
 from grammask.bitmask import bitmask_words
 from grammask.processor import BatchProcessor
 
+from .helpers import PATIENT
+
 PER_SUBSET = 13
 SEED = 20250601
 MAX_BATCH = 32
@@ -156,7 +158,7 @@ def run(engine: Engine, vocab: Vocabulary, samples: list[Sample]) -> None:
     model = RandomModel(vocab, SEED)
     todo = [s for s in samples if s.grammar is not None]
     active: dict[int, Sample] = {}
-    with BatchProcessor(engine, max_batch=MAX_BATCH, think_end=None) as proc:
+    with BatchProcessor(engine, max_batch=MAX_BATCH, think_end=None, **PATIENT) as proc:
         while todo or active:
             for row in range(MAX_BATCH):
                 if row not in active and todo:

@@ -140,6 +140,8 @@ BAD = [
     ({"grammask_thinking": "off"}, "grammask_thinking", "without a 'grammask'"),
     (xargs({"regex": "a"}, thinking="maybe"), "grammask_thinking", "auto"),
     (xargs({"regex": "a"}, backend="outlines"), "grammask", "backend"),
+    (xargs({"regex": "a"}, bakend="xgrammar"), "grammask_bakend", "unknown grammask key"),
+    ({"grammask_thinkng": "off"}, "grammask_thinkng", "unknown grammask key"),
 ]
 
 

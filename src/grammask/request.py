@@ -38,7 +38,16 @@ class ConstraintRequest:
 
 
 def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None:
-    """None when the request carries no grammask constraint (it is then left untouched)."""
+    """None when the request carries no grammask constraint (it is then left untouched).
+
+    A ``grammask``-prefixed key grammask does not know (a typo such as ``grammask_bakend``)
+    is an error, not silently ignored."""
+    unknown = sorted(k for k in (extra_args or {})
+                     if isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY)
+                     and k != EXTRA_ARGS_KEY and k not in FLAT_KEYS)
+    if unknown:
+        raise InvalidSpecError(f"unknown grammask key {unknown[0]!r}; known: "
+                               f"{', '.join((EXTRA_ARGS_KEY, *FLAT_KEYS))}", where=unknown[0])
     if not extra_args or EXTRA_ARGS_KEY not in extra_args:
         stray = [k for k in FLAT_KEYS if extra_args and k in extra_args]
         if stray:

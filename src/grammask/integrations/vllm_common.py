@@ -222,8 +222,10 @@ def settings_table() -> str:
 
 # ---------------------------------------------------------------------- requests
 def _request_key(extra_args: Mapping[str, Any]) -> str | None:
-    """A hashable rendering of the grammask keys of ``extra_args`` (None: not ours)."""
-    present = {k: extra_args[k] for k in REQUEST_KEYS if k in extra_args}
+    """A hashable rendering of the grammask keys of ``extra_args`` (None: not ours); keys
+    with the ``grammask`` prefix that grammask does not know are kept, to be refused."""
+    present = {k: v for k, v in extra_args.items()
+               if k in REQUEST_KEYS or (isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY))}
     if not present:
         return None
     return json.dumps(present, sort_keys=True, default=repr)
@@ -349,7 +351,8 @@ def validate_sampling_params(sampling_params: Any) -> None:
     try:
         _checked(key, settings.backend, settings.prefer)
     except GrammarError as exc:
-        parameter = exc.where if exc.where in FLAT_KEYS else EXTRA_ARGS_KEY
+        parameter = (exc.where if exc.where and exc.where.startswith(EXTRA_ARGS_KEY + "_")
+                     else EXTRA_ARGS_KEY)
         raise VLLMValidationError(f"grammask: {exc}", parameter=parameter) from None
 
 

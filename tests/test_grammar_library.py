@@ -155,3 +155,19 @@ def test_tool_call_tags_are_text_not_special_tokens(engine: Engine, qwen25: Voca
     compiled = engine.compile(library.spec(name).with_backend(backend))
     assert not compiled.matcher().accept(tag_id)
     assert compiled.matcher().accept(qwen25.encode("<tool_call>")[0])
+
+
+def test_named_grammars_travel_by_their_own_field() -> None:
+    """Python, vLLM's structured-outputs object and ``vllm_xargs`` name a library grammar in
+    ``grammar_name``; the name never sits inside grammar text, so it cannot clash."""
+    from grammask.request import parse_extra_args
+
+    assert GrammarSpec.named("uuid") == library.spec("uuid")
+    assert GrammarSpec.from_vllm({"grammar_name": "uuid"}) == library.spec("uuid")
+    assert GrammarSpec.named("uuid", backend="guidance").backend == "guidance"
+    request = parse_extra_args({"grammask": json.dumps({"grammar_name": "semver"})})
+    assert request is not None and request.spec == library.spec("semver")
+    with pytest.raises(InvalidSpecError, match="no library grammar named 'semverr'"):
+        GrammarSpec.from_vllm({"grammar_name": "semverr"})
+    with pytest.raises(InvalidSpecError, match="exactly one"):
+        GrammarSpec.from_vllm({"grammar_name": "uuid", "regex": "a"})

@@ -42,11 +42,20 @@ def _main(argv: Sequence[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile one spec; print backend, reason, time")
     comp.add_argument("spec", help="inline spec text, or a path to a file holding it")
-    comp.add_argument("--kind", choices=["json", "regex", "choice", "grammar"])
+    comp.add_argument("--kind", choices=["json", "regex", "choice", "grammar", "named"],
+                      help="named: SPEC is a library grammar's name (grammask grammars)")
     comp.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "guidance"])
     comp.add_argument("--tokenizer", default="qwen2.5")
     comp.add_argument("--timeout", type=float, default=30.0)
     comp.add_argument("--json", action="store_true", help="print one JSON object")
+    warm = sub.add_parser("warmup", help="compile a directory of specs into the cache "
+                          "(json, *.choice.json, gbnf, lark, regex); print a table")
+    warm.add_argument("directory")
+    warm.add_argument("--tokenizer", default="qwen2.5")
+    warm.add_argument("--timeout", type=float, default=30.0)
+    warm.add_argument("--compact", action="store_true",
+                      help="schemas without free whitespace (disable_any_whitespace)")
+    sub.add_parser("grammars", help="list the shipped grammar library")
     demo = sub.add_parser("demo", help="compile a schema on each backend and auto")
     demo.add_argument("--tokenizer", default="qwen2.5")
     sub.add_parser("bench", help="benchmarks: bench compile|mask|overlap ...")
@@ -54,7 +63,34 @@ def _main(argv: Sequence[str] | None) -> int:
     ns = parser.parse_args(args)
     if ns.command == "demo":
         return _demo(ns.tokenizer)
+    if ns.command == "warmup":
+        return _warmup(ns)
+    if ns.command == "grammars":
+        from . import library
+
+        for name in library.names():
+            print(f"{name:12} {library.load(name).syntax:5} {library.load(name).description}")
+        return 0
     return _compile(ns)
+
+
+def _warmup(ns: argparse.Namespace) -> int:
+    from .warmup import summary_table, warm
+
+    engine = Engine(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout)
+    try:
+        results = warm(engine, ns.directory, any_whitespace=not ns.compact,
+                       progress=lambda r: print(
+                           f"{r.file}: {r.backend or '-'} "
+                           f"{'' if r.compile_ms is None else f'{r.compile_ms:.1f} ms'}"
+                           f"{' ' + r.error if r.error else ''}", file=sys.stderr))
+    except GrammarError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
+    print(summary_table(results))
+    return 0 if all(r.ok or (r.error or "").startswith("skipped") for r in results) else 1
 
 
 def spec_from_text(text: str, kind: str | None, *, backend: str | None = None,
@@ -82,6 +118,8 @@ def spec_from_text(text: str, kind: str | None, *, backend: str | None = None,
         return GrammarSpec.choice(options, backend=be)
     if kind == "grammar":
         return GrammarSpec.grammar(text, backend=be)
+    if kind == "named":
+        return GrammarSpec.named(text.strip(), backend=be)
     return GrammarSpec.regex(text, backend=be)
 
 

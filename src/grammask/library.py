@@ -74,7 +74,7 @@ def load(name: str) -> LibraryGrammar:
     if not isinstance(name, str) or name not in files:
         raise InvalidSpecError(
             f"no library grammar named {name!r}; known: {', '.join(sorted(files))}",
-            where="grammar name")
+            where="grammar_name")
     file_name, syntax = files[name]
     folder = _folder()
     text = folder.joinpath(file_name).read_text(encoding="utf-8")

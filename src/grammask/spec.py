@@ -168,6 +168,20 @@ class GrammarSpec:
                    backend=_check_backend(backend))
 
     @classmethod
+    def named(cls, name: str, *, backend: BackendName | None = None) -> GrammarSpec:
+        """A grammar of the shipped library (``grammask.library.names()``), by name.
+
+        Names travel in their own field (``grammar_name``), never inside grammar text, so a
+        name can never be mistaken for a grammar or the other way round."""
+        if not isinstance(name, str):
+            raise InvalidSpecError(f"a library grammar name must be a string, got "
+                                   f"{type(name).__name__}", where="grammar_name")
+        from .library import spec as library_spec
+
+        named = library_spec(name)
+        return named if backend is None else named.with_backend(backend)
+
+    @classmethod
     def grammar(
         cls, text: str, syntax: Syntax | None = None, *, backend: BackendName | None = None,
         max_bytes: int = MAX_SOURCE_BYTES,
@@ -256,7 +270,8 @@ class GrammarSpec:
         given = [k for k in _VLLM_KINDS if params.get(k) not in (None, False)]
         if len(given) != 1:
             raise InvalidSpecError(
-                "exactly one of json, regex, choice, grammar, json_object, structural_tag "
+                "exactly one of json, regex, choice, grammar, grammar_name, json_object, "
+                "structural_tag "
                 f"must be given, got {given or 'none'}"
             )
         kind = given[0]
@@ -284,10 +299,13 @@ class GrammarSpec:
             return cls.choice(value, backend=backend)
         if kind == "grammar":
             return cls.grammar(value, backend=backend)
+        if kind == "grammar_name":
+            return cls.named(value, backend=backend)
         return cls.structural_tag(value, backend=backend)
 
 
-_VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_VLLM_KINDS = ("json", "regex", "choice", "grammar", "grammar_name", "json_object",
+               "structural_tag")
 _VLLM_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
                  "disable_fallback", "all_choices", "all_tokens")
 

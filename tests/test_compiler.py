@@ -454,3 +454,31 @@ def test_abandoned_compiles_run_at_the_lowest_cpu_priority(
         assert 19 in niceness
     finally:
         gate.release.set()
+
+
+def test_compile_metrics(qwen25: Vocabulary) -> None:
+    """Compile seconds by backend/kind/outcome, memory-cache hits and misses, unenforced."""
+    from grammask import metrics
+
+    before = metrics.snapshot()
+    engine = Engine(qwen25)
+    try:
+        spec = GrammarSpec.json_schema({"type": "array", "uniqueItems": True})
+        engine.compile(spec)
+        engine.compile(spec)
+        with pytest.raises(GrammarError):
+            engine.compile(GrammarSpec.regex("(unclosed", backend="guidance"))
+    finally:
+        engine.close()
+    after = metrics.snapshot()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('grammask_compile_seconds_count{backend="guidance",kind="json_schema",'
+                 'outcome="ok"}') == 1
+    assert delta('grammask_compile_seconds_count{backend="guidance",kind="regex",'
+                 'outcome="error"}') == 1
+    assert delta('grammask_cache_requests_total{result="hit",tier="memory"}') == 1
+    assert delta('grammask_cache_requests_total{result="miss",tier="memory"}') == 2
+    assert delta('grammask_unenforced_requests_total{backend="guidance"}') == 1

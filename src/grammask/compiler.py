@@ -35,6 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from . import metrics
 from .backends import CompiledGrammar, Matcher, get_backend
 from .errors import (
     CompileTimeoutError,
@@ -461,6 +462,7 @@ class Engine:
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
+                metrics.CACHE_REQUESTS.labels(tier="memory", result="hit").inc()
                 fut.set_result(hit)
                 return fut, None
             failed = self._failed.get(key)
@@ -476,6 +478,7 @@ class Engine:
                 running.waiters.append(fut)
                 return fut, None
             self.stats.misses += 1
+            metrics.CACHE_REQUESTS.labels(tier="memory", result="miss").inc()
             flight = _Flight(key, time.monotonic() + self.timeout_s)
             flight.waiters.append(fut)
             self._inflight[key] = flight
@@ -660,6 +663,9 @@ class Engine:
                     continue
                 with self._lock:
                     self.stats.fallbacks += 1
+                metrics.FALLBACKS.labels(
+                    from_backend=decision.backend, to_backend=fallback.backend,
+                    reason=type(first).__name__).inc()
                 reason = (f"{decision.backend} failed ({first.message}); "
                           f"fell back to {fallback.backend}")
                 return Grammar(spec, grammar.backend, reason, grammar.unenforced,
@@ -730,15 +736,20 @@ class Engine:
             with self._lock:
                 self.stats.timeouts += 1
                 self.stats.abandoned = sum(r.abandoned for r in self._runners.values())
+            _observe(backend, spec, "timeout", started)
             raise
         except GrammarError as exc:
+            _observe(backend, spec, "internal" if isinstance(exc.__cause__, _INTERNAL)
+                     else "error", started)
             if isinstance(exc.__cause__, _INTERNAL):
                 raise InternalCompileError(f"{backend}: internal error: "
                                            f"{type(exc.__cause__).__name__}") from exc
             raise
         except Exception as exc:
+            _observe(backend, spec, "internal", started)
             raise InternalCompileError(
                 f"{backend}: internal error: {type(exc).__name__}: {exc}") from exc
+        _observe(backend, spec, "ok", started)
         elapsed = (time.perf_counter() - started) * 1000
         with self._lock:
             self.stats.compiles[backend] += 1
@@ -754,6 +765,7 @@ class Engine:
             unenforced += [f"llguidance: {w}" for w in getattr(compiled, "warnings", [])
                            if "format" not in w.lower()]
         if unenforced:
+            metrics.UNENFORCED.labels(backend=backend).inc()
             log.warning("grammask: %s served by %s without enforcing %s", spec.describe(),
                         backend, ", ".join(unenforced))
         log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend,
@@ -778,3 +790,8 @@ class Engine:
             if not self._closed and spec.key not in self._cache:
                 self._insert(spec.key, grammar)
         self._trim()
+
+
+def _observe(backend: str, spec: GrammarSpec, outcome: str, started: float) -> None:
+    metrics.COMPILE_SECONDS.labels(backend=backend, kind=spec.kind, outcome=outcome).observe(
+        time.perf_counter() - started)

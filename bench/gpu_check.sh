@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks in one run (< 8 minutes on one GPU), for whoever gets a CUDA machine:
+#   1. tests/test_devices.py on CUDA (apply kernel vs a bitwise reference for fp32/bf16/fp16
+#      with model padding; BatchProcessor on CUDA logits under torch.inference_mode, which
+#      exercises the pinned double buffers and their copy events);
+#   2. bench/gpu.py: apply kernel vs memcpy at B=1..1024 on 152k and 248k vocabularies, and
+#      the overlap of the mask fill with a real CUDA forward.
+# Writes $OUT/gpu.json (benchmarks + what they proved) and $OUT/gpu-tests.txt.
+#
+# The machine needs torch with CUDA; grammask's own dependencies that it lacks travel as
+# wheels in .whl/ (no network there): `make gpu-wheels` here first (Python 3.12 wheels).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out/gpu}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-deps --no-index --target .gpu-site .whl/*.whl
+    export PYTHONPATH="$PWD/.gpu-site:$PWD/src"
+else
+    export PYTHONPATH="$PWD/src"
+fi
+"$PY" - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device"
+print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+PY
+status=0
+"$PY" -m pytest -q -p no:cacheprovider tests/test_devices.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
+    || status=1
+"$PY" bench/gpu.py --json "$OUT/gpu.json" || status=1
+echo "gpu_check: tests and benchmarks done (status $status); results in $OUT"
+exit $status

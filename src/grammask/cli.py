@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from .compiler import Engine, running_compiles
-from .errors import GrammarError, InvalidSpecError
+from .errors import GrammarError
 from .spec import GrammarSpec
+from .spec_text import spec_from_text
 from .vocab import load_vocabulary
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +38,11 @@ def _main(argv: Sequence[str] | None) -> int:
     if args and args[0] == "bench":
         return _bench(args[1:])
     if args and args[0] == "check":
+        missing = [m for m in ("regex", "lark") if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"grammask check needs {' and '.join(missing)} (its independent oracles): "
+                  "pip install 'grammask[check]'", file=sys.stderr)
+            return 2
         check = importlib.import_module("grammask.harness.cli")
         return int(check.main(args[1:]))
     parser = argparse.ArgumentParser(prog="grammask", description=__doc__)
@@ -91,36 +98,6 @@ def _warmup(ns: argparse.Namespace) -> int:
         engine.close()
     print(summary_table(results))
     return 0 if all(r.ok or (r.error or "").startswith("skipped") for r in results) else 1
-
-
-def spec_from_text(text: str, kind: str | None, *, backend: str | None = None,
-                   name: str = "") -> GrammarSpec:
-    """Guess the kind from a file name or the text when ``kind`` is None."""
-    be: Any = None if backend in (None, "auto") else backend
-    if kind is None:
-        if name.endswith((".gbnf", ".lark", ".ebnf")):
-            kind = "grammar"
-        else:
-            try:
-                value = json.loads(text)
-            except ValueError:
-                value = None
-            kind = ("json" if isinstance(value, dict | bool) else
-                    "choice" if isinstance(value, list) else
-                    "grammar" if "::=" in text or "start:" in text else "regex")
-    if kind == "json":
-        return GrammarSpec.json_schema(text, backend=be)
-    if kind == "choice":
-        try:
-            options = json.loads(text)
-        except ValueError as exc:
-            raise InvalidSpecError("a choice spec must be a JSON list of strings") from exc
-        return GrammarSpec.choice(options, backend=be)
-    if kind == "grammar":
-        return GrammarSpec.grammar(text, backend=be)
-    if kind == "named":
-        return GrammarSpec.named(text.strip(), backend=be)
-    return GrammarSpec.regex(text, backend=be)
 
 
 def _read_spec(value: str) -> tuple[str, str]:

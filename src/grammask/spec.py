@@ -362,11 +362,20 @@ def _check_opt_str(value: object, what: str) -> str | None:
     return value
 
 
+#: other names users give the engines (the one place aliases are resolved)
+BACKEND_ALIASES: dict[str, BackendName] = {"llguidance": "guidance"}
+
+
+def canonical_backend(value: object) -> object:
+    """``value`` with an alias resolved (``llguidance`` -> ``guidance``); other values as
+    given, for the caller to validate."""
+    return BACKEND_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
 def _check_backend(value: object) -> BackendName | None:
+    value = canonical_backend(value)
     if value in (None, "auto"):
         return None
-    if value == "llguidance":
-        return "guidance"
     if value not in BACKEND_NAMES:
         raise InvalidSpecError(
             f"backend must be auto, xgrammar or guidance, got {value!r}", where="backend"

@@ -96,7 +96,7 @@ def config_of(ns: argparse.Namespace, remotes: Path | None) -> CheckConfig:
 
 
 def spec_item(ns: argparse.Namespace) -> Item:
-    from ..cli import spec_from_text
+    from ..spec_text import spec_from_text
 
     text, name = ns.spec, "spec"
     path = Path(ns.spec)

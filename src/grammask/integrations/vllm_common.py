@@ -33,7 +33,7 @@ from ..errors import GrammarError
 from ..masks import Filler
 from ..processor import BatchProcessor
 from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
-from ..spec import GrammarSpec
+from ..spec import GrammarSpec, canonical_backend
 from ..vocab import Vocabulary
 
 log = logging.getLogger("grammask")
@@ -86,9 +86,7 @@ def _bool(value: object) -> bool:
 
 def _choice(*options: str) -> Callable[[object], str]:
     def parse(value: object) -> str:
-        text = str(value).strip().lower()
-        if text == "llguidance":
-            text = "guidance"
+        text = str(canonical_backend(str(value).strip().lower()))
         if text not in options:
             raise ValueError(f"expected one of {', '.join(options)}, got {value!r}")
         return text

@@ -196,3 +196,19 @@ def test_helpers_agree(engine: Engine, qwen25: Vocabulary) -> None:
     m.fill(bm, 0)
     allowed = unpack(bm, qwen25.vocab_size)[0].nonzero().flatten().tolist()
     assert allowed == [qwen25.token_id("b")]
+
+
+@pytest.mark.parametrize("bad", ["uint8", "narrow", "row"])
+def test_batch_fill_keeps_the_fill_contract(advanced: list[Matcher], qwen25: Vocabulary,
+                                            bad: str) -> None:
+    """The engines' batch fills write through raw pointers too: a bitmask or row outside the
+    contract is a ValueError before any write, as for ``Matcher.fill``."""
+    words = (qwen25.vocab_size + 31) // 32
+    bitmask = (torch.zeros(len(advanced), words * 4, dtype=torch.uint8) if bad == "uint8"
+               else torch.zeros(len(advanced), words - 1, dtype=torch.int32) if bad == "narrow"
+               else torch.zeros(len(advanced), words, dtype=torch.int32))
+    rows = [(m, i if bad != "row" else i + len(advanced)) for i, m in enumerate(advanced)]
+    before = bitmask.clone()
+    with pytest.raises(ValueError, match="fill"):
+        Filler(parallel_min=1).fill(rows, bitmask)
+    assert torch.equal(bitmask, before)

@@ -10,8 +10,8 @@ Where each piece runs in a decode step:
   thread runs the model forward. Both engines release the GIL inside their fill, so the forward
   (which releases it inside torch kernels) and the fill really run at once.
 - ``Filler``: fills a set of rows; above ``parallel_min`` matchers of one engine it hands them
-  to that engine's batch-parallel fill (xgrammar ``BatchGrammarMatcher``, llguidance
-  ``LLExecutor``), below it loops ``Matcher.fill``.
+  to that engine's batch-parallel fill (the backends' ``batch_fill`` capability: xgrammar
+  ``BatchGrammarMatcher``, llguidance ``LLExecutor``), below it loops ``Matcher.fill``.
 - ``apply_bitmask``: masks logits in place. CPU logits use xgrammar's CPU kernel (measured the
   fastest here). CUDA logits use the Triton kernel (untested: no GPU where this was written).
   ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile`` (~24 s).
@@ -31,8 +31,6 @@ import numpy as np
 import torch
 
 from .backends.base import Matcher
-from .backends.guidance import GuidanceMatcher
-from .backends.xgrammar import XGrammarMatcher
 from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
 T = TypeVar("T")
@@ -147,55 +145,29 @@ class Filler:
             parallel_min = 32 if _cores() >= 4 else 2**31
         self.parallel_min = max(1, parallel_min)
         self.threads = threads
-        self._xgr_batch: Any = None
-        self._llg_executor: Any = None
+        self._pools: dict[str, Any] = {}  # the engines' batch-fill pools, made on first use
 
     def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """Write ``bitmask[row]`` for every ``(matcher, row)``; rows must be distinct."""
-        xgr_rows: list[tuple[XGrammarMatcher, int]] = []
-        llg_rows: list[tuple[GuidanceMatcher, int]] = []
+        """Write ``bitmask[row]`` for every ``(matcher, row)``; rows must be distinct.
+
+        Matchers whose class offers ``batch_fill`` (the backend protocol's capability) are
+        grouped by it; a group of at least ``parallel_min`` goes through it at once."""
+        groups: dict[Any, list[tuple[Matcher, int]]] = {}
         rest: list[tuple[Matcher, int]] = []
         for matcher, row in entries:
+            batch = getattr(type(matcher), "batch_fill", None)
             # terminated matchers take the adapters' stop-only path
-            if isinstance(matcher, XGrammarMatcher) and not matcher.is_terminated():
-                xgr_rows.append((matcher, row))
-            elif isinstance(matcher, GuidanceMatcher) and not matcher.is_terminated():
-                llg_rows.append((matcher, row))
+            if batch is not None and not matcher.is_terminated():
+                groups.setdefault(batch, []).append((matcher, row))
             else:
                 rest.append((matcher, row))
-        if len(xgr_rows) >= self.parallel_min:
-            self._fill_xgrammar(xgr_rows, bitmask)
-        else:
-            rest.extend(xgr_rows)
-        if len(llg_rows) >= self.parallel_min:
-            self._fill_guidance(llg_rows, bitmask)
-        else:
-            rest.extend(llg_rows)
+        for batch, rows in groups.items():
+            if len(rows) >= self.parallel_min:
+                batch(rows, bitmask, self.threads, self._pools)
+            else:
+                rest.extend(rows)
         for matcher, row in rest:
             matcher.fill(bitmask, row)
-
-    def _fill_xgrammar(self, rows: list[tuple[XGrammarMatcher, int]],
-                       bitmask: torch.Tensor) -> None:
-        import xgrammar as xgr
-
-        if self._xgr_batch is None:
-            self._xgr_batch = xgr.BatchGrammarMatcher(
-                "auto" if self.threads is None else self.threads)
-        self._xgr_batch.batch_fill_next_token_bitmask(
-            [m.engine_matcher for m, _ in rows], bitmask, [r for _, r in rows])
-
-    def _fill_guidance(self, rows: list[tuple[GuidanceMatcher, int]],
-                       bitmask: torch.Tensor) -> None:
-        import llguidance as llg
-
-        if self._llg_executor is None:
-            self._llg_executor = llg.LLExecutor(self.threads)
-        if not bitmask.is_contiguous():
-            raise ValueError("the bitmask must be contiguous for a batch fill")
-        words = bitmask.shape[1]
-        self._llg_executor.unsafe_compute_mask_ptr(
-            [(m.engine_matcher, r) for m, r in rows], bitmask.data_ptr(), words * 4,
-            bitmask.shape[0])
 
 
 def _cores() -> int:

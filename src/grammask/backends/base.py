@@ -25,13 +25,19 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
 - ``CompiledGrammar`` is immutable and shared across threads; ``matcher()`` is cheap. A grammar
   whose language is empty (no token and no stop is allowed at the start: ``root ::= root``)
   never compiles: ``UnsupportedError`` (a row masked to all zeros would have every logit -inf).
+- Batch fill is a capability: a matcher class may offer ``batch_fill(rows, bitmask, threads,
+  state)`` (a classmethod) that fills many ``(matcher, row)`` of that class at once with the
+  engine's parallel fill (xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``), under
+  the same bitmask checks as ``fill``. ``state`` is the caller's dict for the engine's reusable
+  pool. ``masks.Filler`` groups matchers by it; it never sees a concrete class.
 - ``engine_matcher`` (both adapters) is the raw engine matcher, for the batch-parallel fills
-  only: a caller must not advance it (the adapter's counters would go stale).
+  (and benchmarks) only: a caller must not advance it (the adapter's counters would go stale).
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -91,7 +97,7 @@ class Backend(Protocol):
         ``lenient`` as in ``compile``: a check must refuse exactly what a compile would."""
 
 
-class _EndTracking:
+class EngineMatcherBase:
     """The shared half of both adapters: argument checks of the contract, and the counters
     engines do not keep (stop tokens accepted after termination are no-ops to the engines;
     tracking them, and the tokens the engine consumed, keeps rollback exact and checkable)."""
@@ -166,3 +172,9 @@ def _bit(i: int) -> int:
     """Bit ``i`` of an int32 word, as the signed value torch stores."""
     value = 1 << i
     return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def check_batch(rows: Sequence[tuple[EngineMatcherBase, int]], bitmask: torch.Tensor) -> None:
+    """The ``fill`` checks for every row of a batch fill, before the engine writes any."""
+    for matcher, row in rows:
+        matcher._check_fill(bitmask, row)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import torch
@@ -25,13 +26,13 @@ from ..errors import (
 from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
-from .base import Matcher, _EndTracking, refuse_empty_language
+from .base import EngineMatcherBase, Matcher, check_batch, refuse_empty_language
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
 
 
-class GuidanceMatcher(_EndTracking):
+class GuidanceMatcher(EngineMatcherBase):
     def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...], vocab_size: int,
                  first_mask: torch.Tensor | None = None) -> None:
         super().__init__(stop_ids, vocab_size)
@@ -114,6 +115,17 @@ class GuidanceMatcher(_EndTracking):
         """The raw llguidance matcher, for batch fills only (advancing it would leave this
         adapter's counters stale)."""
         return self._m
+
+    @classmethod
+    def batch_fill(cls, rows: Sequence[tuple[GuidanceMatcher, int]], bitmask: torch.Tensor,
+                   threads: int | None, state: dict[str, Any]) -> None:
+        """Fill many rows with llguidance's ``LLExecutor`` (its own thread pool)."""
+        check_batch(rows, bitmask)
+        executor = state.get("guidance")
+        if executor is None:
+            executor = state["guidance"] = llg.LLExecutor(threads)
+        executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in rows], bitmask.data_ptr(),
+                                         bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 class GuidanceCompiled:

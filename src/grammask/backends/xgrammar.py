@@ -6,6 +6,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, Inval
 from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
-from .base import Matcher, _EndTracking, refuse_empty_language
+from .base import EngineMatcherBase, Matcher, check_batch, refuse_empty_language
 
 _COMPACT = (",", ":")
 _THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large grammars
@@ -24,7 +25,7 @@ _THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large gra
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
 
-class XGrammarMatcher(_EndTracking):
+class XGrammarMatcher(EngineMatcherBase):
     def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...],
                  vocab_size: int) -> None:
         super().__init__(stop_ids, vocab_size)
@@ -81,6 +82,18 @@ class XGrammarMatcher(_EndTracking):
         """The raw xgrammar matcher, for batch fills only (advancing it would leave this
         adapter's counters stale)."""
         return self._m
+
+    @classmethod
+    def batch_fill(cls, rows: Sequence[tuple[XGrammarMatcher, int]], bitmask: torch.Tensor,
+                   threads: int | None, state: dict[str, Any]) -> None:
+        """Fill many rows with xgrammar's ``BatchGrammarMatcher`` (its own thread pool)."""
+        check_batch(rows, bitmask)
+        batch = state.get("xgrammar")
+        if batch is None:
+            batch = state["xgrammar"] = xgr.BatchGrammarMatcher(
+                "auto" if threads is None else threads)
+        batch.batch_fill_next_token_bitmask([m._m for m, _ in rows], bitmask,
+                                            [r for _, r in rows])
 
 
 class XGrammarCompiled:

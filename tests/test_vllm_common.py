@@ -39,7 +39,7 @@ from grammask.integrations.vllm_common import (
     validate_sampling_params,
     vocabulary_from_vllm,
 )
-from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
+from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -48,7 +48,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 # ----------------------------------------------------------------------- registration
 def test_the_installed_entry_point_loads_into_both_runners() -> None:
     eps = [e for e in md.entry_points(group="vllm.logits_processors") if e.name == "grammask"]
-    assert [e.value for e in eps] == [FQCN]
+    assert [e.value for e in eps] == [vllm_common.FQCN]  # the plugin module (fixtures: alias)
     assert eps[0].load() is GrammaskLogitsProcessor
     assert GrammaskLogitsProcessor in _load_logitsprocs_plugins()  # V1 loader
     assert GrammaskLogitsProcessor in _load_v2_logitsprocs_plugins()  # V2: type-checked

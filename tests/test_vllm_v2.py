@@ -54,7 +54,7 @@ from vllm.v1.worker.gpu.states import RequestState
 
 from grammask import Engine, Vocabulary
 from grammask.backends import Matcher
-from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
+from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
 
 MAX_REQS = 4
 

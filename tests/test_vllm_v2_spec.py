@@ -40,7 +40,7 @@ from vllm.v1.worker.gpu.states import RequestState
 
 from grammask import Vocabulary
 from grammask.backends import Matcher
-from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
+from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
 
 MAX_REQS = 4
 NUM_SPEC = 4

@@ -1,0 +1,159 @@
+"""Request admission in the API server: parse a request's grammask keys and refuse a bad
+constraint with an HTTP 400 naming the key, before it reaches the engine.
+
+``validate_sampling_params`` (the plugin's ``validate_params``) runs ``Engine.check``: routing
+plus the engine's syntax check, never a tokenizer compile. The server's own settings come from
+the config vLLM was started with (found in the calling ``InputProcessor``), then the env.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+from .. import __version__
+from ..compiler import Engine
+from ..errors import GrammarError
+from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
+from ..vocab import Vocabulary
+from .vllm_engine import use_vllm_logging
+from .vllm_settings import Settings, _tp_size, describe_settings, load_settings
+
+log = logging.getLogger("grammask")
+
+#: Every ``extra_args`` key grammask reads; a request without any of them is not ours.
+REQUEST_KEYS = (EXTRA_ARGS_KEY, *FLAT_KEYS)
+
+
+# ---------------------------------------------------------------------- requests
+def _request_key(extra_args: Mapping[str, Any]) -> str | None:
+    """A hashable rendering of the grammask keys of ``extra_args`` (None: not ours); keys
+    with the ``grammask`` prefix that grammask does not know are kept, to be refused."""
+    present = {k: v for k, v in extra_args.items()
+               if k in REQUEST_KEYS or (isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY))}
+    if not present:
+        return None
+    return json.dumps(present, sort_keys=True, default=repr)
+
+
+@lru_cache(maxsize=1024)
+def _parsed(key: str) -> ConstraintRequest | None:
+    return parse_extra_args(json.loads(key))
+
+
+def request_of(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None:
+    """The request's constraint, or None when it carries no grammask key (cheap then).
+
+    Raises ``GrammarError`` for a malformed one. Parses are cached: many requests share one
+    schema."""
+    if not extra_args:
+        return None
+    key = _request_key(extra_args)
+    return None if key is None else _parsed(key)
+
+
+@lru_cache(maxsize=8)
+def _checker(backend: str, prefer: str) -> Engine:
+    """An engine over a one-token vocabulary: ``check`` needs routing and syntax only."""
+    vocab = Vocabulary([b"\x00"], special_ids=[0], stop_ids=[0], name="validation")
+    return Engine(vocab, backend=backend, prefer=prefer,  # type: ignore[arg-type]
+                  max_workers=1)
+
+
+@lru_cache(maxsize=1024)
+def _checked(key: str, backend: str, prefer: str) -> None:
+    request = _parsed(key)
+    if request is not None:
+        _checker(backend, prefer).check(request.spec)
+
+
+def _frontend_settings(config: Any = None) -> Settings:
+    """Settings as the API server process sees them.
+
+    vLLM calls ``validate_params`` (a classmethod) without its config, and the API server
+    sets no current config; the ``InputProcessor`` that calls us holds it, so it is looked up
+    in the calling frames. Without it (another host) only the environment counts."""
+    config = _caller_vllm_config() if config is None else config
+    extra = getattr(config, "additional_config", None) if config is not None else None
+    return _settings_of(json.dumps(extra or {}, sort_keys=True, default=str),
+                        _tp_size(config) if config is not None else 1)
+
+
+def _speculative_on_v1(config: Any) -> bool:
+    """vLLM's V1 runner drops entry-point logits processors when speculative decoding is
+    on (without a word), so a grammask request there would be served unconstrained."""
+    if config is None or not getattr(config, "speculative_config", None):
+        return False
+    return not bool(getattr(config, "use_v2_model_runner", False))
+
+
+@lru_cache(maxsize=8)
+def _settings_of(additional_config: str, tensor_parallel_size: int) -> Settings:
+    settings = load_settings(json.loads(additional_config),
+                             tensor_parallel_size=tensor_parallel_size)
+    use_vllm_logging()
+    log.info("grammask %s: validating requests in the API server; %s", __version__,
+             describe_settings(settings))
+    return settings
+
+
+def _caller_vllm_config(max_depth: int = 12) -> Any:
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # an older vLLM
+        current = None
+    else:
+        current = get_current_vllm_config_or_none()
+    if current is not None:
+        return current
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        config = getattr(owner, "vllm_config", None) if owner is not None else None
+        if config is not None and hasattr(config, "additional_config"):
+            return config
+    return None
+
+
+def validate_sampling_params(sampling_params: Any) -> None:
+    """``validate_params`` of the plugin: a 400 for a bad constraint, before the engine.
+
+    Cost: nothing for requests without grammask keys; else a cached parse and
+    ``Engine.check`` (routing plus the engine's own syntax check, no tokenizer compile)."""
+    extra = getattr(sampling_params, "extra_args", None)
+    if not extra:
+        return
+    key = _request_key(extra)
+    if key is None:
+        return
+    from vllm.exceptions import VLLMValidationError
+
+    config = _caller_vllm_config()
+    settings = _frontend_settings(config)
+    if _speculative_on_v1(config):
+        raise VLLMValidationError(
+            "grammask cannot mask speculative decoding on vLLM's V1 model runner (vLLM skips "
+            "custom logits processors there); run the V2 model runner (the default, or "
+            "VLLM_USE_V2_MODEL_RUNNER=1), or start without --speculative-config",
+            parameter=EXTRA_ARGS_KEY)
+    if not settings.enabled:
+        raise VLLMValidationError(
+            "grammask is disabled on this server (setting enabled=false: GRAMMASK_ENABLED=0 "
+            "or --additional-config)", parameter=EXTRA_ARGS_KEY)
+    if getattr(sampling_params, "structured_outputs", None) is not None:
+        raise VLLMValidationError(
+            "a request carries either vLLM structured_outputs or a grammask constraint, "
+            "not both", parameter=EXTRA_ARGS_KEY)
+    try:
+        _checked(key, settings.backend, settings.prefer)
+    except GrammarError as exc:
+        parameter = (exc.where if exc.where and exc.where.startswith(EXTRA_ARGS_KEY + "_")
+                     else EXTRA_ARGS_KEY)
+        raise VLLMValidationError(f"grammask: {exc}", parameter=parameter) from None

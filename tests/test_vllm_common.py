@@ -234,3 +234,13 @@ def test_strict_mode_refuses_unenforced_keywords_at_admission(
         with pytest.raises(VLLMValidationError, match="uniqueItems"):
             validate(SamplingParams(max_tokens=8, extra_args=STRICT_GAP))
 
+
+
+def test_disk_cache_setting_resolves_to_a_directory(tmp_path: Path) -> None:
+    from grammask.diskcache import default_cache_dir
+    from grammask.integrations.vllm_engine import disk_cache_dir
+
+    assert disk_cache_dir(load_settings(None, {})) == default_cache_dir()  # on by default
+    assert disk_cache_dir(load_settings(None, {"GRAMMASK_DISK_CACHE": "off"})) is None
+    assert disk_cache_dir(load_settings(
+        {"grammask": {"disk_cache": str(tmp_path)}}, {})) == tmp_path

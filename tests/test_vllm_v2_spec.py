@@ -63,7 +63,8 @@ def spec_config() -> Any:
 
     return EngineArgs(model=str(model_dir()), dtype="float32", max_model_len=256,
                       max_num_seqs=MAX_REQS, enforce_eager=True,
-                      additional_config={"grammask": {"wait_s": 120, "hedge_s": 60}},
+                      additional_config={"grammask": {"wait_s": 120, "hedge_s": 60,
+                                                      "disk_cache": "off"}},
                       speculative_config={"method": "ngram",
                                           "num_speculative_tokens": NUM_SPEC,
                                           "prompt_lookup_max": 2}).create_engine_config()

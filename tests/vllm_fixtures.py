@@ -109,7 +109,9 @@ def vllm_config(*, max_num_seqs: int = 4, logits_processors: list[str] | None = 
                          max_model_len=256, is_encoder_decoder=False)
     extra = dict(additional_config or {})
     # budgets out of reach unless a test sets them: masks must not depend on a loaded core
-    extra["grammask"] = {"wait_s": 120, "hedge_s": 60, **(extra.get("grammask") or {})}
+    # and no disk cache in the user's home from in-process tests
+    extra["grammask"] = {"wait_s": 120, "hedge_s": 60, "disk_cache": "off",
+                         **(extra.get("grammask") or {})}
     return VllmConfig(model_config=mc, scheduler_config=sc, additional_config=extra)
 
 

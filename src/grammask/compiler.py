@@ -12,6 +12,10 @@
   runaways stays bounded). Each engine has its own slots, so xgrammar runaways never hold up
   llguidance compiles (fallbacks included). A spec that timed out on an engine is not retried
   there until ``negative_ttl_s`` passes, and a runaway that finishes late fills the cache.
+- ``disk_cache_dir`` (off by default): xgrammar grammars persist across processes
+  (``grammask.diskcache``). On a memory miss the disk is tried inside the request's flight
+  (single-flight, and within its deadline) before compiling; a successful compile (a late one
+  too) is written by a background thread (``flush_disk_cache`` waits for it).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import TypeVar
 
 from . import metrics
 from .backends import CompiledGrammar, Matcher, get_backend
+from .diskcache import DEFAULT_MAX_BYTES, DiskCache
 from .errors import (
     CompileTimeoutError,
     EngineClosedError,
@@ -74,6 +79,7 @@ class Grammar:
     compile_ms: float
     compiled: CompiledGrammar = field(repr=False)
     fallback_from: BackendName | None = None
+    from_disk: bool = False  #: loaded from the disk cache (compile_ms is the load time)
 
     def matcher(self) -> Matcher:
         return self.compiled.matcher()
@@ -104,6 +110,9 @@ class Stats:
     internal_errors: int = 0
     late_results: int = 0
     trims: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_writes: int = 0
 
 
 def fresh_error(error: BaseException) -> BaseException:
@@ -377,6 +386,8 @@ class Engine:
         max_abandoned: int = 2,
         prefer: Preference = "auto",
         max_negative: int = 1024,
+        disk_cache_dir: str | os.PathLike[str] | None = None,
+        disk_cache_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         if backend not in (None, "auto", "xgrammar", "guidance", "llguidance"):
             raise InvalidSpecError(f"backend must be auto, xgrammar or guidance, got {backend!r}")
@@ -412,6 +423,10 @@ class Engine:
         self._slow: dict[tuple[str, str], _Job] = {}
         self._last_trim = 0.0
         self._trim_pending = False
+        self._disk: DiskCache | None = None
+        if disk_cache_dir is not None:
+            disk = DiskCache(disk_cache_dir, disk_cache_bytes)
+            self._disk = disk if disk.enabled else None
         # engine tokenizers are built once per vocabulary (seconds, holding the GIL): here,
         # outside every request's deadline
         for name in ("xgrammar", "guidance"):
@@ -526,6 +541,15 @@ class Engine:
             self._failed.clear()
             self._cache_used = 0
         self._trim(force=True)
+
+    @property
+    def disk_cache(self) -> DiskCache | None:
+        """The disk cache in use (None: off, or its directory was refused)."""
+        return self._disk
+
+    def flush_disk_cache(self, timeout: float | None = None) -> bool:
+        """Wait until every queued disk-cache write is done; False on timeout."""
+        return True if self._disk is None else self._disk.flush(timeout)
 
     def close(self) -> None:
         """Fail every pending request with ``EngineClosedError``; later requests fail at once.
@@ -670,7 +694,7 @@ class Engine:
                           f"fell back to {fallback.backend}")
                 return Grammar(spec, grammar.backend, reason, grammar.unenforced,
                                grammar.compile_ms, grammar.compiled,
-                               fallback_from=decision.backend)
+                               fallback_from=decision.backend, from_disk=grammar.from_disk)
             raise
 
     def _other_engine(self, spec: GrammarSpec, decision: Route, have: list[Route]
@@ -714,6 +738,10 @@ class Engine:
         with self._lock:
             running = self._slow.get(slow_key)
         self._engine_tokenizer(backend)
+        if backend == "xgrammar" and self._disk is not None:
+            loaded = self._from_disk(spec, backend, decision, deadline)
+            if loaded is not None:
+                return loaded
         started = time.perf_counter()
 
         def late(value: object, error: BaseException | None) -> None:
@@ -754,7 +782,45 @@ class Engine:
         with self._lock:
             self.stats.compiles[backend] += 1
             self.stats.compile_ms[backend] += elapsed
+        self._to_disk(spec, backend, decision, compiled, elapsed)
         return self._grammar(spec, backend, decision, compiled, elapsed)
+
+    def _from_disk(self, spec: GrammarSpec, backend: BackendName, decision: Route,
+                   deadline: float) -> Grammar | None:
+        """A grammar an earlier compile (any process) left on disk. Runs inside the flight
+        (joined requests share it) and within the request's deadline: a load never starts
+        past it, and the compile that follows a miss gets what is left."""
+        disk = self._disk
+        if disk is None or time.monotonic() >= deadline:
+            return None
+        started = time.perf_counter()
+        compiled = disk.load_xgrammar(spec, self.vocab, lenient=decision.lenient)
+        elapsed = (time.perf_counter() - started) * 1000
+        with self._lock:
+            if compiled is None:
+                self.stats.disk_misses += 1
+            else:
+                self.stats.disk_hits += 1
+        metrics.CACHE_REQUESTS.labels(tier="disk",
+                                      result="miss" if compiled is None else "hit").inc()
+        if compiled is None:
+            return None
+        log.info("grammask: %s loaded from the disk cache in %.1f ms", spec.describe(),
+                 elapsed)
+        grammar = self._grammar(spec, backend, decision, compiled, elapsed)
+        return Grammar(grammar.spec, grammar.backend, grammar.reason, grammar.unenforced,
+                       grammar.compile_ms, grammar.compiled, from_disk=True)
+
+    def _to_disk(self, spec: GrammarSpec, backend: BackendName, decision: Route,
+                 compiled: object, compile_ms: float) -> None:
+        """Queue a fresh xgrammar compile for the disk cache (written off the request path)."""
+        disk = self._disk
+        if disk is None or backend != "xgrammar" or self._closed:
+            return
+        if disk.store_xgrammar(spec, self.vocab, compiled, lenient=decision.lenient,
+                               compile_ms=compile_ms):
+            with self._lock:
+                self.stats.disk_writes += 1
 
     def _grammar(self, spec: GrammarSpec, backend: BackendName, decision: Route,
                  compiled: CompiledGrammar, elapsed: float) -> Grammar:
@@ -777,6 +843,8 @@ class Engine:
         """An abandoned compile finished: cache it unless the request was served otherwise,
         so the work is not lost and the spec is no longer treated as a runaway."""
         elapsed = (time.perf_counter() - started) * 1000
+        if error is None:  # a runaway's result is what the disk cache is for
+            self._to_disk(spec, backend, decision, value, elapsed)
         with self._lock:
             self._slow.pop((spec.key, backend), None)
             self.stats.abandoned = sum(r.abandoned for r in self._runners.values())

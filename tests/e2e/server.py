@@ -73,7 +73,10 @@ class Server:
                     "PYTHONUNBUFFERED": "1",
                     # tests.vllm_fixtures sets WARNING for in-process tests; servers log INFO
                     # (grammask's start-up and routing lines are INFO)
-                    "VLLM_LOGGING_LEVEL": "INFO", **self.extra_env})
+                    "VLLM_LOGGING_LEVEL": "INFO",
+                    # the plugin's disk cache (on by default) in the build dir, not in $HOME
+                    "GRAMMASK_DISK_CACHE": str(ROOT / "out" / "e2e-disk-cache"),
+                    **self.extra_env})
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model), "--served-model-name", MODEL_NAME,
                "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from ..compiler import Engine
@@ -72,7 +73,7 @@ def shared_engine(vllm_config: Any, settings: Settings) -> Engine:
     key = (mc.tokenizer, getattr(mc, "tokenizer_revision", None),
            getattr(mc, "tokenizer_mode", None), mc.get_vocab_size(), settings.backend,
            settings.prefer, settings.cache_mb, settings.compile_threads,
-           settings.compile_timeout_s)
+           settings.compile_timeout_s, settings.disk_cache, settings.disk_cache_mb)
     with _ENGINES_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
@@ -80,7 +81,9 @@ def shared_engine(vllm_config: Any, settings: Settings) -> Engine:
             engine = Engine(vocab, backend=settings.backend, prefer=settings.prefer,  # type: ignore[arg-type]
                             max_workers=settings.compile_threads,
                             cache_bytes=settings.cache_mb * 1024 * 1024,
-                            timeout_s=settings.compile_timeout_s)
+                            timeout_s=settings.compile_timeout_s,
+                            disk_cache_dir=disk_cache_dir(settings),
+                            disk_cache_bytes=settings.disk_cache_mb * 1024 * 1024)
             # both engines' tokenizer views (~1 s for Qwen's 152k tokens): built before the
             # server reports healthy, so no first request waits on them past its budget
             _ = vocab.xgrammar_info
@@ -89,6 +92,19 @@ def shared_engine(vllm_config: Any, settings: Settings) -> Engine:
                 _warm_up(engine, settings.warmup_dir)
             _ENGINES[key] = engine
     return engine
+
+
+def disk_cache_dir(settings: Settings) -> Path | None:
+    """The compiled-grammar directory: on by default in the plugin (a restart or another
+    replica on the host loads what was compiled), under the user's cache directory."""
+    value = settings.disk_cache.strip()
+    if value.lower() in ("off", "none", "0", "false"):
+        return None
+    if value.lower() in ("", "auto", "on"):
+        from ..diskcache import default_cache_dir
+
+        return default_cache_dir()
+    return Path(value).expanduser()
 
 
 def _warm_up(engine: Engine, directory: str) -> None:

@@ -36,6 +36,8 @@ class Settings:
     think_end: str = "auto"
     metrics_port: int = 0
     warmup_dir: str = ""
+    disk_cache: str = "auto"
+    disk_cache_mb: int = 1024
 
     @property
     def think_end_arg(self) -> str | None:
@@ -121,6 +123,10 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                   "</think>), none, or the marker text"),
     "warmup_dir": (lambda v: str(v).strip(), "a directory of specs compiled at start-up, "
                    "before the server reports healthy (grammask.warmup; empty: none)"),
+    "disk_cache": (lambda v: str(v).strip() or "auto", "compiled xgrammar grammars on disk "
+                   "across restarts and processes: auto (the user's cache directory), off, "
+                   "or a directory"),
+    "disk_cache_mb": (_positive(int), "size bound of the disk cache, MiB"),
     "metrics_port": (_port, "grammask's own Prometheus exporter in the engine core (0: off; "
                      "or set PROMETHEUS_MULTIPROC_DIR to see them on vLLM's /metrics)"),
 }

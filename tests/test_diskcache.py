@@ -1,0 +1,508 @@
+"""The persistent compiled-grammar cache: a hit across processes serves the same masks as a
+fresh compile; every kind of bad file is a warning, a removal and a recompile, never a wrong
+grammar; private permissions; the size bound; concurrent writers (threads and processes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from grammask import Engine, GrammarSpec, Vocabulary, metrics
+from grammask.backends import get_backend
+from grammask.diskcache import (
+    _HEADER,
+    MAGIC,
+    SUFFIX,
+    DiskCache,
+    default_cache_dir,
+    key_material,
+)
+
+from .helpers import mask_of
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}}},
+          "required": ["name", "age", "tags"]}
+INSTANCE = '{"name": "Ada Lovelace", "age": 36, "tags": ["bb", "a", "ccc"]}'
+OTHER = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+
+
+def _spec(schema: object = SCHEMA) -> GrammarSpec:
+    return GrammarSpec.json_schema(schema, backend="xgrammar")  # type: ignore[arg-type]
+
+
+def _engine(vocab: Vocabulary, directory: Path, **kw: object) -> Engine:
+    return Engine(vocab, backend="xgrammar", timeout_s=120, disk_cache_dir=directory,
+                  **kw)  # type: ignore[arg-type]
+
+
+def _walk_masks_equal(vocab: Vocabulary, a: object, b: object, text: str) -> int:
+    """Fill both grammars' masks along the tokens of ``text`` (and the stop): equal at every
+    step; returns the number of steps."""
+    ma, mb = a.matcher(), b.matcher()  # type: ignore[attr-defined]
+    steps = 0
+    for tok in [*vocab.encode(text), vocab.stop_ids[0]]:
+        assert bool((mask_of(ma, vocab) == mask_of(mb, vocab)).all()), f"step {steps}"
+        assert ma.accept(tok) and mb.accept(tok), f"token {tok} refused at step {steps}"
+        steps += 1
+    assert ma.is_terminated() and mb.is_terminated()
+    return steps
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(SUFFIX))
+
+
+def _metric(result: str) -> float:
+    return metrics.snapshot().get(
+        f'grammask_cache_requests_total{{result="{result}",tier="disk"}}', 0.0)
+
+
+@pytest.fixture(scope="module")
+def seeded(qwen25: Vocabulary, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Path, Path, Path]]:
+    """A cache directory holding valid files for SCHEMA and OTHER: (dir, file, other_file)."""
+    directory = tmp_path_factory.mktemp("seed") / "cache"
+    eng = _engine(qwen25, directory)
+    eng.compile(_spec())
+    assert eng.flush_disk_cache(60)
+    (first,) = _files(directory)
+    eng.compile(_spec(OTHER))
+    assert eng.flush_disk_cache(60)
+    (other,) = [p for p in _files(directory) if p != first]
+    eng.close()
+    yield directory, first, other
+
+
+def _copy_seed(seeded: tuple[Path, Path, Path], tmp_path: Path) -> tuple[Path, Path, bytes]:
+    _, first, other = seeded
+    target = tmp_path / "cache"
+    target.mkdir(mode=0o700)
+    (target / first.name).write_bytes(first.read_bytes())
+    return target, target / first.name, other.read_bytes()
+
+
+# ----------------------------------------------------------------------- hits
+def test_hit_across_processes_serves_the_same_masks(qwen25: Vocabulary, tmp_path: Path
+                                                     ) -> None:
+    directory = tmp_path / "cache"
+    script = f"""
+import json, sys
+from grammask import Engine, GrammarSpec, load_vocabulary
+eng = Engine(load_vocabulary("qwen2.5"), backend="xgrammar", timeout_s=120,
+             disk_cache_dir={str(directory)!r})
+g = eng.compile(GrammarSpec.json_schema({json.dumps(SCHEMA)!r}))
+assert eng.flush_disk_cache(60)
+print(json.dumps({{"from_disk": g.from_disk, "writes": eng.stats.disk_writes,
+                  "compiles": eng.stats.compiles["xgrammar"]}}))
+"""
+    out = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, check=True)
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    assert child == {"from_disk": False, "writes": 1, "compiles": 1}
+    assert len(_files(directory)) == 1
+
+    hits_before = _metric("hit")
+    eng = _engine(qwen25, directory)
+    grammar = eng.compile(_spec())
+    assert grammar.from_disk and grammar.backend == "xgrammar"
+    assert eng.stats.disk_hits == 1 and eng.stats.compiles["xgrammar"] == 0
+    if metrics.available():
+        assert _metric("hit") == hits_before + 1
+    fresh = get_backend("xgrammar").compile(_spec(), qwen25)
+    assert _walk_masks_equal(qwen25, grammar.compiled, fresh, INSTANCE) > 10
+    eng.flush_disk_cache(10)
+    assert eng.stats.disk_writes == 0  # a hit is not written again
+    eng.close()
+
+
+def test_miss_compiles_writes_and_counts(qwen25: Vocabulary, tmp_path: Path) -> None:
+    misses_before = _metric("miss")
+    eng = _engine(qwen25, tmp_path / "c")
+    grammar = eng.compile(_spec())
+    assert not grammar.from_disk and eng.stats.disk_misses == 1
+    if metrics.available():
+        assert _metric("miss") == misses_before + 1
+    assert eng.flush_disk_cache(60) and len(_files(tmp_path / "c")) == 1
+    # the memory cache answers first: no second disk lookup
+    assert eng.compile(_spec()) is grammar and eng.stats.disk_misses == 1
+    eng.close()
+
+
+def test_single_flight_loads_once(qwen25: Vocabulary, seeded: tuple[Path, Path, Path],
+                                  tmp_path: Path) -> None:
+    directory, _, _ = _copy_seed(seeded, tmp_path)
+    eng = _engine(qwen25, directory)
+    futures = [eng.compile_async(_spec()) for _ in range(8)]
+    grammars = {id(f.result(60)) for f in futures}
+    assert len(grammars) == 1
+    assert eng.stats.disk_hits == 1 and eng.stats.joined == 7
+    assert eng.stats.compiles["xgrammar"] == 0
+    eng.close()
+
+
+def test_auto_routed_and_forced_requests_share_a_file(qwen25: Vocabulary) -> None:
+    plain = GrammarSpec.json_schema(SCHEMA)
+    assert key_material(plain, qwen25) == key_material(_spec(), qwen25)
+    assert key_material(plain, qwen25) != key_material(plain, qwen25, lenient=True)
+    assert key_material(plain, qwen25) != key_material(_spec(OTHER), qwen25)
+    assert key_material(GrammarSpec.json_schema(SCHEMA, any_whitespace=False), qwen25) \
+        != key_material(plain, qwen25)
+    small = Vocabulary([b"a", b"b", b"<eos>"], special_ids=[2], stop_ids=[2])
+    assert key_material(plain, small) != key_material(plain, qwen25)
+    assert b'"engine": "xgrammar"' in key_material(plain, small)
+
+
+def test_llguidance_grammars_stay_off_disk(qwen25: Vocabulary, tmp_path: Path) -> None:
+    eng = Engine(qwen25, backend="guidance", disk_cache_dir=tmp_path / "c")
+    eng.compile(GrammarSpec.json_schema(SCHEMA))
+    assert eng.flush_disk_cache(10)
+    assert _files(tmp_path / "c") == [] and eng.stats.disk_writes == 0
+    assert eng.stats.disk_misses == 0  # not even looked up
+    eng.close()
+
+
+def test_off_by_default(qwen25: Vocabulary) -> None:
+    eng = Engine(qwen25, backend="xgrammar")
+    assert eng.disk_cache is None and eng.flush_disk_cache(0)
+    eng.close()
+
+
+def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "grammask"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the spec says: ignore it
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "grammask"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "grammask"
+
+
+# -------------------------------------------------------------------- bad files
+def _truncate(data: bytes, other: bytes) -> bytes:
+    return data[:-100]
+
+
+def _flip(data: bytes, other: bytes) -> bytes:
+    out = bytearray(data)
+    out[-50] ^= 0x01
+    return bytes(out)
+
+
+def _magic(data: bytes, other: bytes) -> bytes:
+    return b"NOTMASK!" + data[8:]
+
+
+def _version(data: bytes, other: bytes) -> bytes:
+    return data[:8] + struct.pack("<H", 99) + data[10:]
+
+
+def _other_key(data: bytes, other: bytes) -> bytes:
+    return other  # a valid file, for another spec, under this file's name
+
+
+def _empty(data: bytes, other: bytes) -> bytes:
+    return b""
+
+
+def _header_only(data: bytes, other: bytes) -> bytes:
+    return data[:_HEADER.size]
+
+
+def _trailing(data: bytes, other: bytes) -> bytes:
+    return data + b"\0"
+
+
+CORRUPTIONS = {"truncated": _truncate, "flipped-byte": _flip, "wrong-magic": _magic,
+               "wrong-version": _version, "key-mismatch": _other_key, "empty": _empty,
+               "header-only": _header_only, "trailing-bytes": _trailing}
+
+
+@pytest.mark.parametrize("case", [*CORRUPTIONS, "directory", "engine-refuses-payload"])
+def test_bad_file_is_removed_warned_and_recompiled(
+        case: str, qwen25: Vocabulary, seeded: tuple[Path, Path, Path], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    directory, path, other = _copy_seed(seeded, tmp_path)
+    good = path.read_bytes()
+    if case == "directory":
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_text("x")
+    elif case == "engine-refuses-payload":  # header, key and checksum right; payload not
+        DiskCache(directory).put(key_material(_spec(), qwen25), b'{"not": "a grammar"}')
+    else:
+        path.write_bytes(CORRUPTIONS[case](good, other))
+
+    cache = DiskCache(directory)
+    with caplog.at_level(logging.WARNING, logger="grammask"):
+        assert cache.load_xgrammar(_spec(), qwen25) is None
+    assert not path.exists(), "the bad file is removed"
+    assert any("unusable" in r.getMessage() and path.name in r.getMessage()
+               for r in caplog.records)
+
+    # through the engine: a bad file is a miss and a recompile, and a good file comes back
+    if case == "directory":
+        path.mkdir()
+    elif case == "engine-refuses-payload":
+        DiskCache(directory).put(key_material(_spec(), qwen25), b'{"not": "a grammar"}')
+    else:
+        path.write_bytes(CORRUPTIONS[case](good, other))
+    eng = _engine(qwen25, directory)
+    grammar = eng.compile(_spec())
+    assert not grammar.from_disk
+    assert eng.stats.disk_misses == 1 and eng.stats.compiles["xgrammar"] == 1
+    assert eng.flush_disk_cache(60)
+    eng.close()
+    assert path.is_file()
+    fresh = _engine(qwen25, directory)
+    again = fresh.compile(_spec())
+    assert again.from_disk
+    assert _walk_masks_equal(qwen25, again.compiled, grammar.compiled, INSTANCE) > 10
+    fresh.close()
+
+
+def test_warns_once_per_file(qwen25: Vocabulary, seeded: tuple[Path, Path, Path],
+                             tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    directory, path, _ = _copy_seed(seeded, tmp_path)
+    cache = DiskCache(directory)
+    with caplog.at_level(logging.WARNING, logger="grammask"):
+        for _ in range(3):
+            path.write_bytes(b"garbage")
+            assert cache.load_xgrammar(_spec(), qwen25) is None
+    assert sum(path.name in r.getMessage() for r in caplog.records) == 1
+
+
+def test_key_is_compared_not_only_hashed(tmp_path: Path) -> None:
+    """A renamed file (or a colliding hash) is refused by its stored key."""
+    cache = DiskCache(tmp_path / "c")
+    assert cache.put(b"key-a", b"payload-a")
+    os.replace(cache.path_for(b"key-a"), cache.path_for(b"key-b"))
+    assert cache.get(b"key-b") is None
+    assert not cache.path_for(b"key-b").exists()
+    assert cache.put(b"key-a", b"payload-a") and cache.get(b"key-a") == b"payload-a"
+
+
+def test_raw_file_layout(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c", compress=False)
+    cache.put(b"material", b"payload")
+    data = cache.path_for(b"material").read_bytes()
+    magic, version, flags, klen, plen, _ = _HEADER.unpack_from(data)
+    assert (magic, version, flags, klen, plen) == (MAGIC, 1, 0, 8, 7)
+    assert data[_HEADER.size:] == b"materialpayload"
+
+
+# -------------------------------------------------------------------- permissions
+def test_private_files_and_directory(qwen25: Vocabulary, tmp_path: Path) -> None:
+    directory = tmp_path / "a" / "b" / "cache"
+    eng = _engine(qwen25, directory)
+    assert eng.disk_cache is not None
+    eng.compile(_spec(OTHER))
+    assert eng.flush_disk_cache(60)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    (path,) = _files(directory)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in directory.iterdir() if p.name.startswith(".tmp")] == []
+    eng.close()
+
+
+def test_files_are_0600_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        cache = DiskCache(tmp_path / "c")
+        cache.put(b"k", b"v")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(cache.path_for(b"k").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "c").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_refuses_a_shared_writable_directory(mode: int, qwen25: Vocabulary, tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="grammask"):
+        eng = Engine(qwen25, backend="xgrammar", disk_cache_dir=directory)
+    assert eng.disk_cache is None
+    assert any("disk cache disabled" in r.getMessage() for r in caplog.records)
+    eng.compile(_spec(OTHER))  # still works, without the disk
+    assert eng.flush_disk_cache(1) and list(directory.iterdir()) == []
+    eng.close()
+
+
+def test_refuses_a_directory_of_another_user(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    directory = tmp_path / "theirs"
+    directory.mkdir(mode=0o700)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory away")
+    os.chown(directory, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger="grammask"):
+        cache = DiskCache(directory)
+    assert not cache.enabled and not cache.put(b"k", b"v") and cache.get(b"k") is None
+    assert any("owned by uid 65534" in r.getMessage() for r in caplog.records)
+
+
+def test_refuses_a_file_and_an_unusable_path(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert not DiskCache(tmp_path / "file").enabled
+    assert not DiskCache(tmp_path / "file" / "below").enabled
+
+
+# ----------------------------------------------------------------------- eviction
+def test_evicts_least_recently_used_under_the_bound(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c", max_bytes=10_000, compress=False)
+    payload = b"x" * 3000
+    keys = [f"key-{i}".encode() for i in range(3)]
+    now = time.time()
+    for i, key in enumerate(keys):
+        assert cache.put(key, payload)
+        os.utime(cache.path_for(key), (now - 100 + i, now - 100 + i))
+    assert cache.get(keys[0]) == payload  # touched: now the most recent
+    assert cache.put(b"key-3", payload)  # 4 files x ~3.1 kB > 10 kB: one must go
+    assert not cache.path_for(keys[1]).exists(), "the least recently used is evicted"
+    for key in (keys[0], keys[2], b"key-3"):
+        assert cache.path_for(key).exists()
+    assert cache.usage()[1] <= 10_000
+
+
+def test_engine_keeps_the_directory_under_its_bound(qwen25: Vocabulary, tmp_path: Path
+                                                    ) -> None:
+    directory = tmp_path / "c"
+    probe = _engine(qwen25, directory)
+    probe.compile(_spec(OTHER))
+    probe.flush_disk_cache(60)
+    one = _files(directory)[0].stat().st_size
+    probe.close()
+    shutil.rmtree(directory)
+    eng = _engine(qwen25, directory, disk_cache_bytes=int(one * 2.5))
+    for n in range(4):
+        eng.compile(_spec({"type": "object", "properties": {f"f{n}": {"type": "integer"}},
+                           "required": [f"f{n}"]}))
+        eng.flush_disk_cache(60)
+    files, used = eng.disk_cache.usage()  # type: ignore[union-attr]
+    assert used <= one * 2.5 and 1 <= files <= 2
+    eng.close()
+
+
+def test_stale_temporary_files_are_swept(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c")
+    stale = tmp_path / "c" / ".tmp-dead-1-2"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    fresh = tmp_path / "c" / ".tmp-live-1-3"
+    fresh.write_bytes(b"being written")
+    cache.evict()
+    assert not stale.exists() and fresh.exists()
+
+
+# ---------------------------------------------------------------------- concurrency
+def _payload(qwen25: Vocabulary, seeded: tuple[Path, Path, Path]) -> tuple[bytes, bytes]:
+    directory, _, _ = seeded
+    cache = DiskCache(directory)
+    material = key_material(_spec(), qwen25)
+    payload = cache.get(material)
+    assert payload is not None
+    return material, payload
+
+
+def test_concurrent_thread_writers_leave_a_valid_file(
+        qwen25: Vocabulary, seeded: tuple[Path, Path, Path], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    material, payload = _payload(qwen25, seeded)
+    cache = DiskCache(tmp_path / "c")
+    stop = threading.Event()
+    seen: list[bytes | None] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            seen.append(cache.get(material))
+
+    reader = threading.Thread(target=read)
+    with caplog.at_level(logging.WARNING, logger="grammask"):
+        reader.start()
+        with ThreadPoolExecutor(6) as pool:
+            assert all(pool.map(lambda _: cache.put(material, payload), range(24)))
+        stop.set()
+        reader.join()
+    assert not [r for r in caplog.records if "unusable" in r.getMessage()]
+    assert all(s is None or s == payload for s in seen) and any(s == payload for s in seen)
+    assert len(_files(tmp_path / "c")) == 1
+    assert [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp")] == []
+    loaded = cache.load_xgrammar(_spec(), qwen25)
+    assert loaded is not None
+    fresh = get_backend("xgrammar").compile(_spec(), qwen25)
+    _walk_masks_equal(qwen25, loaded, fresh, INSTANCE)
+
+
+def test_concurrent_process_writers_leave_a_valid_file(
+        qwen25: Vocabulary, seeded: tuple[Path, Path, Path], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    material, payload = _payload(qwen25, seeded)
+    (tmp_path / "material").write_bytes(material)
+    (tmp_path / "payload").write_bytes(payload)
+    directory = tmp_path / "c"
+    script = f"""
+from pathlib import Path
+from grammask.diskcache import DiskCache
+cache = DiskCache({str(directory)!r})
+m = Path({str(tmp_path / "material")!r}).read_bytes()
+p = Path({str(tmp_path / "payload")!r}).read_bytes()
+for _ in range(15):
+    assert cache.put(m, p)
+    got = cache.get(m)
+    assert got is None or got == p, "a reader saw a wrong payload"
+print("ok")
+"""
+    procs = [subprocess.Popen([PYTHON, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    cache = DiskCache(directory)
+    seen: list[bytes | None] = []
+    with caplog.at_level(logging.WARNING, logger="grammask"):
+        while any(p.poll() is None for p in procs):
+            seen.append(cache.get(material))
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.strip() == "ok", err
+        assert "unusable" not in err
+    assert not [r for r in caplog.records if "unusable" in r.getMessage()]
+    assert all(s is None or s == payload for s in seen)
+    assert len(_files(directory)) == 1
+    assert [p for p in directory.iterdir() if p.name.startswith(".tmp")] == []
+    eng = _engine(qwen25, directory)
+    grammar = eng.compile(_spec())
+    assert grammar.from_disk
+    fresh = get_backend("xgrammar").compile(_spec(), qwen25)
+    _walk_masks_equal(qwen25, grammar.compiled, fresh, INSTANCE)
+    eng.close()
+
+
+def test_grammars_too_large_to_serialize_are_not_written(qwen25: Vocabulary,
+                                                         tmp_path: Path) -> None:
+    """xgrammar's serializer peaks at ~35x the grammar's memory: big ones stay off disk."""
+    cache = DiskCache(tmp_path / "c", max_entry_memory=1)
+    compiled = get_backend("xgrammar").compile(_spec(OTHER), qwen25)
+    assert not cache.store_xgrammar(_spec(OTHER), qwen25, compiled)
+    assert cache.flush(5) and _files(tmp_path / "c") == []
+    roomy = DiskCache(tmp_path / "c")
+    assert roomy.store_xgrammar(_spec(OTHER), qwen25, compiled) and roomy.flush(60)
+    assert len(_files(tmp_path / "c")) == 1

@@ -95,3 +95,7 @@ def test_warmup_and_named_grammars(tmp_path: object,
     assert "semver" in capsys.readouterr().out
     assert main(["compile", "semver", "--kind", "named", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "grammar"
+    (root / "bad.json").unlink()
+    cache = root / "disk"
+    assert main(["warmup", str(root), "--disk-cache", str(cache)]) == 0
+    assert len(list(cache.glob("*.xgc"))) == 1  # the xgrammar-routed schema, on disk

@@ -62,6 +62,9 @@ def _main(argv: Sequence[str] | None) -> int:
     warm.add_argument("--timeout", type=float, default=30.0)
     warm.add_argument("--compact", action="store_true",
                       help="schemas without free whitespace (disable_any_whitespace)")
+    warm.add_argument("--disk-cache", metavar="DIR",
+                      help="also write the compiled grammars to this disk cache (the plugin's "
+                           "default is ~/.cache/grammask): servers started later load them")
     sub.add_parser("grammars", help="list the shipped grammar library")
     demo = sub.add_parser("demo", help="compile a schema on each backend and auto")
     demo.add_argument("--tokenizer", default="qwen2.5")
@@ -84,7 +87,8 @@ def _main(argv: Sequence[str] | None) -> int:
 def _warmup(ns: argparse.Namespace) -> int:
     from .warmup import summary_table, warm
 
-    engine = Engine(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout)
+    engine = Engine(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout,
+                    disk_cache_dir=ns.disk_cache)
     try:
         results = warm(engine, ns.directory, any_whitespace=not ns.compact,
                        progress=lambda r: print(
@@ -95,6 +99,7 @@ def _warmup(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
+        engine.flush_disk_cache(60.0)  # the writes land before the process exits
         engine.close()
     print(summary_table(results))
     return 0 if all(r.ok or (r.error or "").startswith("skipped") for r in results) else 1

@@ -75,7 +75,7 @@ class Server:
                     # (grammask's start-up and routing lines are INFO)
                     "VLLM_LOGGING_LEVEL": "INFO",
                     # the plugin's disk cache (on by default) in the build dir, not in $HOME
-                    "GRAMMASK_DISK_CACHE": str(ROOT / "out" / "e2e-disk-cache"),
+                    "GRAMMASK_DISK_CACHE": str(ROOT / "out" / "server-disk-cache"),
                     **self.extra_env})
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model), "--served-model-name", MODEL_NAME,

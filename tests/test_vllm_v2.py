@@ -36,7 +36,7 @@ from .vllm_fixtures import (
     THINK,
     VOCAB,
     allowed,
-    patch_v2_for_cpu,
+    cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
     post_update,
     ref_allowed,
     vllm_config,
@@ -58,16 +58,6 @@ from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
 
 MAX_REQS = 4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_v2() -> Any:
-    """The CPU stand-ins (module docstring) and one torch thread for full-vocab checks."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        patch_v2_for_cpu(mp)
-        yield
-    torch.set_num_threads(threads)
 
 
 def ours(procs: list[Any]) -> list[GrammaskLogitsProcessor]:

@@ -24,7 +24,7 @@ from .vllm_fixtures import (
     END_THINK,
     VOCAB,
     allowed,
-    patch_v2_for_cpu,
+    cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
     post_update,
     ref_allowed,
     xargs,
@@ -45,15 +45,6 @@ from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
 MAX_REQS = 4
 NUM_SPEC = 4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_v2() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        patch_v2_for_cpu(mp)
-        yield
-    torch.set_num_threads(threads)
 
 
 def spec_config() -> Any:

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+import pytest
 import torch
 
 from grammask import GrammarSpec, allocate_bitmask
@@ -161,6 +163,18 @@ def patch_v2_for_cpu(mp: Any) -> None:
 
     mp.setattr(bu, "is_uva_available", lambda: False)
     mp.setattr(bu.StagedWriteTensor, "apply_write", apply_write)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_v2() -> Iterator[None]:
+    """Import into a V2 test module: the CPU stand-ins (``patch_v2_for_cpu``) for that module,
+    and one torch thread for full-vocabulary checks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        patch_v2_for_cpu(mp)
+        yield
+    torch.set_num_threads(threads)
 
 
 def post_update(req_states: Any, slot: int, token: int) -> None:

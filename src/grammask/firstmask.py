@@ -52,19 +52,34 @@ def hedge_spec(engine: Engine, spec: GrammarSpec) -> GrammarSpec | None:
     return other
 
 
-class PendingGrammar:
-    """The compiles that may serve one row: the routed one and, once started, the hedge."""
+Starter = Callable[[], Future[Grammar]]
 
-    def __init__(self, primary: Future[Grammar], hedge: Callable[[], Future[Grammar]] | None,
+
+class PendingGrammar:
+    """The compiles that may serve one row: the routed one and, once started, the hedge.
+
+    ``hedge`` says how to start the hedge (None: the row cannot hedge). It is asked only when
+    a row's grammar is late, so the common case (ready in time) never routes the spec twice
+    on the host's thread."""
+
+    def __init__(self, primary: Future[Grammar], hedge: Callable[[], Starter | None] | None,
                  *, hedge_s: float, submitted: float | None = None) -> None:
         self.primary = primary
         self.alternate: Future[Grammar] | None = None
-        self._start_alternate = hedge
+        self._resolve = hedge
+        self._starter: Starter | None = None
         self.hedge_at = (time.monotonic() if submitted is None else submitted) + hedge_s
 
     @property
     def can_hedge(self) -> bool:
         return self._start_alternate is not None
+
+    @property
+    def _start_alternate(self) -> Starter | None:
+        if self._resolve is not None:
+            resolve, self._resolve = self._resolve, None
+            self._starter = resolve()
+        return self._starter
 
     @property
     def hedged(self) -> bool:
@@ -80,8 +95,8 @@ class PendingGrammar:
 
     def tick(self, now: float) -> None:
         """Start the hedge when it is due (the routed compile is late or failed)."""
-        if self.alternate is None and self.can_hedge and (
-                now >= self.hedge_at or _state(self.primary) == FAILED):
+        if self.alternate is None and (
+                now >= self.hedge_at or _state(self.primary) == FAILED) and self.can_hedge:
             self.start_hedge()
 
     def view(self, expired: bool) -> list[int]:

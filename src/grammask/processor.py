@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -56,7 +56,7 @@ from .agreement import Agreement, Solo
 from .backends.base import Matcher
 from .compiler import Engine, Grammar
 from .errors import GrammarError
-from .firstmask import VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
+from .firstmask import READY, VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
 from .masks import Filler, FillWorker, MaskBuffers, apply_bitmask, stop_only_row
 from .reasoning import BoundaryGuard, ThinkGate, ThinkMarker
 from .request import ConstraintRequest
@@ -481,11 +481,13 @@ class BatchProcessor:
             except Exception as exc:  # an engine closed or a bad spec: an errored row
                 primary = Future()
                 primary.set_exception(exc)
-        try:
-            other = hedge_spec(self.engine, spec)
-        except Exception:  # routing refused the spec: its compile reports why
-            other = None
-        hedge = None if other is None else (lambda: self.engine.compile_async(other))
+        def hedge() -> Callable[[], Future[Grammar]] | None:
+            try:
+                other = hedge_spec(self.engine, spec)
+            except Exception:  # routing refused the spec: its compile reports why
+                return None
+            return None if other is None else (lambda: self.engine.compile_async(other))
+
         return PendingGrammar(primary, hedge, hedge_s=self.hedge_s)
 
     def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int]) -> ThinkGate | None:
@@ -657,8 +659,10 @@ class BatchProcessor:
                 return
             waiting = []
             for i, r in enumerate(rows):
-                decision = decide(r.pending.can_hedge,
-                                  [view[i * VIEW:(i + 1) * VIEW] for view in gathered])
+                row_views = [view[i * VIEW:(i + 1) * VIEW] for view in gathered]
+                # a grammar ready on every rank needs no hedge: do not route its spec again
+                ready = all(v[2] == READY for v in row_views)
+                decision = decide(not ready and r.pending.can_hedge, row_views)
                 if decision.fail is not None or decision.use is not None:
                     outcome = ("hedge" if decision.use == 1 else "ready"
                                if decision.use == 0 else decision.fail or "failed")

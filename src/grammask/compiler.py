@@ -1,4 +1,9 @@
-"""The compile service: routing, bounded parallel compiles, single-flight, LRU and timeouts.
+"""The compile service: runs the router's plan with bounded parallel compiles, single-flight,
+an LRU and one deadline per request.
+
+- A cold compile asks the router once (``grammask.router.plan``) and runs its attempts in
+  order, each in its mode and within its share of the time left; nothing here decides which
+  backend or which mode (data flows one way: router -> compiler -> backend).
 
 - ``compile_async`` returns at once; the compile starts immediately so it overlaps the prefill.
   Each caller gets a future of its own: cancelling it drops only that caller.
@@ -49,7 +54,7 @@ from .errors import (
     InternalCompileError,
     InvalidSpecError,
 )
-from .router import Preference, Route, route
+from .router import Attempt, Failure, Plan, Preference, Route, plan, route
 from .spec import BackendName, GrammarSpec
 from .vocab import Vocabulary
 
@@ -388,7 +393,11 @@ class Engine:
         max_negative: int = 1024,
         disk_cache_dir: str | os.PathLike[str] | None = None,
         disk_cache_bytes: int = DEFAULT_MAX_BYTES,
+        rank_invariant: bool = False,
     ) -> None:
+        """``rank_invariant``: one of several tensor-parallel ranks, which must all end with
+        the same grammar for a spec: no fallback is taken on timing (a slow or busy backend),
+        only on a refusal or an internal error, which every rank sees alike."""
         if backend not in (None, "auto", "xgrammar", "guidance", "llguidance"):
             raise InvalidSpecError(f"backend must be auto, xgrammar or guidance, got {backend!r}")
         if timeout_s <= 0 or max_workers < 1 or cache_bytes < 0 or max_negative < 0:
@@ -402,6 +411,7 @@ class Engine:
         self.negative_ttl_s = negative_ttl_s
         self.max_negative = max_negative
         self.prefer: Preference = prefer
+        self.rank_invariant = rank_invariant
         self.stats = Stats()
         self._runners: dict[str, _Runner] = {
             "xgrammar": _Runner(max_workers, max_abandoned),
@@ -507,25 +517,29 @@ class Engine:
     def route(self, spec: GrammarSpec) -> Route:
         return route(self._effective(spec), prefer=self.prefer)
 
-    def check(self, spec: GrammarSpec) -> Route:
+    def plan(self, spec: GrammarSpec) -> Plan:
+        """The attempts a compile of ``spec`` runs, in order (``grammask.router.plan``)."""
+        return plan(self._effective(spec), prefer=self.prefer,
+                    rank_invariant=self.rank_invariant)
+
+    def check(self, spec: GrammarSpec) -> Attempt:
         """Cheap validation without compiling for the tokenizer (request admission).
 
-        Walks the same attempts as a compile (the route in its mode, then its fallbacks), so
-        admission refuses exactly what no compile could serve; returns the attempt that
-        passed. Raises the routed engine's error when none does."""
-        spec = self._effective(spec)
-        decision = self.route(spec)
-        try:
-            get_backend(decision.backend).check(spec, lenient=decision.lenient)
-            return decision
-        except GrammarError as first:
-            for fallback in self._fallbacks(spec, decision):
-                try:
-                    get_backend(fallback.backend).check(spec, lenient=fallback.lenient)
-                except GrammarError:
-                    continue
-                return fallback
-            raise first from None
+        Walks the plan's attempts (refusals only: an internal error is not the spec's
+        fault), so admission refuses exactly what no compile could serve; returns the attempt
+        that passed. Raises the routed backend's error when none does."""
+        first: GrammarError | None = None
+        for step in self.plan(spec).attempts:
+            if "refused" not in step.after:
+                continue
+            try:
+                get_backend(step.backend).check(self._effective(spec), lenient=step.lenient)
+            except GrammarError as exc:
+                first = first or exc
+                continue
+            return step
+        assert first is not None
+        raise first
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
@@ -662,90 +676,59 @@ class Engine:
         trim_heap()
 
     def _compile_routed(self, spec: GrammarSpec, deadline: float) -> Grammar:
-        decision = route(spec, prefer=self.prefer)
-        fallbacks = self._fallbacks(spec, decision)
-        # one budget for the whole request: keep some for the fallbacks (llguidance compiles
-        # in milliseconds) so a runaway primary still leaves time to fall back
-        first_deadline = slot_deadline = deadline
-        if fallbacks:
+        """Run the router's plan: each attempt in order, within its share of the time left,
+        all under the request's one ``deadline``."""
+        plan = self.plan(spec)
+        steps = plan.attempts
+        first = steps[0]
+        failures: list[GrammarError] = []
+        for i, step in enumerate(steps):
+            if failures and _failure_kind(failures[-1]) not in step.after:
+                continue
             left = max(0.0, deadline - time.monotonic())
-            first_deadline = deadline - 0.3 * left
-            slot_deadline = deadline - 0.8 * left  # busy engine: the fallback may be free
-        try:
-            return self._attempt(spec, decision.backend, decision, first_deadline,
-                                 can_fall_back=bool(fallbacks), slot_deadline=slot_deadline)
-        except GrammarError as first:
-            if isinstance(first, InternalCompileError):
-                fallbacks += self._other_engine(spec, decision, fallbacks)
-            for fallback in fallbacks:
+            last = i == len(steps) - 1
+            if failures:
                 log.warning("grammask: %s on %s failed (%s); trying %s%s", spec.describe(),
-                            decision.backend, first.message, fallback.backend,
-                            " (lenient)" if fallback.lenient else "")
-                try:
-                    grammar = self._attempt(spec, fallback.backend, fallback, deadline)
-                except GrammarError:
-                    continue
-                with self._lock:
-                    self.stats.fallbacks += 1
-                metrics.FALLBACKS.labels(
-                    from_backend=decision.backend, to_backend=fallback.backend,
-                    reason=type(first).__name__).inc()
-                reason = (f"{decision.backend} failed ({first.message}); "
-                          f"fell back to {fallback.backend}")
-                return Grammar(spec, grammar.backend, reason, grammar.unenforced,
-                               grammar.compile_ms, grammar.compiled,
-                               fallback_from=decision.backend, from_disk=grammar.from_disk)
-            raise
+                            first.backend, failures[0].message, step.backend,
+                            " (lenient)" if step.lenient else "")
+            try:
+                grammar = self._attempt(
+                    spec, step, plan.route.reason,
+                    deadline if last else deadline - (1 - step.budget) * left,
+                    skip_busy=step.skip_busy and not last,
+                    slot_deadline=deadline - (1 - step.slot_budget) * left)
+            except GrammarError as exc:
+                failures.append(exc)
+                continue
+            if not failures:
+                return grammar
+            with self._lock:
+                self.stats.fallbacks += 1
+            metrics.FALLBACKS.labels(from_backend=first.backend, to_backend=step.backend,
+                                     reason=type(failures[0]).__name__).inc()
+            reason = (f"{first.backend} failed ({failures[0].message}); "
+                      f"fell back to {step.backend}")
+            return Grammar(spec, grammar.backend, reason, grammar.unenforced,
+                           grammar.compile_ms, grammar.compiled,
+                           fallback_from=first.backend, from_disk=grammar.from_disk)
+        raise failures[0]
 
-    def _other_engine(self, spec: GrammarSpec, decision: Route, have: list[Route]
-                      ) -> list[Route]:
-        """After an internal error: the other engine, when the fallbacks lack it."""
-        other: BackendName = "xgrammar" if decision.backend == "guidance" else "guidance"
-        if spec.backend is not None or any(r.backend == other for r in have):
-            return []
-        return [Route(other, "fallback after an internal error",
-                      unenforced=decision.unenforced)]
-
-    def _fallbacks(self, spec: GrammarSpec, decision: Route) -> list[Route]:
-        """What may still serve a spec its routed engine refused, best first.
-
-        Order: the route's own fallback (the other engine enforces everything too); llguidance
-        in lenient mode (e.g. overlapping oneOf); the other engine with its gaps listed. Strict
-        specs never fall back to an engine with gaps; forced backends never fall back.
-        """
-        if spec.backend is not None:
-            return []
-        out: list[Route] = []
-        if decision.fallback is not None:
-            out.append(Route(decision.fallback, "fallback", unenforced=decision.unenforced))
-        if spec.kind == "json_schema":
-            if decision.backend == "guidance" and not decision.lenient:
-                out.append(Route("guidance", "fallback", unenforced=decision.unenforced,
-                                 lenient=True))
-            other: BackendName = "xgrammar" if decision.backend == "guidance" else "guidance"
-            if all(r.backend != other for r in out):
-                gaps = route(spec.with_backend(other)).unenforced
-                if not (spec.strict and gaps):
-                    out.append(Route(other, "fallback", unenforced=gaps,
-                                     lenient=other == "guidance" and bool(gaps)))
-        return out
-
-    def _attempt(self, spec: GrammarSpec, backend: BackendName, decision: Route,
-                 deadline: float, can_fall_back: bool = False,
-                 slot_deadline: float | None = None) -> Grammar:
+    def _attempt(self, spec: GrammarSpec, step: Attempt, reason: str, deadline: float,
+                 skip_busy: bool = False, slot_deadline: float | None = None) -> Grammar:
+        backend = step.backend
         engine = get_backend(backend)
         slow_key = (spec.key, backend)
         with self._lock:
             running = self._slow.get(slow_key)
         self._engine_tokenizer(backend)
         if backend == "xgrammar" and self._disk is not None:
-            loaded = self._from_disk(spec, backend, decision, deadline)
+            loaded = self._from_disk(spec, step, reason, deadline)
             if loaded is not None:
                 return loaded
         started = time.perf_counter()
 
         def late(value: object, error: BaseException | None) -> None:
-            self._late_result(spec, backend, decision, started, value, error)
+            self._late_result(spec, step, reason, started, value, error)
 
         def abandoned(job: _Job) -> None:
             with self._lock:  # a job already done has had its late result handled
@@ -757,8 +740,8 @@ class Engine:
                 compiled: CompiledGrammar = _join(running, deadline, backend)
             else:
                 compiled = self._runners[backend].run(
-                    lambda: engine.compile(spec, self.vocab, lenient=decision.lenient),
-                    deadline, backend, on_late=late, can_fall_back=can_fall_back,
+                    lambda: engine.compile(spec, self.vocab, lenient=step.lenient),
+                    deadline, backend, on_late=late, can_fall_back=skip_busy,
                     slot_deadline=slot_deadline, on_abandon=abandoned)
         except CompileTimeoutError:
             with self._lock:
@@ -782,10 +765,10 @@ class Engine:
         with self._lock:
             self.stats.compiles[backend] += 1
             self.stats.compile_ms[backend] += elapsed
-        self._to_disk(spec, backend, decision, compiled, elapsed)
-        return self._grammar(spec, backend, decision, compiled, elapsed)
+        self._to_disk(spec, step, compiled, elapsed)
+        return self._grammar(spec, step, reason, compiled, elapsed)
 
-    def _from_disk(self, spec: GrammarSpec, backend: BackendName, decision: Route,
+    def _from_disk(self, spec: GrammarSpec, step: Attempt, reason: str,
                    deadline: float) -> Grammar | None:
         """A grammar an earlier compile (any process) left on disk. Runs inside the flight
         (joined requests share it) and within the request's deadline: a load never starts
@@ -794,7 +777,7 @@ class Engine:
         if disk is None or time.monotonic() >= deadline:
             return None
         started = time.perf_counter()
-        compiled = disk.load_xgrammar(spec, self.vocab, lenient=decision.lenient)
+        compiled = disk.load_xgrammar(spec, self.vocab, lenient=step.lenient)
         elapsed = (time.perf_counter() - started) * 1000
         with self._lock:
             if compiled is None:
@@ -807,25 +790,26 @@ class Engine:
             return None
         log.info("grammask: %s loaded from the disk cache in %.1f ms", spec.describe(),
                  elapsed)
-        grammar = self._grammar(spec, backend, decision, compiled, elapsed)
+        grammar = self._grammar(spec, step, reason, compiled, elapsed)
         return Grammar(grammar.spec, grammar.backend, grammar.reason, grammar.unenforced,
                        grammar.compile_ms, grammar.compiled, from_disk=True)
 
-    def _to_disk(self, spec: GrammarSpec, backend: BackendName, decision: Route,
-                 compiled: object, compile_ms: float) -> None:
+    def _to_disk(self, spec: GrammarSpec, step: Attempt, compiled: object,
+                 compile_ms: float) -> None:
         """Queue a fresh xgrammar compile for the disk cache (written off the request path)."""
         disk = self._disk
-        if disk is None or backend != "xgrammar" or self._closed:
+        if disk is None or step.backend != "xgrammar" or self._closed:
             return
-        if disk.store_xgrammar(spec, self.vocab, compiled, lenient=decision.lenient,
+        if disk.store_xgrammar(spec, self.vocab, compiled, lenient=step.lenient,
                                compile_ms=compile_ms):
             with self._lock:
                 self.stats.disk_writes += 1
 
-    def _grammar(self, spec: GrammarSpec, backend: BackendName, decision: Route,
+    def _grammar(self, spec: GrammarSpec, step: Attempt, reason: str,
                  compiled: CompiledGrammar, elapsed: float) -> Grammar:
-        unenforced = list(decision.unenforced)
-        if decision.lenient and not unenforced:
+        backend = step.backend
+        unenforced = list(step.unenforced)
+        if step.lenient and not unenforced:
             # lenient mode was asked for a formality (unknown format) or as a rescue: report
             # whatever llguidance says it ignored
             unenforced += [f"llguidance: {w}" for w in getattr(compiled, "warnings", [])
@@ -834,17 +818,18 @@ class Engine:
             metrics.UNENFORCED.labels(backend=backend).inc()
             log.warning("grammask: %s served by %s without enforcing %s", spec.describe(),
                         backend, ", ".join(unenforced))
-        log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend,
-                 decision.reason, elapsed)
-        return Grammar(spec, backend, decision.reason, tuple(unenforced), elapsed, compiled)
+        log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend, reason,
+                 elapsed)
+        return Grammar(spec, backend, reason, tuple(unenforced), elapsed, compiled)
 
-    def _late_result(self, spec: GrammarSpec, backend: BackendName, decision: Route,
-                     started: float, value: object, error: BaseException | None) -> None:
+    def _late_result(self, spec: GrammarSpec, step: Attempt, reason: str, started: float,
+                     value: object, error: BaseException | None) -> None:
         """An abandoned compile finished: cache it unless the request was served otherwise,
         so the work is not lost and the spec is no longer treated as a runaway."""
+        backend = step.backend
         elapsed = (time.perf_counter() - started) * 1000
         if error is None:  # a runaway's result is what the disk cache is for
-            self._to_disk(spec, backend, decision, value, elapsed)
+            self._to_disk(spec, step, value, elapsed)
         with self._lock:
             self._slow.pop((spec.key, backend), None)
             self.stats.abandoned = sum(r.abandoned for r in self._runners.values())
@@ -853,11 +838,17 @@ class Engine:
             self.stats.late_results += 1
             self.stats.compiles[backend] += 1
             self.stats.compile_ms[backend] += elapsed
-        grammar = self._grammar(spec, backend, decision, value, elapsed)  # type: ignore[arg-type]
+        grammar = self._grammar(spec, step, reason, value, elapsed)  # type: ignore[arg-type]
         with self._lock:
             if not self._closed and spec.key not in self._cache:
                 self._insert(spec.key, grammar)
         self._trim()
+
+
+def _failure_kind(error: GrammarError) -> Failure:
+    if isinstance(error, InternalCompileError):
+        return "internal"
+    return "timeout" if isinstance(error, CompileTimeoutError) else "refused"
 
 
 def _observe(backend: str, spec: GrammarSpec, outcome: str, started: float) -> None:

@@ -38,18 +38,10 @@ def _state(future: Future[Grammar] | None) -> int:
 
 
 def hedge_spec(engine: Engine, spec: GrammarSpec) -> GrammarSpec | None:
-    """The spec on the other engine, when that engine may serve it; else None.
-
-    Only JSON schemas hedge: their compile time varies by orders of magnitude between the
-    engines. Grammars do not (llguidance's GBNF conversion refuses valid texts), nor do
-    forced backends, nor strict specs the other engine has gaps on."""
-    if spec.kind != "json_schema" or spec.backend is not None:
-        return None
-    routed = engine.route(spec).backend
-    other = spec.with_backend("guidance" if routed == "xgrammar" else "xgrammar")
-    if spec.strict and engine.route(other).unenforced:
-        return None
-    return other
+    """The spec forced onto the plan's hedge backend (``grammask.router.Plan.hedge``), or None
+    when the other backend may not serve it."""
+    hedge = engine.plan(spec).hedge
+    return None if hedge is None else spec.with_backend(hedge.backend)
 
 
 Starter = Callable[[], Future[Grammar]]

@@ -20,6 +20,10 @@ the same request gives the same backend on every rank. The policy:
 4. other kinds: xgrammar for choice lists, structural tags and GBNF (its native syntax; the
    llguidance conversion changes the language), llguidance for regexes and Lark (measured:
    xgrammar's regex/Lark compiles are 5-80x slower).
+
+``plan`` turns the decision into the ordered attempts a compile runs (fallbacks, lenient
+retries, budget shares, the hedge a batch processor may start) from the same single walk of
+the schema; the compiler carries it out and never asks again.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import InvalidSchemaError, UnsupportedError
@@ -124,7 +128,115 @@ class Route:
 Preference = Literal["auto", "xgrammar", "guidance"]
 
 
+Failure = Literal["refused", "timeout", "internal"]
+ALL_FAILURES: frozenset[Failure] = frozenset({"refused", "timeout", "internal"})
+NOT_TIMING: frozenset[Failure] = frozenset({"refused", "internal"})
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One step of a plan: a backend in a mode, what it leaves unenforced, and its budget."""
+
+    backend: BackendName
+    lenient: bool = False
+    unenforced: tuple[str, ...] = ()
+    #: share of the request's time left that this step may use (the rest is kept for the
+    #: steps after it: a runaway first step still leaves time to fall back)
+    budget: float = 1.0
+    #: share of the time left this step waits for a free compile slot before moving on
+    slot_budget: float = 1.0
+    #: skip the queue behind runaway compiles holding every slot: the next step may be free
+    skip_busy: bool = False
+    #: the failures of the step before that lead here: "refused" (the backend refused the
+    #: spec), "timeout" (slow or busy: a timing outcome), "internal" (the backend broke)
+    after: frozenset[Failure] = ALL_FAILURES
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a compile tries, in order, under one deadline: the router's whole policy.
+
+    ``route`` is the decision (backend, reason, gaps) the first attempt carries out. ``hedge``
+    is the attempt a batch processor may start beside the first one when a first mask is late
+    (the first ready serves); None where the other backend may not serve the spec."""
+
+    route: Route
+    attempts: tuple[Attempt, ...]
+    hedge: Attempt | None = None
+
+    @property
+    def backend(self) -> BackendName:
+        return self.route.backend
+
+
+#: The first attempt's shares when others follow (measured: llguidance, the usual fallback,
+#: compiles in milliseconds, so most of the budget may go to the first backend).
+FIRST_BUDGET, FIRST_SLOT_BUDGET = 0.7, 0.2
+
+
+def plan(spec: GrammarSpec, *, prefer: Preference = "auto",
+         rank_invariant: bool = False) -> Plan:
+    """The attempts that may serve ``spec``, best first, from one walk of the schema.
+
+    After the routed backend, for JSON schemas: the other backend when it enforces everything
+    too; llguidance in lenient mode (e.g. overlapping oneOf); the other backend with its gaps
+    listed (the ``hedge``). Other kinds: the route's fallback, else the other backend after an
+    internal error only. Strict specs never fall back to a backend with gaps; forced backends
+    never fall back.
+
+    ``rank_invariant`` (tensor parallelism: every rank must end with the same grammar): no step
+    depends on timing. The first attempt gets the whole budget and waits for its slot, and
+    only a refusal or an internal error, which every rank sees alike, moves to the next."""
+    features = _features(spec)
+    decision = _decide(spec, features, prefer)
+    hedge = _hedge(spec, features, decision)
+    after = NOT_TIMING if rank_invariant else ALL_FAILURES
+    rest: list[Attempt] = []
+    if spec.backend is None and spec.kind == "json_schema":
+        if hedge is not None and decision.fallback == hedge.backend:
+            rest.append(replace(hedge, after=after))
+        if decision.backend == "guidance" and not decision.lenient:
+            rest.append(Attempt("guidance", lenient=True, unenforced=decision.unenforced,
+                                after=after))
+        if hedge is not None and all(a.backend != hedge.backend for a in rest):
+            rest.append(replace(hedge, after=after))
+    elif spec.backend is None:
+        if decision.fallback is not None:
+            rest.append(Attempt(decision.fallback, after=after))
+        else:
+            other: BackendName = "xgrammar" if decision.backend == "guidance" else "guidance"
+            rest.append(Attempt(other, after=frozenset({"internal"})))
+    timed = bool(rest) and not rank_invariant
+    first = Attempt(decision.backend, decision.lenient, decision.unenforced,
+                    budget=FIRST_BUDGET if timed else 1.0,
+                    slot_budget=FIRST_SLOT_BUDGET if timed else 1.0, skip_busy=timed)
+    return Plan(decision, (first, *rest), hedge)
+
+
+def _hedge(spec: GrammarSpec, features: dict[str, str], decision: Route) -> Attempt | None:
+    """The other backend for a JSON schema, when it may serve it (not forced; not strict about
+    gaps it has). Only JSON schemas: their compile times differ by orders of magnitude
+    between the backends; grammars do not (llguidance's GBNF conversion refuses valid
+    texts)."""
+    if spec.kind != "json_schema" or spec.backend is not None:
+        return None
+    other: BackendName = "guidance" if decision.backend == "xgrammar" else "xgrammar"
+    gaps = _gaps(features, XGRAMMAR_GAPS if other == "xgrammar" else GUIDANCE_GAPS)
+    lenient = other == "guidance" and (bool(gaps) or any(
+        n in GUIDANCE_LENIENT_SAFE for n in features))
+    gaps += [f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS]
+    if spec.strict and any(g in XGRAMMAR_GAPS or g in GUIDANCE_GAPS for g in gaps):
+        return None
+    return Attempt(other, lenient=lenient, unenforced=tuple(gaps))
+
+
 def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
+    """The routed backend for a spec, with its reason and gaps (the first step of ``plan``)."""
+    return _decide(spec, _features(spec), prefer)
+
+
+def _features(spec: GrammarSpec) -> dict[str, str]:
+    """The schema's routing features (one walk); raises for what no backend may serve."""
     features = schema_features(spec.schema) if spec.kind == "json_schema" else {}
     if "$ref (remote)" in features:
         raise InvalidSchemaError(
@@ -145,6 +257,10 @@ def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
                 features.setdefault("oneOf (overlapping branches)", overlap)
     if spec.whitespace_pattern is not None:
         features["whitespace_pattern"] = "options"
+    return features
+
+
+def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference) -> Route:
     if spec.backend is not None:
         return _forced(spec, features)
     if spec.kind != "json_schema":

@@ -13,7 +13,7 @@ from typing import Any
 from ..compiler import Engine
 from ..errors import GrammarError
 from ..vocab import Vocabulary
-from .vllm_settings import Settings
+from .vllm_settings import Settings, _tp_size
 
 log = logging.getLogger("grammask")
 
@@ -73,7 +73,8 @@ def shared_engine(vllm_config: Any, settings: Settings) -> Engine:
     key = (mc.tokenizer, getattr(mc, "tokenizer_revision", None),
            getattr(mc, "tokenizer_mode", None), mc.get_vocab_size(), settings.backend,
            settings.prefer, settings.cache_mb, settings.compile_threads,
-           settings.compile_timeout_s, settings.disk_cache, settings.disk_cache_mb)
+           settings.compile_timeout_s, settings.disk_cache, settings.disk_cache_mb,
+           _tp_size(vllm_config) > 1)
     with _ENGINES_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
@@ -83,7 +84,9 @@ def shared_engine(vllm_config: Any, settings: Settings) -> Engine:
                             cache_bytes=settings.cache_mb * 1024 * 1024,
                             timeout_s=settings.compile_timeout_s,
                             disk_cache_dir=disk_cache_dir(settings),
-                            disk_cache_bytes=settings.disk_cache_mb * 1024 * 1024)
+                            disk_cache_bytes=settings.disk_cache_mb * 1024 * 1024,
+                            # ranks must end with one grammar per spec: no timing fallbacks
+                            rank_invariant=_tp_size(vllm_config) > 1)
             # both engines' tokenizer views (~1 s for Qwen's 152k tokens): built before the
             # server reports healthy, so no first request waits on them past its budget
             _ = vocab.xgrammar_info

@@ -1,0 +1,175 @@
+"""The router's plan: what a compile tries, in order, and that the compiler runs it as given.
+
+The compiler asks the router once per cold compile and never climbs back up: the attempts,
+their modes, gaps and budget shares all come from ``grammask.router.plan``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import grammask.compiler as compiler_module
+import grammask.router as router_module
+from grammask import Engine, GrammarSpec
+from grammask.backends import get_backend
+from grammask.errors import CompileTimeoutError, UnsupportedError
+from grammask.router import ALL_FAILURES, FIRST_BUDGET, NOT_TIMING, Attempt, plan
+from grammask.vocab import Vocabulary
+
+FREE_TEXT = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+NO_TEXT = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+#: xgrammar ignores uniqueItems, llguidance refuses it by default (a tie: llguidance, lenient)
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+#: xgrammar does not enforce patternProperties; llguidance does
+PATTERN_KEYS = {"type": "object", "patternProperties": {"^x-": {"type": "integer"}}}
+
+
+def test_a_free_text_schema_plans_llguidance_then_xgrammar() -> None:
+    steps = plan(GrammarSpec.json_schema(FREE_TEXT)).attempts
+    assert [s.backend for s in steps] == ["guidance", "xgrammar", "guidance"]
+    assert [s.lenient for s in steps] == [False, False, True]
+    first = steps[0]
+    assert (first.budget, first.skip_busy) == (FIRST_BUDGET, True)
+    assert all(s.budget == 1.0 and s.after == ALL_FAILURES for s in steps[1:])
+
+
+def test_the_hedge_is_the_other_backend_with_its_gaps() -> None:
+    p = plan(GrammarSpec.json_schema(UNIQUE))
+    assert p.backend == "guidance" and p.route.lenient and p.route.unenforced
+    assert p.hedge is not None
+    assert p.hedge == Attempt("xgrammar", unenforced=p.hedge.unenforced)
+    assert any("uniqueItems" in g for g in p.hedge.unenforced)
+    assert p.attempts[-1] == p.hedge  # and it is the last fallback
+
+
+def test_strict_specs_never_plan_a_backend_with_gaps() -> None:
+    loose = plan(GrammarSpec.json_schema(PATTERN_KEYS))
+    assert loose.backend == "guidance" and loose.hedge is not None
+    assert loose.hedge.backend == "xgrammar" and loose.hedge.unenforced
+    strict = plan(GrammarSpec.json_schema(PATTERN_KEYS, strict=True))
+    assert strict.backend == "guidance" and strict.hedge is None
+    assert all(step.backend == "guidance" and not step.unenforced
+               for step in strict.attempts)
+
+
+def test_a_strict_spec_no_backend_enforces_is_refused_by_the_plan() -> None:
+    with pytest.raises(UnsupportedError, match="no backend enforces"):
+        plan(GrammarSpec.json_schema({"type": "array", "uniqueItems": True,
+                                      "items": {"type": "integer"},
+                                      "contains": {"const": 1}, "not": {"const": []}},
+                                     strict=True))
+
+
+def test_forced_backends_plan_one_attempt_and_no_hedge() -> None:
+    p = plan(GrammarSpec.json_schema(FREE_TEXT, backend="xgrammar"))
+    assert [s.backend for s in p.attempts] == ["xgrammar"] and p.hedge is None
+    assert p.attempts[0].budget == 1.0 and not p.attempts[0].skip_busy
+
+
+def test_other_kinds_fall_back_by_their_route_and_never_hedge() -> None:
+    regex = plan(GrammarSpec.regex("[a-z]+"))
+    assert [s.backend for s in regex.attempts] == ["guidance", "xgrammar"]
+    assert regex.hedge is None
+    structural = plan(GrammarSpec.structural_tag({
+        "type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}))
+    assert [(s.backend, s.after) for s in structural.attempts] == [
+        ("xgrammar", ALL_FAILURES), ("guidance", {"internal"})]
+
+
+def test_rank_invariant_plans_have_no_timing_step() -> None:
+    """With tensor parallelism a fallback taken because one rank was slower would give the
+    ranks different grammars: the first attempt gets the whole budget and waits its turn."""
+    for schema in (FREE_TEXT, NO_TEXT, UNIQUE):
+        p = plan(GrammarSpec.json_schema(schema), rank_invariant=True)
+        assert len(p.attempts) > 1 and p.hedge is not None  # refusals still fall back
+        assert all((s.budget, s.slot_budget, s.skip_busy) == (1.0, 1.0, False)
+                   for s in p.attempts)
+        assert all("timeout" not in s.after for s in p.attempts[1:])
+        assert all(s.after == NOT_TIMING for s in p.attempts[1:])
+
+
+def test_the_plan_is_the_same_in_every_order_of_calls() -> None:
+    specs = [GrammarSpec.json_schema(s) for s in (FREE_TEXT, NO_TEXT, UNIQUE)]
+    first = [plan(s) for s in specs]
+    assert [plan(s) for s in reversed(specs)][::-1] == first
+
+
+class _Gate:
+    """A real backend whose compile blocks until the test releases it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+        backend = get_backend(name)
+        original = backend.compile
+
+        def gated(spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
+            self.calls += 1
+            self.release.wait(60)
+            return original(spec, vocab, lenient=lenient)
+
+        monkeypatch.setattr(backend, "compile", gated)
+
+
+def test_a_compile_asks_the_router_once_and_runs_its_plan(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One way: compiler -> router (once) -> backends. The fallback's mode and gaps are the
+    plan's, not recomputed by the compiler."""
+    calls: list[str] = []
+    real_plan = router_module.plan
+
+    def counted(spec: GrammarSpec, **kwargs: Any) -> Any:
+        calls.append(spec.key)
+        return real_plan(spec, **kwargs)
+
+    monkeypatch.setattr(compiler_module, "plan", counted)
+    monkeypatch.setattr(router_module, "route", lambda *a, **k: pytest.fail("route climbed"))
+    refusing = get_backend("xgrammar")
+
+    def refuse(spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
+        raise UnsupportedError("refused by the test")
+
+    monkeypatch.setattr(refusing, "compile", refuse)
+    engine = Engine(qwen25, prefer="xgrammar")
+    grammar = engine.compile(GrammarSpec.json_schema(NO_TEXT))
+    assert len(calls) == 1
+    assert grammar.backend == "guidance" and grammar.fallback_from == "xgrammar"
+    assert "refused by the test" in grammar.reason
+
+
+def test_rank_invariant_engines_do_not_fall_back_on_timing(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled first backend: a single-rank engine moves to the fallback within the budget;
+    a rank-invariant one waits for the routed backend, so every rank ends alike."""
+    gate = _Gate(monkeypatch, "xgrammar")
+    fallback = _Gate(monkeypatch, "guidance")
+    fallback.release.set()
+    spec = GrammarSpec.json_schema(NO_TEXT)
+    try:
+        solo = Engine(qwen25, timeout_s=1.0)
+        assert solo.route(spec).backend == "xgrammar"
+        assert solo.compile(spec).backend == "guidance" and fallback.calls == 1
+        ranked = Engine(qwen25, timeout_s=1.0, rank_invariant=True)
+        with pytest.raises(CompileTimeoutError):
+            ranked.compile(GrammarSpec.json_schema({**NO_TEXT, "title": "another key"}))
+        assert fallback.calls == 1  # the rank-invariant engine never tried llguidance
+    finally:
+        gate.release.set()
+
+
+def test_check_walks_the_plan(qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission refuses exactly what no attempt could serve: when the routed backend's check
+    refuses, the next attempt of the plan that passes is the answer."""
+    engine = Engine(qwen25, backend="auto")
+    spec = GrammarSpec.json_schema(FREE_TEXT)
+    assert engine.check(spec) == engine.plan(spec).attempts[0]
+
+    def refuse(spec: GrammarSpec, *, lenient: bool = False) -> None:
+        raise UnsupportedError("refused by the test")
+
+    monkeypatch.setattr(get_backend("guidance"), "check", refuse)
+    assert engine.check(spec).backend == "xgrammar"
+    with pytest.raises(UnsupportedError, match="refused by the test"):
+        engine.check(GrammarSpec.json_schema(FREE_TEXT, backend="guidance"))

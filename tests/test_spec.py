@@ -7,25 +7,42 @@ import json
 import pytest
 
 from grammask import (
+    Engine,
     GrammarSpec,
     InvalidGrammarError,
     InvalidSchemaError,
     InvalidSpecError,
     parse_extra_args,
 )
+from grammask.vocab import Vocabulary
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 
 
-def test_canonical_key_ignores_key_order_and_whitespace() -> None:
+def test_the_key_ignores_whitespace_but_not_key_order() -> None:
+    """The backends emit properties in the declared order, so a reordered schema is another
+    grammar: a key that sorted keys served one schema's order to the other."""
     reordered = {"properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
                  "type": "object"}
     spaced = json.dumps(SCHEMA, indent=4)
-    keys = {GrammarSpec.json_schema(s).key for s in (SCHEMA, reordered, spaced)}
-    assert len(keys) == 1
+    assert GrammarSpec.json_schema(SCHEMA).key == GrammarSpec.json_schema(spaced).key
+    assert GrammarSpec.json_schema(SCHEMA).key != GrammarSpec.json_schema(reordered).key
     # the declared order is kept for compilation (xgrammar emits properties in it)
     assert GrammarSpec.json_schema(SCHEMA).source.index('"b"') < \
         GrammarSpec.json_schema(SCHEMA).source.index('"a"')
+
+
+def test_a_cached_grammar_never_serves_another_property_order(qwen25: Vocabulary) -> None:
+    """Two schemas equal but for their property order, both properties required: each must
+    get its own order (a user puts "reasoning" before "answer" on purpose)."""
+    first = {"type": "object", "required": ["answer", "reasoning"], "properties": {
+        "reasoning": {"type": "integer"}, "answer": {"type": "integer"}}}
+    second = {**first, "properties": dict(reversed(first["properties"].items()))}
+    engine = Engine(qwen25)
+    for backend in ("xgrammar", "guidance"):
+        engine.compile(GrammarSpec.json_schema(first, backend=backend))
+        matcher = engine.compile(GrammarSpec.json_schema(second, backend=backend)).matcher()
+        assert all(matcher.accept(t) for t in qwen25.encode('{"answer": 1')), backend
 
 
 def test_options_are_part_of_the_key() -> None:

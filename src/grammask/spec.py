@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any, Literal, cast
 from urllib.parse import unquote
 
-from .errors import InvalidGrammarError, InvalidSchemaError, InvalidSpecError
+from .errors import GrammarError, InvalidGrammarError, InvalidSchemaError, InvalidSpecError
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 Syntax = Literal["ebnf", "lark"]
@@ -65,10 +65,12 @@ class GrammarSpec:
         object.__setattr__(self, "key", _digest(self._key_material()))
 
     def _key_material(self) -> str:
+        """The text the key hashes. A JSON schema's ``source`` is compact JSON in its declared
+        key order, kept as is: the backends emit properties in that order, so two schemas that
+        differ only in it are two grammars (a sorted key once served one's order to the
+        other)."""
         canonical = self.source
-        if self.kind == "json_schema":
-            canonical = canonical_json(self.schema)
-        elif self.kind in ("structural_tag", "choice"):
+        if self.kind in ("structural_tag", "choice"):
             canonical = canonical_json(json.loads(self.source))
         return json.dumps(
             [self.kind, canonical, self.syntax, self.any_whitespace, self.whitespace_pattern,
@@ -83,7 +85,10 @@ class GrammarSpec:
         return hash(self.key)
 
     def with_backend(self, backend: BackendName | None) -> GrammarSpec:
-        return replace(self, backend=_check_backend(backend))
+        twin = replace(self, backend=_check_backend(backend))
+        if "schema" in self.__dict__:  # the parse is shared (read-only), not repeated
+            twin.__dict__["schema"] = self.__dict__["schema"]
+        return twin
 
     @cached_property
     def schema(self) -> Any:
@@ -117,13 +122,16 @@ class GrammarSpec:
         max_bytes: int = MAX_SOURCE_BYTES,
     ) -> GrammarSpec:
         parsed = _parse_schema(schema, max_bytes)
-        return cls(
+        spec = cls(
             "json_schema", _compact_json(parsed),
             any_whitespace=_check_bool(any_whitespace, "any_whitespace"),
             whitespace_pattern=_check_opt_str(whitespace_pattern, "whitespace_pattern"),
             extra_properties=_check_bool(extra_properties, "extra_properties"),
             strict=_check_bool(strict, "strict"), backend=_check_backend(backend),
         )
+        if isinstance(schema, str):  # parsed here, so nobody else holds it: no second parse
+            spec.__dict__["schema"] = parsed
+        return spec
 
     @classmethod
     def json_object(
@@ -387,7 +395,7 @@ def _parse_schema(schema: object, max_bytes: int) -> Any:
     if isinstance(schema, str):
         _check_text(schema, "schema", max_bytes, allow_empty=False)
         try:
-            parsed = json.loads(schema)
+            parsed = json.loads(schema, parse_constant=_no_constant)
         except json.JSONDecodeError as exc:
             raise InvalidSchemaError(f"schema is not valid JSON: {exc.msg}",
                                      where=f"line {exc.lineno} column {exc.colno}") from exc
@@ -408,39 +416,97 @@ def _parse_schema(schema: object, max_bytes: int) -> Any:
             f"a JSON schema must be an object or a boolean, got {type(parsed).__name__}",
             where="/",
         )
-    _check_json_value(parsed, "", 0, [0], max_bytes)
+    if isinstance(schema, str):
+        # json.loads made every key a string and every value JSON (NaN refused above), and
+        # the text's size bounds the nodes: only the depth is left to check
+        deep = _too_deep(parsed)
+        if deep is not None:
+            raise InvalidSchemaError(f"schema nests deeper than {MAX_NESTING} levels",
+                                     where=deep)
+        return parsed
+    try:
+        _check_json_value(parsed, 0, [0], max_bytes)
+    except _BadValue as bad:
+        raise bad.error() from None
     return parsed
 
 
-def _check_json_value(value: Any, pointer: str, depth: int, size: list[int],
-                      max_bytes: int) -> None:
-    """Refuse what JSON cannot carry (NaN, non-string keys, NUL) and what is too deep or big."""
+def _no_constant(name: str) -> Any:
+    raise InvalidSchemaError(f"{name} is not a JSON number", where="/")
+
+
+def _too_deep(root: Any) -> str | None:
+    """The pointer of the first value nested deeper than ``MAX_NESTING`` (the root is at 0),
+    or None. Iterative (no recursion limit) and pointer-free until one is found."""
+    containers: list[tuple[Any, int, str]] = [(root, -1, "")]  # value, parent, key
+    stack = [(0, 0)]  # (index into containers, depth)
+    while stack:
+        index, depth = stack.pop()
+        value = containers[index][0]
+        for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+            if depth >= MAX_NESTING:
+                path = [str(k)]
+                while index > 0:
+                    _, parent, key = containers[index]
+                    path.append(key)
+                    index = parent
+                return _pointer(path[::-1])
+            if v and isinstance(v, dict | list):
+                containers.append((v, index, str(k)))
+                stack.append((len(containers) - 1, depth + 1))
+    return None
+
+
+def _pointer(path: Sequence[str]) -> str:
+    return "".join(f"/{_escape(p)}" for p in path) or "/"
+
+
+class _BadValue(Exception):
+    """Raised deep in the walk; the path is collected on the way up (pointers are built only
+    for an error, not for every node of a valid schema)."""
+
+    def __init__(self, kind: type[GrammarError], message: str) -> None:
+        self.kind, self.message = kind, message
+        self.path: list[str] = []
+
+    def error(self) -> GrammarError:
+        return self.kind(self.message, where=_pointer(self.path))
+
+
+def _check_json_value(value: Any, depth: int, size: list[int], max_bytes: int) -> None:
+    """Refuse what JSON cannot carry (NaN, non-string keys) and what is too deep or big."""
     if depth > MAX_NESTING:
-        raise InvalidSchemaError(f"schema nests deeper than {MAX_NESTING} levels",
-                                 where=pointer or "/")
+        raise _BadValue(InvalidSchemaError, f"schema nests deeper than {MAX_NESTING} levels")
     size[0] += 1
     if size[0] > max_bytes // 2:
-        raise InvalidSpecError(f"schema has over {max_bytes // 2} nodes", where=pointer or "/")
+        raise _BadValue(InvalidSpecError, f"schema has over {max_bytes // 2} nodes")
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise InvalidSchemaError(f"object key {k!r} is not a string",
-                                         where=pointer or "/")
-            _check_json_value(v, f"{pointer}/{_escape(k)}", depth + 1, size, max_bytes)
+                raise _BadValue(InvalidSchemaError, f"object key {k!r} is not a string")
+            if v is None or isinstance(v, bool | int):
+                continue  # the common leaves, without a call
+            try:
+                _check_json_value(v, depth + 1, size, max_bytes)
+            except _BadValue as bad:
+                bad.path.insert(0, k)
+                raise
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
-            _check_json_value(v, f"{pointer}/{i}", depth + 1, size, max_bytes)
+            try:
+                _check_json_value(v, depth + 1, size, max_bytes)
+            except _BadValue as bad:
+                bad.path.insert(0, str(i))
+                raise
     elif isinstance(value, str):  # a NUL is legal in a JSON string (`[^\u0000]` patterns)
         size[0] += len(value) // 2
         if size[0] > max_bytes // 2:
-            raise InvalidSpecError(f"schema is over the {max_bytes / 1e6:.1f} MB limit",
-                                   where=pointer or "/")
+            raise _BadValue(InvalidSpecError, f"schema is over the {max_bytes / 1e6:.1f} MB limit")
     elif isinstance(value, float):
         if not math.isfinite(value):
-            raise InvalidSchemaError(f"{value} is not a JSON number", where=pointer or "/")
+            raise _BadValue(InvalidSchemaError, f"{value} is not a JSON number")
     elif value is not None and not isinstance(value, bool | int):
-        raise InvalidSchemaError(f"{type(value).__name__} is not a JSON value",
-                                 where=pointer or "/")
+        raise _BadValue(InvalidSchemaError, f"{type(value).__name__} is not a JSON value")
 
 
 def _escape(key: str) -> str:

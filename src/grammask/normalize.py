@@ -24,6 +24,7 @@ _SUBSCHEMA_SINGLE = ("additionalProperties", "items", "contains", "not", "if", "
                      "additionalItems")
 _OPEN_MARKERS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref",
                  "allOf", "anyOf", "oneOf", "if", "dependentSchemas")
+_OPEN_MARKER_KEYS = frozenset(_OPEN_MARKERS)
 
 
 def search_pattern(pattern: str) -> str:
@@ -80,35 +81,41 @@ def escape_nul_chars(pattern: str) -> str:
     return "".join(out)
 
 
+_MAP, _LIST, _SINGLE, _ALL_OF, _ITEMS = range(5)
+#: What each schema-valued key holds (every other key is copied as is).
+_ROLE: dict[str, int] = {
+    **{k: _MAP for k in _SUBSCHEMA_MAPS}, **{k: _LIST for k in _SUBSCHEMA_LISTS},
+    **{k: _SINGLE for k in _SUBSCHEMA_SINGLE}, "allOf": _ALL_OF, "items": _ITEMS,
+}
+
+
 def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool, search: bool = True,
           nul: bool = False) -> Any:
+    """One node rewritten; runs on every node of every cold compile, so it dispatches on
+    the keys a node has through one table."""
     if not isinstance(node, dict):
         return node
     out: dict[str, Any] = {}
-
-    def walk(v: Any, all_of: bool = False) -> Any:
-        return _walk(v, close, in_all_of=all_of, free=free, search=search, nul=nul)
-
-    def pat(p: str) -> str:
-        if nul:
-            return escape_nul_chars(p)
-        return search_pattern(p) if search else p
-
+    rewrite_patterns = nul or search
     for key, value in node.items():
-        if key == "pattern" and isinstance(value, str):
-            out[key] = pat(value)
+        role = _ROLE.get(key)
+        if role is None:
+            if key == "pattern" and rewrite_patterns and isinstance(value, str):
+                value = _pattern(value, search, nul)
+            out[key] = value
         elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {(pat(k) if isinstance(k, str) else k): walk(v) for k, v in value.items()}
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: walk(v) for k, v in value.items()}
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [walk(v) for v in value]
-        elif key == "allOf" and isinstance(value, list):
-            out[key] = [walk(v, True) for v in value]
-        elif key == "items" and isinstance(value, list):
-            out[key] = [walk(v) for v in value]
-        elif key in _SUBSCHEMA_SINGLE:
-            out[key] = walk(value)
+            out[key] = {(_pattern(k, search, nul) if rewrite_patterns and isinstance(k, str)
+                         else k): _walk(v, close, in_all_of=False, free=free, search=search,
+                                        nul=nul)
+                        for k, v in value.items()}
+        elif role == _MAP:
+            out[key] = {k: _walk(v, close, in_all_of=False, free=free, search=search, nul=nul)
+                        for k, v in value.items()} if isinstance(value, dict) else value
+        elif role == _SINGLE or (role == _ITEMS and not isinstance(value, list)):
+            out[key] = _walk(value, close, in_all_of=False, free=free, search=search, nul=nul)
+        elif isinstance(value, list):  # anyOf, oneOf, prefixItems, allOf, items as a list
+            out[key] = [_walk(v, close, in_all_of=role == _ALL_OF, free=free, search=search,
+                              nul=nul) for v in value]
         else:
             out[key] = value
     if close and not in_all_of and _is_open_object(out):
@@ -116,6 +123,12 @@ def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool, search: bool =
     if free and not in_all_of:
         _spell_out_free_members(out)
     return out
+
+
+def _pattern(pattern: str, search: bool, nul: bool) -> str:
+    if nul:
+        return escape_nul_chars(pattern)
+    return search_pattern(pattern) if search else pattern
 
 
 _OBJECT_MEMBER_KEYS = ("properties", "additionalProperties", "patternProperties",
@@ -133,7 +146,7 @@ def _spell_out_free_members(node: dict[str, Any]) -> None:
 
 
 def _is_open_object(node: dict[str, Any]) -> bool:
-    if any(marker in node for marker in _OPEN_MARKERS):
+    if "properties" not in node or not _OPEN_MARKER_KEYS.isdisjoint(node):
         return False
     typ = node.get("type")
     # only objects that declare properties: closing a free-form object would leave just {}
@@ -178,27 +191,32 @@ _CHILD_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", 
               "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 
+_CHILD_ORDER = {k: i for i, k in enumerate((*_CHILD_MAPS, *_CHILD_LISTS, *_CHILD_ONE))}
+_CHILD_KEYS = frozenset(_CHILD_ORDER)
+_CHILD_MAP_KEYS, _CHILD_LIST_KEYS = frozenset(_CHILD_MAPS), frozenset(_CHILD_LISTS)
+
+
 def subschemas(node: Any, pointer: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every object subschema with its JSON pointer ("" for the root), parents first."""
+    """Every object subschema with its JSON pointer ("" for the root), parents first.
+
+    Runs for every cold compile (routing, checks): only the keys a node has are looked at
+    (most nodes have none of the child keys), in one fixed order."""
     stack: list[tuple[str, Any]] = [(pointer, node)]
+    order = _CHILD_ORDER.__getitem__
     while stack:
         ptr, cur = stack.pop()
         if not isinstance(cur, dict):
             continue
         yield ptr, cur
-        for key in _CHILD_MAPS:
-            child = cur.get(key)
-            if isinstance(child, dict):
-                stack.extend((f"{ptr}/{key}/{escape_key(k)}", v) for k, v in child.items())
-        for key in _CHILD_LISTS:
-            child = cur.get(key)
-            if isinstance(child, list):
+        present = _CHILD_KEYS.intersection(cur)
+        for key in sorted(present, key=order) if len(present) > 1 else present:
+            child = cur[key]
+            if key in _CHILD_MAP_KEYS:
+                if isinstance(child, dict):
+                    stack.extend((f"{ptr}/{key}/{escape_key(k)}", v) for k, v in child.items())
+            elif isinstance(child, list):
                 stack.extend((f"{ptr}/{key}/{i}", v) for i, v in enumerate(child))
-        for key in _CHILD_ONE:
-            child = cur.get(key)
-            if isinstance(child, list):
-                stack.extend((f"{ptr}/{key}/{i}", v) for i, v in enumerate(child))
-            elif child is not None:
+            elif key not in _CHILD_LIST_KEYS and child is not None:
                 stack.append((f"{ptr}/{key}", child))
 
 

@@ -480,9 +480,20 @@ def schema_features(schema: Any) -> dict[str, str]:
     """Routing-relevant features of a schema, each with the JSON pointer of its first use."""
     found: dict[str, str] = {}
     for pointer, node in _subschemas(schema, ""):
+        if _FEATURE_KEYS.isdisjoint(node):  # most nodes: nothing a backend lacks
+            continue
         for name in _node_features(node):
             found.setdefault(name, pointer or "/")
     return found
+
+
+#: Every key ``_node_features`` looks at: a node with none of them has no feature.
+_FEATURE_KEYS = frozenset({
+    "uniqueItems", "dependentRequired", "dependentSchemas", "dependencies", "not",
+    "propertyNames", "unevaluatedProperties", "unevaluatedItems", "oneOf", "if", "contains",
+    "minContains", "maxContains", "multipleOf", "allOf", "$ref", "$dynamicRef",
+    "$dynamicAnchor", "minLength", "maxLength", "pattern", "patternProperties", "required",
+    "format", "minProperties", "maxProperties"})
 
 
 def _node_features(node: dict[str, Any]) -> Iterator[str]:

@@ -577,6 +577,10 @@ _SCHEMA_ONE = ("additionalProperties", "items", "contains", "not", "if", "then",
 _STRINGS = ("pattern", "format", "$ref", "$id", "$anchor", "$dynamicRef")
 #: The largest magnitude a bound may have: beyond a double, xgrammar fails with no message.
 _MAX_BOUND = 1.7976931348623157e308
+_SCHEMA_CHILD_ORDER = {k: i for i, k in enumerate((*_SCHEMA_MAPS, *_SCHEMA_LISTS,
+                                                     *_SCHEMA_ONE))}
+_SCHEMA_CHILD_KEYS = frozenset(_SCHEMA_CHILD_ORDER)
+_SCHEMA_MAP_KEYS, _SCHEMA_LIST_KEYS = frozenset(_SCHEMA_MAPS), frozenset(_SCHEMA_LISTS)
 
 
 def check_keywords(schema: Any) -> None:
@@ -602,23 +606,25 @@ def check_keywords(schema: Any) -> None:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             refs.append((f"{ptr}/$ref", ref))
-        for key in _SCHEMA_MAPS:
-            child = node.get(key)
-            if isinstance(child, Mapping):
-                stack.extend((f"{ptr}/{key}/{_escape(k)}", v, positive)
-                             for k, v in child.items())
-        for key in _SCHEMA_LISTS:
-            child = node.get(key)
-            if isinstance(child, list):
-                stack.extend((f"{ptr}/{key}/{i}", v, positive) for i, v in enumerate(child))
-        for key in _SCHEMA_ONE:
-            child = node.get(key)
-            # an empty range under ``not`` / ``if`` is a way to say something, not an error
-            keep = positive and key not in ("not", "if")
-            if isinstance(child, list) and key in ("items", "additionalItems"):
-                stack.extend((f"{ptr}/{key}/{i}", v, keep) for i, v in enumerate(child))
-            elif key in node:
-                stack.append((f"{ptr}/{key}", child, keep))
+        present = _SCHEMA_CHILD_KEYS.intersection(node)
+        for key in sorted(present, key=_SCHEMA_CHILD_ORDER.__getitem__) \
+                if len(present) > 1 else present:
+            child = node[key]
+            if key in _SCHEMA_MAP_KEYS:
+                if isinstance(child, Mapping):
+                    stack.extend((f"{ptr}/{key}/{_escape(k)}", v, positive)
+                                 for k, v in child.items())
+            elif key in _SCHEMA_LIST_KEYS:
+                if isinstance(child, list):
+                    stack.extend((f"{ptr}/{key}/{i}", v, positive)
+                                 for i, v in enumerate(child))
+            else:
+                # an empty range under ``not`` / ``if`` is a way to say something, not an error
+                keep = positive and key not in ("not", "if")
+                if isinstance(child, list) and key in ("items", "additionalItems"):
+                    stack.extend((f"{ptr}/{key}/{i}", v, keep) for i, v in enumerate(child))
+                else:
+                    stack.append((f"{ptr}/{key}", child, keep))
     if not nested_ids:
         for where, ref in refs:
             if resolve_pointer(schema, ref) is _MISSING:
@@ -639,6 +645,8 @@ def _check_node(node: Mapping[str, Any], ptr: str, *, ranges: bool) -> None:
                 raise InvalidSchemaError(
                     f"unknown type {name!r}: expected one of {', '.join(sorted(SCHEMA_TYPES))}",
                     where=where)
+    if _CHECKED_KEYS.isdisjoint(node):  # most nodes: a type and annotations only
+        return
     for key in _COUNTS:
         if key in node:
             value = node[key]
@@ -696,6 +704,9 @@ _SHAPES: tuple[tuple[str, str, Any], ...] = (
     *((k, "an object, a boolean or an array", lambda v: _is_schema(v) or isinstance(v, list))
       for k in ("items", "additionalItems")),
 )
+#: Every key ``_check_node`` looks at beyond ``type``.
+_CHECKED_KEYS = frozenset({*_COUNTS, *_NUMBERS, *_EXCLUSIVE, *(k for r in _RANGES for k in r),
+                           *(k for k, _, _ in _SHAPES), "required"})
 
 
 def _is_number(value: object) -> bool:

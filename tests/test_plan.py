@@ -173,3 +173,19 @@ def test_check_walks_the_plan(qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatc
     assert engine.check(spec).backend == "xgrammar"
     with pytest.raises(UnsupportedError, match="refused by the test"):
         engine.check(GrammarSpec.json_schema(FREE_TEXT, backend="guidance"))
+
+
+def test_reasons_name_keywords_and_backends_never_timings() -> None:
+    """Timings are facts of one machine and one release: they live in the benchmark docs.
+    A reason that quotes one ("~25 ms") goes stale the day either backend changes."""
+    import re
+
+    specs = [GrammarSpec.json_schema(s) for s in (FREE_TEXT, NO_TEXT, UNIQUE, PATTERN_KEYS)]
+    specs += [GrammarSpec.json_schema(FREE_TEXT, extra_properties=True),
+              GrammarSpec.regex("[a-z]+@[a-z]+"), GrammarSpec.choice(["a", "b"]),
+              GrammarSpec.grammar('root ::= "a"'), GrammarSpec.grammar('start: "a"'),
+              GrammarSpec.json_object()]
+    timing = re.compile(r"\d\s*(ms|s|µs|us)\b|\d+(\.\d+)?x\b|faster|slower")
+    for spec in specs:
+        reason = plan(spec).route.reason
+        assert reason and not timing.search(reason), (spec.kind, reason)

@@ -55,7 +55,7 @@ from .errors import (
     InvalidSpecError,
 )
 from .router import Attempt, Failure, Plan, Preference, Route, plan, route
-from .spec import BackendName, GrammarSpec
+from .spec import BackendName, GrammarSpec, backend_name
 from .vocab import Vocabulary
 
 log = logging.getLogger("grammask")
@@ -398,14 +398,10 @@ class Engine:
         """``rank_invariant``: one of several tensor-parallel ranks, which must all end with
         the same grammar for a spec: no fallback is taken on timing (a slow or busy backend),
         only on a refusal or an internal error, which every rank sees alike."""
-        if backend not in (None, "auto", "xgrammar", "guidance", "llguidance"):
-            raise InvalidSpecError(f"backend must be auto, xgrammar or guidance, got {backend!r}")
+        self.default_backend = backend_name(backend)
         if timeout_s <= 0 or max_workers < 1 or cache_bytes < 0 or max_negative < 0:
             raise InvalidSpecError("timeout_s and max_workers must be positive")
         self.vocab = vocab
-        self.default_backend: BackendName | None = (
-            None if backend in (None, "auto") else
-            "guidance" if backend == "llguidance" else backend)  # type: ignore[assignment]
         self.timeout_s = timeout_s
         self.cache_bytes = cache_bytes
         self.negative_ttl_s = negative_ttl_s

@@ -85,7 +85,7 @@ class GrammarSpec:
         return hash(self.key)
 
     def with_backend(self, backend: BackendName | None) -> GrammarSpec:
-        twin = replace(self, backend=_check_backend(backend))
+        twin = replace(self, backend=backend_name(backend))
         if "schema" in self.__dict__:  # the parse is shared (read-only), not repeated
             twin.__dict__["schema"] = self.__dict__["schema"]
         return twin
@@ -127,7 +127,7 @@ class GrammarSpec:
             any_whitespace=_check_bool(any_whitespace, "any_whitespace"),
             whitespace_pattern=_check_opt_str(whitespace_pattern, "whitespace_pattern"),
             extra_properties=_check_bool(extra_properties, "extra_properties"),
-            strict=_check_bool(strict, "strict"), backend=_check_backend(backend),
+            strict=_check_bool(strict, "strict"), backend=backend_name(backend),
         )
         if isinstance(schema, str):  # parsed here, so nobody else holds it: no second parse
             spec.__dict__["schema"] = parsed
@@ -142,7 +142,7 @@ class GrammarSpec:
         return cls(
             "json_object", "", any_whitespace=_check_bool(any_whitespace, "any_whitespace"),
             whitespace_pattern=_check_opt_str(whitespace_pattern, "whitespace_pattern"),
-            backend=_check_backend(backend),
+            backend=backend_name(backend),
         )
 
     @classmethod
@@ -151,7 +151,7 @@ class GrammarSpec:
         max_bytes: int = MAX_SOURCE_BYTES,
     ) -> GrammarSpec:
         text = _check_text(pattern, "regex", max_bytes, allow_empty=True)
-        return cls("regex", text, backend=_check_backend(backend))
+        return cls("regex", text, backend=backend_name(backend))
 
     @classmethod
     def choice(
@@ -173,7 +173,7 @@ class GrammarSpec:
                 )
             _check_text(opt, f"choice[{i}]", max_bytes, allow_empty=True)
         return cls("choice", json.dumps(list(options), ensure_ascii=False),
-                   backend=_check_backend(backend))
+                   backend=backend_name(backend))
 
     @classmethod
     def named(cls, name: str, *, backend: BackendName | None = None) -> GrammarSpec:
@@ -201,7 +201,7 @@ class GrammarSpec:
         elif syntax not in ("ebnf", "lark"):
             raise InvalidSpecError(f"grammar syntax must be 'ebnf' or 'lark', got {syntax!r}",
                                    where="syntax")
-        return cls("grammar", body, syntax=syntax, backend=_check_backend(backend))
+        return cls("grammar", body, syntax=syntax, backend=backend_name(backend))
 
     @classmethod
     def structural_tag(
@@ -227,7 +227,7 @@ class GrammarSpec:
             raise InvalidGrammarError("structural tag must be a JSON object",
                                       where="structural_tag")
         check_structural_tag(parsed)
-        return cls("structural_tag", _compact_json(parsed), backend=_check_backend(backend))
+        return cls("structural_tag", _compact_json(parsed), backend=backend_name(backend))
 
     # -------------------------------------------------------------------- front ends
     @classmethod
@@ -284,7 +284,7 @@ class GrammarSpec:
             )
         kind = given[0]
         value = params[kind]
-        backend = _check_backend(params.get("backend"))
+        backend = backend_name(params.get("backend"))
         any_ws = not _check_bool(params.get("disable_any_whitespace", False),
                                  "disable_any_whitespace")
         ws_pattern = _check_opt_str(params.get("whitespace_pattern"), "whitespace_pattern")
@@ -380,7 +380,9 @@ def canonical_backend(value: object) -> object:
     return BACKEND_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
-def _check_backend(value: object) -> BackendName | None:
+def backend_name(value: object) -> BackendName | None:
+    """A backend name as given by a user (``auto``/None, an alias, a name): the canonical
+    name, None for auto routing; ``InvalidSpecError`` for anything else."""
     value = canonical_backend(value)
     if value in (None, "auto"):
         return None

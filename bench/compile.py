@@ -1,8 +1,8 @@
 """Compile latency, cache hits and time to first mask, per spec and per system.
 
-    grammask bench compile [--corpus PATH] [--sample N] [--seed S] [--timeout SEC]
-                           [--systems a,b,...] [--subsets A,B] [--no-extras]
-                           [--json OUT] [--plot PNG]
+    python -m bench.compile [--corpus PATH] [--sample N] [--seed S] [--timeout SEC]
+                            [--systems a,b,...] [--subsets A,B] [--no-extras]
+                            [--json OUT] [--plot PNG]
 
 For every spec, every system (raw xgrammar, raw llguidance, vLLM's two backends, grammask
 with each backend forced and with auto routing) measures, in its own worker process:
@@ -28,9 +28,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cases import Case, case_from, case_payload, extra_cases, load_maskbench
 from bench.paths import DEFAULT_CORPUS
@@ -379,7 +376,7 @@ def plot_cdf(rows: list[dict[str, Any]], systems: list[str], path: str | Path,
 
 # ------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grammask bench compile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     p.add_argument("--sample", type=int, default=80,

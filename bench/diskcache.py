@@ -1,6 +1,6 @@
 """Time to first mask: cold xgrammar compile versus loaded from the disk cache, fresh process.
 
-    python bench/diskcache.py [--corpus PATH] [--sample 300] [--top 20] [--seed 0]
+    python -m bench.diskcache [--corpus PATH] [--sample 300] [--top 20] [--seed 0]
                               [--timeout 60] [--json out/bench/diskcache.json]
 
 1. Selection: a stratified sample of maskbench schemas is compiled with the backend forced to
@@ -22,9 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cases import load_maskbench
 from bench.paths import DEFAULT_CORPUS, REPO_ROOT

@@ -1,6 +1,6 @@
 """Speculative decoding: mask cost per decode step against the number of draft tokens.
 
-    grammask bench mask --drafts 0,1,2,4 [--batch-sizes 1,16,64,256] [--steps N] [--json OUT]
+    python -m bench.mask --drafts 0,1,2,4 [--batch-sizes 1,16,64,256] [--steps N] [--json OUT]
 
 For each engine (schemas forced onto xgrammar, then onto llguidance) and each batch size B,
 B rows walk valid corpus instances through ``BatchProcessor``. Per step: the committed fill
@@ -13,13 +13,8 @@ same run (the drafts' marginal cost), plus microseconds per filled row.
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cases import Case
 from bench.stats import dist, fmt_ms, render_table

@@ -224,7 +224,7 @@ def memory_run(vocab: Vocabulary, schemas: list[Any], cache_mib: int,
 
 # ------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="grammask bench stress", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.stress", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--tokenizer", default="qwen2.5")

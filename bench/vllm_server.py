@@ -22,7 +22,6 @@ import argparse
 import importlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -31,9 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.stats import fmt_ms, machine_info, render_table, write_json
 

@@ -28,7 +28,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from bench.paths import REPO_ROOT
 from bench.systems import _mkdir, hf_model_dir, make_system, warm_up
 
 
@@ -39,7 +38,6 @@ def _worker_main(conn: Connection, name: str, options: dict[str, Any], log_path:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     logging.basicConfig(level=logging.ERROR)
-    sys.path.insert(0, str(REPO_ROOT))
     try:
         system = make_system(name, options)
         t0 = time.perf_counter()

@@ -1,4 +1,8 @@
-"""Command line: ``grammask compile | demo | check | bench``."""
+"""Command line: ``grammask compile | warmup | grammars | demo | check | bench``.
+
+``check`` needs the ``check`` extra (``pip install 'grammask[check]'``). ``bench`` runs the
+repository's benchmarks (``bench/``, not part of the installed package) from a source
+checkout: it is the same as ``python -m bench.compile|mask|overlap ...`` there."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +24,8 @@ from .spec import GrammarSpec
 from .spec_text import spec_from_text
 from .vocab import load_vocabulary
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+#: the benchmarks ``grammask bench`` runs (``bench/<name>.py`` of a source checkout)
+BENCHMARKS = ("compile", "mask", "overlap")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,13 +44,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if args and args[0] == "bench":
         return _bench(args[1:])
     if args and args[0] == "check":
-        missing = [m for m in ("regex", "lark") if importlib.util.find_spec(m) is None]
-        if missing:
-            print(f"grammask check needs {' and '.join(missing)} (its independent oracles): "
-                  "pip install 'grammask[check]'", file=sys.stderr)
-            return 2
-        check = importlib.import_module("grammask.harness.cli")
-        return int(check.main(args[1:]))
+        # imports without the check extra: it says itself what is missing (exit 2)
+        from .harness import cli as check_cli
+
+        return int(check_cli.main(args[1:]))
     parser = argparse.ArgumentParser(prog="grammask", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile one spec; print backend, reason, time")
@@ -68,8 +71,10 @@ def _main(argv: Sequence[str] | None) -> int:
     sub.add_parser("grammars", help="list the shipped grammar library")
     demo = sub.add_parser("demo", help="compile a schema on each backend and auto")
     demo.add_argument("--tokenizer", default="qwen2.5")
-    sub.add_parser("bench", help="benchmarks: bench compile|mask|overlap ...")
-    sub.add_parser("check", help="mask-correctness harness (see grammask check --help)")
+    sub.add_parser("bench", help="benchmarks, from a source checkout: bench compile|mask|overlap "
+                   "... (python -m bench.NAME there)")
+    sub.add_parser("check", help="mask-correctness harness (see grammask check --help; needs "
+                   "grammask[check])")
     ns = parser.parse_args(args)
     if ns.command == "demo":
         return _demo(ns.tokenizer)
@@ -231,16 +236,28 @@ def _greedy_sample(grammar: Any, vocab: Any, steps: int = 200) -> str:
 
 
 def _bench(args: list[str]) -> int:
-    if not args or args[0] not in ("compile", "mask", "overlap"):
-        print("usage: grammask bench compile|mask|overlap [options]", file=sys.stderr)
+    """The benchmarks are a repository tool (``bench/``), not part of the installed package:
+    run in-process when ``bench`` is importable (a checkout on ``sys.path``), else as
+    ``python -m bench.NAME`` when the working directory is a checkout, else say where they
+    live. Nothing is added to ``sys.path``."""
+    if not args or args[0] not in BENCHMARKS:
+        print(f"usage: grammask bench {'|'.join(BENCHMARKS)} [options]", file=sys.stderr)
         return 2
-    bench_dir = REPO_ROOT / "bench"
-    if not bench_dir.is_dir():
-        print(f"error: benchmarks live in {bench_dir} (a source checkout)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(REPO_ROOT))
-    module = importlib.import_module(f"bench.{args[0]}")
-    return int(module.main(args[1:]) or 0)
+    name, rest = args[0], args[1:]
+    try:
+        found = importlib.util.find_spec(f"bench.{name}") is not None
+    except ImportError:  # no ``bench`` package on sys.path
+        found = False
+    if found:
+        module = importlib.import_module(f"bench.{name}")
+        return int(module.main(rest) or 0)
+    cwd = Path.cwd()
+    if (cwd / "bench" / f"{name}.py").is_file() and (cwd / "src" / "grammask").is_dir():
+        # the console script does not put the working directory on sys.path; ``-m`` does
+        return subprocess.call([sys.executable, "-m", f"bench.{name}", *rest], cwd=cwd)
+    print(f"grammask bench runs from a source checkout: cd into it and run "
+          f"python -m bench.{name} ...", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ from functools import cached_property
 from typing import Any, Literal, cast
 from urllib.parse import unquote
 
+from .catalog import Syntax
+from .catalog import load as load_library_grammar
 from .errors import GrammarError, InvalidGrammarError, InvalidSchemaError, InvalidSpecError
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
-Syntax = Literal["ebnf", "lark"]
 BackendName = Literal["xgrammar", "guidance"]
 
 KINDS: tuple[Kind, ...] = (
@@ -184,10 +185,8 @@ class GrammarSpec:
         if not isinstance(name, str):
             raise InvalidSpecError(f"a library grammar name must be a string, got "
                                    f"{type(name).__name__}", where="grammar_name")
-        from .library import spec as library_spec
-
-        named = library_spec(name)
-        return named if backend is None else named.with_backend(backend)
+        grammar = load_library_grammar(name)
+        return cls.grammar(grammar.text, syntax=grammar.syntax, backend=backend)
 
     @classmethod
     def grammar(

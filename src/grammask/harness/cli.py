@@ -8,7 +8,7 @@
 On SIGTERM (``timeout``) the run stops and reports the items finished so far.
 Exit status: 0 when no mask audit mismatch, no oracle under-constraint at the mask level and
 no sampled output failing its oracle (outside declared gaps) was found; 1 otherwise; 2 on
-usage errors.
+usage errors and without the ``check`` extra (``pip install 'grammask[check]'``: regex, lark).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from . import extras
 from .check import BACKEND_LABELS, CheckConfig, Checker
 from .corpus import GROUPS, Item, ItemKind, load_items, read_instances
 from .report import build_report, markdown, render
@@ -122,6 +123,10 @@ def versions() -> dict[str, str]:
 
 def main(argv: Sequence[str]) -> int:
     ns = parse_args(argv)
+    missing = extras.missing()
+    if missing:  # the oracles' packages: a plain install has them only with grammask[check]
+        print(extras.message(missing), file=sys.stderr)
+        return 2
     backends = BACKEND_LABELS if ns.backend == "all" else (ns.backend,)
     started = time.time()
     if ns.corpus is not None:

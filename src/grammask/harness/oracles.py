@@ -27,14 +27,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import lark
-import regex
 from jsonschema import FormatChecker, validators
 from jsonschema.exceptions import ValidationError
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 from referencing.jsonschema import SchemaRegistry as _SchemaRegistry
 
+from .extras import require
 from .gbnf import START_RULE, gbnf_to_lark
 
 # ----------------------------------------------------------------------------- UTF-8
@@ -101,16 +100,19 @@ class RegexOracle:
     dialect difference, not a mask bug.
     """
 
-    FLAG_SETS: tuple[tuple[str, int], ...] = (
-        ("ascii", regex.ASCII), ("dotall", regex.DOTALL),
-        ("ascii+dotall", regex.ASCII | regex.DOTALL),
+    #: the other readings: a name and the ``regex`` flags (by name) it compiles with
+    FLAG_SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("ascii", ("ASCII",)), ("dotall", ("DOTALL",)), ("ascii+dotall", ("ASCII", "DOTALL")),
     )
 
     def __init__(self, pattern: str, *, timeout_s: float = 1.0) -> None:
         self.pattern = pattern
         self.timeout_s = timeout_s
+        regex = _regex()
         self._compiled = regex.compile(pattern)
-        self._variants = [(name, regex.compile(pattern, flags)) for name, flags in self.FLAG_SETS]
+        self._variants = [
+            (name, regex.compile(pattern, sum(getattr(regex, f) for f in flags)))
+            for name, flags in self.FLAG_SETS]
 
     def _partial(self, compiled: Any, text: str) -> bool | None:
         try:
@@ -411,14 +413,14 @@ class LarkOracle:
         try:
             self.parser.parse(text)
             return Verdict(True)
-        except lark.exceptions.LarkError as first:
+        except _lark().exceptions.LarkError as first:
             try:
                 if self._complete is None:
                     self._complete = _build_lark(_greedy(self.lark_text), self.start,
                                                  "dynamic_complete")
                 self._complete.parse(text)
                 return Verdict(True)
-            except lark.exceptions.LarkError:
+            except _lark().exceptions.LarkError:
                 return Verdict(False, "parse", detail=str(first).splitlines()[0][:200])
 
 
@@ -431,14 +433,14 @@ def _loadable_lark(text: str) -> tuple[str, Any]:
     for _ in range(64):
         try:
             return text, _build_lark(text, "start", "dynamic")
-        except lark.exceptions.GrammarError as exc:
+        except _lark().exceptions.GrammarError as exc:
             args = exc.args
             term = args[1] if len(args) > 1 else None
             name = getattr(term, "name", None)
             if not name or "zero-width" not in str(args[0]):
                 raise
             text = re.sub(rf"(?<![\w]){re.escape(name)}(?![\w])", f"zw_{name.lower()}", text)
-    raise lark.exceptions.GrammarError("too many zero-width terminals")
+    raise _lark().exceptions.GrammarError("too many zero-width terminals")
 
 
 _REGEX_LITERAL = re.compile(r"/(?!/)(?:\\/|\\\\|[^/\n])*?/[imslux]*")
@@ -453,6 +455,15 @@ def _greedy(text: str) -> str:
 
 
 def _build_lark(text: str, start: str, lexer: str) -> Any:
-    return lark.Lark(text, start=start, parser="earley", lexer=lexer)
+    return _lark().Lark(text, start=start, parser="earley", lexer=lexer)
+
+
+# the ``check`` extra, imported when an oracle needs it (grammask runs without it)
+def _regex() -> Any:
+    return require("regex")
+
+
+def _lark() -> Any:
+    return require("lark")
 
 

@@ -2,7 +2,7 @@
 
 vLLM loads every ``vllm.logits_processors`` entry point into whichever runner it starts, so
 the class implements both interfaces and dispatches on the constructor's arguments:
-``(vllm_config, device, is_pin_memory)`` is the V1 runner (``vllm_v1.V1Batch``),
+``(vllm_config, device, is_pin_memory)`` is the V1 runner (``vllm_v1_batch.V1Batch``),
 ``(vllm_config, req_states)`` the V2 runner (``vllm_v2.V2Batch``). It holds no logic of its
 own: the adapters map vLLM's batch bookkeeping onto ``BatchProcessor`` rows.
 """
@@ -18,7 +18,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from .vllm_common import FQCN, PluginCore, validate_sampling_params
-from .vllm_v1 import V1Batch
+from .vllm_v1_batch import V1Batch
 from .vllm_v2 import V2Batch
 
 __all__ = ["FQCN", "GrammaskLogitsProcessor"]

@@ -1,5 +1,5 @@
 """The ``check`` extra: the packages the harness's independent oracles need (``regex`` for
-partial matching, ``lark`` for grammars). grammask itself never imports them; the harness
+partial matching, ``lark`` for grammars, ``tqdm`` for its progress bar). grammask itself never imports them; the harness
 imports them when an oracle is built, so ``import grammask`` and every other command work on
 a plain install, and ``grammask check`` says what to install instead of a traceback."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from types import ModuleType
 
 #: the modules of the ``check`` extra (pyproject.toml ``[project.optional-dependencies]``)
-CHECK_MODULES: tuple[str, ...] = ("regex", "lark")
+CHECK_MODULES: tuple[str, ...] = ("regex", "lark", "tqdm")
 
 
 class MissingExtraError(ImportError):

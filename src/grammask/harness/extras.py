@@ -1,7 +1,8 @@
 """The ``check`` extra: the packages the harness's independent oracles need (``regex`` for
 partial matching, ``lark`` for grammars; ``tqdm`` for its progress bar). grammask itself never
 imports them; the harness imports them when an oracle is built, so ``import grammask`` and
-every other command work on a plain install, and ``grammask check`` says what to install instead of a traceback."""
+every other command work on a plain install, and ``grammask check`` says what to install
+instead of a traceback."""
 
 from __future__ import annotations
 

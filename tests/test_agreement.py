@@ -84,6 +84,8 @@ def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
     spec = GrammarSpec.json_schema(XGR_SCHEMA, any_whitespace=False,
                                    backend="xgrammar" if kind == "forced" else None)
     compiled = engine.compile(spec)
+    # row 1 is compiled before the clocks start: no real compile races a short wait_s
+    other = engine.compile(GrammarSpec.choice(["alpha", "beta"]))
     future: Future[Grammar] = Future()
     behaviour = behaviours[rank]
     if behaviour == "ready":
@@ -98,7 +100,7 @@ def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
     with BatchProcessor(engine, max_batch=2, wait_s=wait_s, hedge_s=hedge_s,
                         agreement=agreement) as proc:
         proc.add(0, spec, grammar=future)
-        proc.add(1, GrammarSpec.choice(["alpha", "beta"]))
+        proc.add(1, other.spec, grammar=other)
         proc.step()
         logits = torch.zeros(2, vocab.vocab_size)
         proc.apply(logits)

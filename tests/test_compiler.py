@@ -89,17 +89,46 @@ def test_cache_is_bounded_by_bytes(qwen25: Vocabulary) -> None:
     assert small.cached(GrammarSpec.regex("x1")) is None  # oldest evicted
 
 
-def test_negative_cache_expires(qwen25: Vocabulary) -> None:
+class _Clock:
+    """The compile service's clock, moved by the test: ``time.monotonic`` as
+    ``grammask.compiler`` reads it (the rest of its ``time`` module is the real one). Time
+    stands still until ``advance``, however long the real compiles take."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import grammask.compiler as compiler
+
+        self.now = time.monotonic()
+        real, clock = compiler.time, self
+
+        class _Time:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def monotonic(self) -> float:
+                return clock.now
+
+        monkeypatch.setattr(compiler, "time", _Time())
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_negative_cache_expires(qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock(monkeypatch)
     engine = Engine(qwen25, negative_ttl_s=0.2)
     bad = GrammarSpec.regex("a(b")
     for _ in range(3):
         with pytest.raises(InvalidRegexError):
             engine.compile(bad)
     assert engine.stats.misses == 1 and engine.stats.negative_hits == 2
-    time.sleep(0.25)
+    clock.advance(0.19)  # still inside the TTL: a hit, no compile
     with pytest.raises(InvalidRegexError):
         engine.compile(bad)
-    assert engine.stats.misses == 2
+    assert engine.stats.misses == 1 and engine.stats.negative_hits == 3
+    clock.advance(0.02)  # past it: compiled again
+    with pytest.raises(InvalidRegexError):
+        engine.compile(bad)
+    assert engine.stats.misses == 2 and engine.stats.negative_hits == 3
 
 
 def _nested_one_of(depth: int, width: int, key: str = "oneOf") -> dict[str, Any]:
@@ -111,26 +140,42 @@ def _nested_one_of(depth: int, width: int, key: str = "oneOf") -> dict[str, Any]
     return node
 
 
-def test_timeout_on_the_only_backend_is_an_error(qwen25: Vocabulary) -> None:
-    """xgrammar needs ~6 s for this schema here; the request gets a timeout error quickly and
-    the engine keeps serving others while the runaway compile is abandoned."""
-    engine = Engine(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=1)
+def test_timeout_on_the_only_backend_is_an_error(qwen25: Vocabulary,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runaway xgrammar compile (this schema takes seconds there; the gate makes it run
+    until released, whatever the machine's speed): the request gets a timeout error and the
+    engine keeps serving others while the runaway compile is abandoned."""
     spec = GrammarSpec.json_schema(_nested_one_of(3, 3), backend="xgrammar")
-    with pytest.raises(CompileTimeoutError, match="xgrammar compile exceeded"):
-        engine.compile(spec)
-    assert engine.stats.timeouts == 1 and engine.cache_info()["abandoned"] == 1
-    # the single slot was handed back: another request compiles despite the runaway
-    assert engine.compile(GrammarSpec.regex("ok", backend="xgrammar")).backend == "xgrammar"
+    gate = _Gate(monkeypatch, "xgrammar", only=spec, abort=True)
+    _ = qwen25.xgrammar_info  # the tokenizer view is built once per process, outside budgets
+    engine = Engine(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=1)
+    try:
+        with pytest.raises(CompileTimeoutError, match="xgrammar compile exceeded"):
+            engine.compile(spec)
+        assert gate.calls == 1 and not gate.release.is_set()  # still running when it failed
+        assert engine.stats.timeouts == 1 and engine.cache_info()["abandoned"] == 1
+        # the single slot was handed back: another request compiles despite the runaway
+        assert engine.compile(GrammarSpec.regex("ok", backend="xgrammar")).backend == \
+            "xgrammar"
+    finally:
+        gate.release.set()
 
 
-def test_timeout_falls_back_to_the_other_backend(qwen25: Vocabulary) -> None:
-    """One budget covers the request: xgrammar (~3 s unloaded for depth 4, 30 ms on
-    llguidance) gets 70% of it, llguidance the rest, so the fallback is served within
-    ``timeout_s``."""
-    engine = Engine(qwen25, timeout_s=2.0, prefer="xgrammar")
+def test_timeout_falls_back_to_the_other_backend(qwen25: Vocabulary,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One budget covers the request: the routed xgrammar compile (seconds for this schema;
+    gated here, so it never finishes in time) gets 70% of it, llguidance (milliseconds) the
+    rest, and serves the fallback."""
     spec = GrammarSpec.json_schema(_nested_one_of(4, 3, key="anyOf"))
+    gate = _Gate(monkeypatch, "xgrammar", only=spec, abort=True)
+    _ = qwen25.xgrammar_info, qwen25.llguidance_tokenizer  # built outside the budget
+    engine = Engine(qwen25, timeout_s=2.0, prefer="xgrammar")
     assert engine.route(spec).backend == "xgrammar"
-    grammar = engine.compile(spec)
+    try:
+        grammar = engine.compile(spec)
+        assert gate.calls == 1 and not gate.release.is_set()
+    finally:
+        gate.release.set()
     assert grammar.backend == "guidance" and grammar.fallback_from == "xgrammar"
     assert "fell back" in grammar.reason
     assert engine.stats.timeouts == 1 and engine.stats.fallbacks == 1
@@ -186,12 +231,16 @@ def test_async_compile_and_cache_hit(qwen25: Vocabulary) -> None:
 
 # ------------------------------------------------------------- compile-service robustness
 class _Gate:
-    """Wraps a real backend's compile so it blocks until released.
+    """Wraps a real backend's compile so it blocks until released (only for the spec ``only``
+    when one is given; every other spec compiles as usual).
 
     A stand-in for a compile that runs as long as the test needs (real slow specs take
-    seconds to minutes and vary with load); the compile itself is the real engine's."""
+    seconds to minutes and vary with load); the compile itself is the real engine's, unless
+    ``abort``: then a released compile fails at once instead of burning seconds of CPU on a
+    spec whose real compile is slow (the test is over by then)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str,
+                 only: GrammarSpec | None = None, abort: bool = False) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.calls = 0
@@ -199,9 +248,13 @@ class _Gate:
         original = backend.compile
 
         def gated(spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
+            if only is not None and spec.with_backend(None) != only.with_backend(None):
+                return original(spec, vocab, lenient=lenient)  # not the gated spec
             self.calls += 1
             self.entered.set()
             self.release.wait(60)
+            if abort:
+                raise RuntimeError("gated compile released without compiling")
             return original(spec, vocab, lenient=lenient)
 
         monkeypatch.setattr(backend, "compile", gated)
@@ -265,14 +318,16 @@ def test_negative_cache_hits_do_not_grow_tracebacks(qwen25: Vocabulary) -> None:
     assert max(depths[1:]) <= depths[1]
 
 
-def test_negative_cache_is_bounded_and_purges_expired(qwen25: Vocabulary) -> None:
+def test_negative_cache_is_bounded_and_purges_expired(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     """Expired entries were never purged (3,000 bad specs left 3,001 entries)."""
+    clock = _Clock(monkeypatch)
     engine = Engine(qwen25, negative_ttl_s=2.0)
     for i in range(30):
         with pytest.raises(InvalidRegexError):
             engine.compile(GrammarSpec.regex(f"x{i}("))
     assert engine.cache_info()["negative"] == 30
-    time.sleep(2.1)
+    clock.advance(2.1)
     with pytest.raises(InvalidRegexError):
         engine.compile(GrammarSpec.regex("last("))
     assert engine.cache_info()["negative"] == 1
@@ -341,19 +396,38 @@ def test_one_deadline_covers_the_route_and_its_fallbacks(
     """Each attempt had a budget of its own, so a request whose engines both stalled took
     2x ``timeout_s`` (3x with a slot wait); one deadline from submission covers them all."""
     gates = [_Gate(monkeypatch, "xgrammar"), _Gate(monkeypatch, "guidance")]
-    engine = Engine(qwen25, timeout_s=2.0, prefer="xgrammar")
+    # the deadline each attempt is given, as the engine computes it (no wall-clock bound:
+    # the old code's second deadline was "now + timeout_s" after the first attempt's share)
+    given: list[tuple[str, float, float | None]] = []
+    attempt = Engine._attempt
+
+    def spy(self: Engine, spec: GrammarSpec, step: Any, reason: str, deadline: float,
+            *args: Any, **kwargs: Any) -> Any:
+        given.append((step.backend, deadline, kwargs.get("slot_deadline")))
+        return attempt(self, spec, step, reason, deadline, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_attempt", spy)
+    _ = qwen25.xgrammar_info, qwen25.llguidance_tokenizer
+    timeout_s = 1.0
+    engine = Engine(qwen25, timeout_s=timeout_s, prefer="xgrammar")
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert engine.route(spec).backend == "xgrammar" and len(engine.plan(spec).attempts) > 1
     try:
         submitted = time.monotonic()
         fut = engine.compile_async(spec)
-        # due at 2 s; the old code gave the fallback another 2 s after the first attempt
-        error = fut.exception(timeout=max(0.0, submitted + 3.2 - time.monotonic()))
+        registered = time.monotonic()  # the request's deadline is set in between
+        error = fut.exception(timeout=60)  # liveness only
         assert isinstance(error, CompileTimeoutError)
         assert gates[0].calls == 1 and gates[1].calls == 1  # the fallback was tried
     finally:
         for gate in gates:
             gate.release.set()
+    assert [b for b, _, _ in given] == ["xgrammar", "guidance"], given
+    for _, deadline, slot_deadline in given:
+        assert deadline <= registered + timeout_s, given  # within the request's one deadline
+        assert slot_deadline is None or slot_deadline <= registered + timeout_s, given
+    # the first attempt gets a share; the last one gets everything up to the deadline
+    assert given[0][1] < submitted + timeout_s <= given[1][1], given
 
 
 def test_xgrammar_runaways_do_not_block_llguidance(qwen25: Vocabulary,
@@ -361,6 +435,7 @@ def test_xgrammar_runaways_do_not_block_llguidance(qwen25: Vocabulary,
     """One pool of slots for both engines let xgrammar runaways starve every request
     ('no compile slot free'); each engine has its own slots now."""
     gate = _Gate(monkeypatch, "xgrammar")
+    _ = qwen25.llguidance_tokenizer  # built once per process, outside the 0.5 s budget
     engine = Engine(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=0)
     try:
         with pytest.raises(CompileTimeoutError):
@@ -383,10 +458,9 @@ def test_runaway_is_not_restarted_and_its_late_result_is_cached(
             engine.compile(spec)
     assert gate.calls == 1
     gate.release.set()
-    for _ in range(100):
-        if engine.cached(spec) is not None:
-            break
-        time.sleep(0.05)
+    waited_until = time.monotonic() + 60  # liveness only: the late result lands in ms
+    while engine.cached(spec) is None and time.monotonic() < waited_until:
+        time.sleep(0.01)
     assert engine.compile(spec).backend == "xgrammar" and engine.stats.late_results == 1
 
 

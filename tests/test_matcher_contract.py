@@ -18,7 +18,7 @@ from grammask.backends.xgrammar import XGrammarMatcher
 from grammask.masks import Filler
 from grammask.spec import BackendName
 
-from .helpers import bit, feed, mask_of
+from .helpers import RawReference, bit, feed, mask_of, words_to_bool
 
 BACKENDS: list[BackendName] = ["xgrammar", "guidance"]
 PATTERN = "abc|abd"  # "ab" then one of two endings; complete (but not stopped) after "abc"
@@ -236,3 +236,44 @@ def test_batch_fill_still_drives_engine_matchers(eng: Engine, qwen25: Vocabulary
     Filler(parallel_min=1, threads=1).fill(rows, batch)
     for m, i in rows:
         assert torch.equal(batch[i], mask_of(m, qwen25)), i
+
+
+# ------------------------------------------------------------ adapters vs the raw engines
+RAW_SPECS = [
+    GrammarSpec.json_schema({"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "integer"},
+        "e": {"enum": ["x", "yy"]}}, "required": ["s", "n"]}, any_whitespace=False),
+    GrammarSpec.regex(PATTERN),
+    GrammarSpec.choice(["alpha", "beta", "al"]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", RAW_SPECS, ids=["json", "regex", "choice"])
+def test_adapter_masks_equal_the_raw_engines(eng: Engine, qwen25: Vocabulary,
+                                             backend: BackendName, spec: GrammarSpec) -> None:
+    """The adapter's mask at every step of seeded random walks equals the raw engine's with
+    the documented rules applied by the test (``helpers.RawReference``): inside a JSON string
+    the raw engine allows special tokens' text and the padding ids are its own, so blanking,
+    padding and stop handling are all on the adapter. Special and padding ids are offered
+    at every step and must be refused by both."""
+    import random
+
+    grammar = eng.compile(spec.with_backend(backend))
+    specials = sorted(set(qwen25.special_ids) - set(qwen25.stop_ids))[:3]
+    rng = random.Random(7)
+    for walk in range(2):
+        ref, m = RawReference.of(grammar, qwen25), grammar.matcher()
+        for step in range(30):
+            want = ref.words()
+            assert torch.equal(mask_of(m, qwen25), want), (walk, step, ref.history)
+            for tid in (*specials, qwen25.vocab_size - 1):
+                assert not ref.accept(tid) and not m.accept(tid), (tid, ref.history)
+            allowed = words_to_bool(want, qwen25.vocab_size).nonzero().flatten().tolist()
+            if not allowed:
+                break
+            stops = [t for t in allowed if t in qwen25.stop_ids]
+            tid = rng.choice(stops if stops and rng.random() < 0.2 else allowed)
+            assert ref.accept(tid) and m.accept(tid), (tid, ref.history)
+            assert m.is_terminated() == ref.is_terminated()
+        assert ref.history, "the walk went nowhere"

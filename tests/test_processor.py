@@ -11,12 +11,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from grammask import Engine, Grammar, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask import Engine, Grammar, GrammarError, GrammarSpec, Vocabulary
 from grammask.backends import Matcher
 from grammask.masks import Filler
 from grammask.processor import BatchProcessor
 
-from .helpers import PATIENT
+from .helpers import PATIENT, RawReference, raw_reference
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -32,18 +32,25 @@ SPECS = [
 ]
 
 
+def failed_compile(engine: Engine, spec: GrammarSpec) -> Future[Grammar]:
+    """A done future holding the engine's real error for ``spec`` (so a row's compile error
+    never races a short ``wait_s``)."""
+    out: Future[Grammar] = Future()
+    with pytest.raises(GrammarError) as info:
+        engine.compile(spec)
+    out.set_exception(info.value)
+    return out
+
+
 def allowed(logits_row: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits_row)
 
 
-_BITS = torch.tensor([(1 << i) - (1 << 32) if i == 31 else 1 << i for i in range(32)],
-                     dtype=torch.int32)
-
-
-def ref_allowed(matcher: Matcher, vocab: Vocabulary) -> torch.Tensor:
-    bm = allocate_bitmask(1, vocab.vocab_size)
-    matcher.fill(bm, 0)
-    return (bm[0].unsqueeze(-1) & _BITS).ne(0).flatten()[:vocab.vocab_size]
+def ref_allowed(ref: RawReference, vocab: Vocabulary) -> torch.Tensor:
+    """The expected mask, from the raw engine (tests/helpers.py ``RawReference``), never from
+    the adapter under test."""
+    assert ref.vocab is vocab
+    return ref.allowed()
 
 
 def run_step(proc: BatchProcessor, batch: int, vocab: Vocabulary) -> torch.Tensor:
@@ -64,7 +71,7 @@ def grammars(engine: Engine) -> list[Grammar]:
 
 def test_masks_follow_the_grammar_and_force_eos(engine: Engine, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
-    ref = engine.compile(spec).matcher()
+    ref = RawReference.of(engine.compile(spec), qwen25)
     out: list[int] = []
     with BatchProcessor(engine, max_batch=3, **PATIENT) as proc:
         proc.add(1, spec, prompt_ids=[1, 2, 3], output_ids=out)
@@ -92,7 +99,7 @@ def test_several_tokens_per_step_and_unconstrained_rows_untouched(
         engine: Engine, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
-    ref = engine.compile(spec).matcher()
+    ref = RawReference.of(engine.compile(spec), qwen25)
     with BatchProcessor(engine, max_batch=4, **PATIENT) as proc:
         proc.add(2, spec)
         proc.add(3, None)
@@ -112,7 +119,7 @@ def test_several_tokens_per_step_and_unconstrained_rows_untouched(
 def test_placeholders_are_read_when_resolved(engine: Engine, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
-    ref = engine.compile(spec).matcher()
+    ref = RawReference.of(engine.compile(spec), qwen25)
     live: list[int] = []
     with BatchProcessor(engine, max_batch=2, **PATIENT) as proc:
         proc.add(0, spec, output_ids=live)
@@ -147,7 +154,7 @@ def test_rollback_explicit_and_by_shrinking_list(engine: Engine, qwen25: Vocabul
         proc.rollback(0, 4)
         del live[4:]  # a live list that got shorter is rolled back by itself
         logits = run_step(proc, 2, qwen25)
-        ref = g.matcher()
+        ref = RawReference.of(g, qwen25)
         assert all(ref.accept(t) for t in ids[:4])
         assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
         assert torch.equal(allowed(logits[1]), ref_allowed(ref, qwen25))
@@ -159,10 +166,11 @@ def test_row_errors_are_isolated(engine: Engine, qwen25: Vocabulary) -> None:
     ids = qwen25.encode(INSTANCE)
     g = engine.compile(spec)
     never: Future[Grammar] = Future()  # a compile that does not finish in time
+    bad = GrammarSpec.regex("(unclosed")
     with BatchProcessor(engine, max_batch=6, wait_s=0.05) as proc:
         for row in (0, 2, 4):
-            proc.add(row, spec)
-        proc.add(1, GrammarSpec.regex("(unclosed"))  # fails to compile
+            proc.add(row, spec)  # a cache hit: ready at once
+        proc.add(1, bad, grammar=failed_compile(engine, bad))  # failed before the first mask
         proc.add(3, spec.with_backend("guidance"), grammar=never)  # forced: no hedge
         proc.add(5, spec, grammar=g)
         proc.advance(0, ids[:2])
@@ -170,14 +178,18 @@ def test_row_errors_are_isolated(engine: Engine, qwen25: Vocabulary) -> None:
         proc.advance(4, ids[:2])
         proc.advance(5, ids[:2])
         logits = run_step(proc, 6, qwen25)  # no exception reaches the host
-        ref = g.matcher()
+        ref = RawReference.of(g, qwen25)
         assert all(ref.accept(t) for t in ids[:2])
         for row in (0, 4, 5):
             assert proc.status(row) == "active"
             assert torch.equal(allowed(logits[row]), ref_allowed(ref, qwen25))
         errors = proc.errors
         assert set(errors) == {1, 2, 3}
-        assert "compile" in errors[1] and "rejected" in errors[2] and "wait_s" in errors[3]
+        # the compile error itself (its engine message), not a late compile's "not compiled
+        # within wait_s" (which also contains "compile")
+        assert "failed to compile" in errors[1] and "unclosed" in errors[1].lower()
+        assert "wait_s" not in errors[1] and "wait_s" not in errors[2]
+        assert "rejected" in errors[2] and "not compiled within wait_s" in errors[3]
         for row in (1, 2, 3):
             assert only(logits[row]) == sorted(qwen25.stop_ids)
         never.set_result(g)  # too late: errors are sticky
@@ -205,7 +217,7 @@ def test_a_late_schema_is_served_by_the_hedge(engine: Engine, qwen25: Vocabulary
         logits = run_step(proc, 2, qwen25)
         info = proc.info(0)
         assert info.status == "active" and info.backend == "guidance", info
-        ref = engine.compile(spec.with_backend("guidance")).matcher()
+        ref = RawReference.of(engine.compile(spec.with_backend("guidance")), qwen25)
         assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
         assert proc.status(1) == "active"
     assert not stalled.done()  # the routed compile was left alone (it would fill the cache)
@@ -219,10 +231,11 @@ def test_no_hedge_where_the_other_engine_may_not_serve(engine: Engine,
         "k": {"type": "integer"}}, "propertyNames": {"enum": ["k", "j"]}}, strict=True)
     assert engine.route(strict).backend == "xgrammar"
     forced = GrammarSpec.json_schema(XGR_SCHEMA, backend="xgrammar")
+    ready = engine.compile(GrammarSpec.choice(["a", "b"]))  # row 2 never waits on a compile
     with BatchProcessor(engine, max_batch=3, wait_s=0.2, hedge_s=0.0) as proc:
         proc.add(0, strict, grammar=Future())
         proc.add(1, forced, grammar=Future())
-        proc.add(2, GrammarSpec.choice(["a", "b"]))
+        proc.add(2, ready.spec, grammar=ready)
         logits = run_step(proc, 3, qwen25)
         for row in (0, 1):
             assert proc.status(row) == "error" and "wait_s" in (proc.error(row) or "")
@@ -253,7 +266,7 @@ def test_a_failure_while_attaching_one_row_fails_only_that_row(
         assert proc.status(0) == "error" and "exploded" in (proc.error(0) or "")
         assert proc.status(2) == "error" and "thinking gate" in (proc.error(2) or "")
         assert proc.status(1) == "active"
-        assert torch.equal(allowed(logits[1]), ref_allowed(good.matcher(), qwen25))
+        assert torch.equal(allowed(logits[1]), raw_reference(good, qwen25))
 
 
 def test_step_on_some_rows_fills_the_rest_when_they_are_needed(
@@ -270,14 +283,14 @@ def test_step_on_some_rows_fills_the_rest_when_they_are_needed(
         proc.step([0])
         _, rows = proc.wait_masks([0, 2])
         assert rows == [0, 2] and proc.info(1).constrained_tokens == 0
-        ref = grammars[3].matcher()
+        ref = RawReference.of(grammars[3], qwen25)
         assert ref.accept(ids[0])
         assert proc.info(0).constrained_tokens == 1 == proc.info(2).constrained_tokens
         logits = torch.zeros(3, qwen25.vocab_size)
         proc.step([1])
         proc.apply(logits)
         assert allowed(logits[0]).all() and allowed(logits[2]).all()  # not this step's rows
-        assert torch.equal(allowed(logits[1]), ref_allowed(grammars[3].matcher(), qwen25))
+        assert torch.equal(allowed(logits[1]), raw_reference(grammars[3], qwen25))
 
 
 def test_free_policy_leaves_errored_rows_unmasked(engine: Engine, qwen25: Vocabulary) -> None:
@@ -300,14 +313,13 @@ def test_grammar_compiled_meanwhile_is_used(engine: Engine, qwen25: Vocabulary) 
         logits = torch.zeros(1, qwen25.vocab_size)
         proc.apply(logits)
         assert proc.status(0) == "active"
-        ref = engine.compile(spec).matcher()
+        ref = RawReference.of(engine.compile(spec), qwen25)
         assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
 
 
-def ref_words(matcher: Matcher, vocab: Vocabulary) -> torch.Tensor:
-    bm = allocate_bitmask(1, vocab.vocab_size)
-    matcher.fill(bm, 0)
-    return bm[0]
+def ref_words(ref: RawReference, vocab: Vocabulary) -> torch.Tensor:
+    assert ref.vocab is vocab
+    return ref.words()
 
 
 def test_churn_against_reference_matchers(grammars: list[Grammar], qwen25: Vocabulary,
@@ -317,7 +329,7 @@ def test_churn_against_reference_matchers(grammars: list[Grammar], qwen25: Vocab
     ``apply`` on full logits, else by comparing the bitmask words)."""
     rng = random.Random(20240601)
     batch = 8
-    refs: dict[int, Matcher] = {}
+    refs: dict[int, RawReference] = {}
     lives: dict[int, list[int] | None] = {}
     counts = {"add": 0, "remove": 0, "move": 0, "swap": 0, "rollback": 0, "multi": 0,
               "ended": 0}
@@ -342,7 +354,7 @@ def test_churn_against_reference_matchers(grammars: list[Grammar], qwen25: Vocab
                 g = rng.choice(grammars)
                 live: list[int] | None = [] if rng.random() < 0.5 else None
                 proc.add(row, g.spec, prompt_ids=[1, 2], output_ids=live)
-                refs[row], lives[row] = g.matcher(), live
+                refs[row], lives[row] = RawReference.of(g, qwen25), live
                 counts["add"] += 1
             elif op < 0.18 and taken:
                 row = rng.choice(taken)
@@ -423,7 +435,7 @@ class SpyFiller(Filler):
 def test_fill_runs_on_the_worker_during_the_forward(engine: Engine, qwen25: Vocabulary) -> None:
     spy = SpyFiller()
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
-    ref = engine.compile(spec).matcher()
+    ref = RawReference.of(engine.compile(spec), qwen25)
     a = torch.randn(256, 256)
     with BatchProcessor(engine, max_batch=4, filler=spy, **PATIENT) as proc:
         for row in range(4):
@@ -459,11 +471,15 @@ def test_host_mistakes_raise(engine: Engine) -> None:
 def test_metrics_count_errors_waits_and_fills(engine: Engine, qwen25: Vocabulary) -> None:
     from grammask import metrics
 
+    bad = GrammarSpec.regex("(unclosed")
+    failed = failed_compile(engine, bad)
+    ready = engine.compile(GrammarSpec.choice(["a", "b"]))
     before = metrics.snapshot()
     with BatchProcessor(engine, max_batch=3, wait_s=0.05) as proc:
-        proc.add(0, GrammarSpec.regex("(unclosed"))
+        # outcomes known before the step (no real compile races the 50 ms wait_s)
+        proc.add(0, bad, grammar=failed)
         proc.add(1, GrammarSpec.choice(["a", "b"], backend="xgrammar"), grammar=Future())
-        proc.add(2, GrammarSpec.choice(["a", "b"]))
+        proc.add(2, ready.spec, grammar=ready)
         run_step(proc, 3, qwen25)
     after = metrics.snapshot()
 

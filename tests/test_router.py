@@ -6,8 +6,10 @@ valid instance and -- when nothing is listed as unenforced -- rejects the invali
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -230,11 +232,68 @@ def test_inner_anchor_detection() -> None:
     assert not _inner_anchor("a\\\\$")  # an escaped backslash, then the end anchor
 
 
+def _route_probe(schemas: list[Any]) -> list[Any]:
+    """Routes, plans, cache keys and canonical JSON of many schemas, as one process sees
+    them (JSON-ready)."""
+    from grammask.router import plan
+    from grammask.spec import canonical_json
+
+    def plain(value: Any) -> Any:
+        """Dataclasses field by field; sets sorted (equal sets may print in any order),
+        sequences and dict items in their own order (an order that differs is a finding)."""
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, set | frozenset):
+            return sorted(plain(v) for v in value)
+        if isinstance(value, dict):
+            return [[plain(k), plain(v)] for k, v in value.items()]
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return value
+
+    out: list[Any] = []
+    for schema in schemas:
+        try:
+            spec = GrammarSpec.json_schema(schema)
+            out.append([spec.key, canonical_json(schema), plain(route(spec)), plain(plan(spec)),
+                        plain(plan(spec, rank_invariant=True)),
+                        spec.with_backend("guidance").key])
+        except GrammarError as exc:
+            out.append([type(exc).__name__, str(exc)])
+    return json.loads(json.dumps(out))
+
+
+_PROBE_MAIN = ("import json, sys; from tests.test_router import _route_probe; "
+               "print(json.dumps(_route_probe(json.loads(sys.stdin.read()))))")
+
+
 def test_route_is_deterministic() -> None:
+    """Every process (every tensor-parallel rank, every server replica) must route, plan and
+    key a spec alike; a set or dict iterated in hash order would differ between processes
+    with different hash seeds, never inside one. So: the same probe in two interpreters
+    with different ``PYTHONHASHSEED`` values, and in this one (a third seed)."""
+    import os
+    import subprocess
+    import sys
+
     schema = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True},
                                                "d": {"type": "string", "format": "date"}}}
-    routes = {route(GrammarSpec.json_schema(schema)) for _ in range(20)}
-    assert len(routes) == 1
+    schemas = [schema, *(row[1] for row in TABLE)]
+    root = str(Path(__file__).resolve().parents[1])
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE_MAIN], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=root, env={**os.environ, "PYTHONHASHSEED": seed})
+             for seed in ("0", "2718")]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(json.dumps(schemas), timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    assert len(outputs[0]) == len(TABLE) + 1
+    assert sum(len(entry) > 2 for entry in outputs[0]) >= len(TABLE) // 2  # mostly routed
+    assert outputs[1] == outputs[0], "PYTHONHASHSEED=2718 differs from 0"
+    assert _route_probe(schemas) == outputs[0], (
+        f"this process (PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', 'random')}) differs")
 
 
 @pytest.mark.parametrize(("pattern", "full_match"), [

@@ -184,15 +184,35 @@ def test_bad_requests_are_a_400_naming_the_key(validators: dict[str, Any], extra
         assert (response.error.code, response.error.param) == (400, parameter)
 
 
-def test_validation_never_compiles_for_the_tokenizer() -> None:
-    engines = list(vllm_common._ENGINES.values())
-    before = [dict(e.stats.compiles) for e in engines]
+def test_validation_never_compiles_for_the_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine compile in this process is counted at the backends (a snapshot of the
+    engines that happen to exist could be empty, and would miss an engine validation built):
+    validation compiles nothing, builds no engine, and the count is shown to work."""
+    from grammask import Engine, GrammarSpec, Vocabulary
+    from grammask.backends import get_backend
+
+    compiles: list[tuple[str, int]] = []
+    for name in ("xgrammar", "guidance"):
+        backend = get_backend(name)  # type: ignore[arg-type]
+
+        def counted(spec: Any, vocab: Any, *, lenient: bool = False, _name: str = name,
+                    _orig: Any = backend.compile) -> Any:
+            compiles.append((_name, vocab.vocab_size))
+            return _orig(spec, vocab, lenient=lenient)
+
+        monkeypatch.setattr(backend, "compile", counted)
+    engines_before = set(vllm_common._ENGINES)
     for extra in GOOD:
         validate_sampling_params(SamplingParams(max_tokens=8, extra_args=extra))
-    assert [dict(e.stats.compiles) for e in engines] == before
+    assert compiles == [] and set(vllm_common._ENGINES) == engines_before
     checker = vllm_common._checker("auto", "auto")
     assert len(checker.vocab.tokens) == 1 and checker.stats.compiles == {
         "xgrammar": 0, "guidance": 0}
+    # the count sees a real compile (so an empty count means no compile, not a blind spy)
+    tiny = Vocabulary([b"a", b"b", b"</s>"], special_ids=[2], stop_ids=[2],
+                      encode=lambda text: [{"a": 0, "b": 1}[c] for c in text])
+    Engine(tiny, backend="guidance").compile(GrammarSpec.regex("ab"))
+    assert compiles == [("guidance", 3)]
 
 
 def test_one_constraint_mechanism_per_request() -> None:

@@ -41,8 +41,9 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from grammask import Engine, GrammarSpec, Vocabulary
-from grammask.backends import Matcher
 from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
+
+from .helpers import RawReference
 
 
 class _Ready:
@@ -166,7 +167,7 @@ def test_entry_point_alone_masks_a_request_and_leaves_others_alone(
     r.add("plain", None, chat_prompt(vocab, "hi"))
     r.add("json", xargs({"json": SCHEMA, "disable_any_whitespace": True}, thinking="off"),
           chat_prompt(vocab, "a json please"))
-    ref = engine.compile(spec).matcher()
+    ref = RawReference.of(engine.compile(spec), engine.vocab)
     noise = torch.randn(2, VOCAB)
     for tid in [*vocab.encode('{"n":12,"ok":true}'), IM_END]:
         r.schedule()
@@ -201,7 +202,7 @@ def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> Non
     logits = torch.zeros(1, VOCAB)
     assert both[0].apply(logits) is logits and allowed(logits[0]).all()  # inert: untouched
     assert both[0].core.proc_or_none is None  # and it never built a processor
-    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
     assert torch.equal(allowed(r.logits()[0]), ref_allowed(ref))
 
 
@@ -213,9 +214,10 @@ def test_batch_changes_follow_rows(runner: Any, engine: Engine, vocab: Vocabular
     r.add("r1", None, [2])
     r.add("r2", xargs(choice[0], thinking="off"), [3])
     r.schedule()
-    ref_regex, ref_choice = engine.compile(regex[1]).matcher(), engine.compile(choice[1]).matcher()
+    ref_regex = RawReference.of(engine.compile(regex[1]), engine.vocab)
+    ref_choice = RawReference.of(engine.compile(choice[1]), engine.vocab)
 
-    def check(expected: dict[str, Matcher | None]) -> None:
+    def check(expected: dict[str, RawReference | None]) -> None:
         logits = r.logits()
         for row, rid in enumerate(r.batch.req_ids):
             ref = expected[rid]
@@ -240,7 +242,7 @@ def test_resumed_request_replays_its_output(runner: Any, engine: Engine,
     text = vocab.encode('{"n":4')
     r.add("again", xargs(CONSTRAINTS[0][0], thinking="off"), [1, 2], output=list(text))
     r.schedule()
-    ref = engine.compile(CONSTRAINTS[0][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[0][1]), engine.vocab)
     assert all(ref.accept(t) for t in text)
     assert torch.equal(allowed(r.logits()[0]), ref_allowed(ref))
 
@@ -250,7 +252,7 @@ def test_async_placeholders_are_never_fed(runner: Any, engine: Engine,
     r = runner(fqcn=True, use_async=True)
     spec_args, spec = CONSTRAINTS[0]
     r.add("a", xargs(spec_args, thinking="off"), [1])
-    ref = engine.compile(spec).matcher()
+    ref = RawReference.of(engine.compile(spec), engine.vocab)
     for tid in vocab.encode('{"n":7,"ok":false}'):
         r.schedule()  # update_state sees the trailing -1 of the previous step
         assert -1 not in r.states["a"].output_token_ids[:-1]
@@ -286,7 +288,7 @@ def test_thinking_gate(runner: Any, engine: Engine, vocab: Vocabulary, case: str
         flat["think_end"] = "DONE:"
     r = runner(**config)
     r.add("t", xargs(CONSTRAINTS[3][0], **flat), chat_prompt(vocab, "pick", closed_thinking=closed))
-    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
     thoughts = (vocab.encode("hmm DONE") + vocab.encode(":") if case == "custom_marker"
                 else [*vocab.encode("hmm ok"), END_THINK]) if gated else []
     masked_at = None
@@ -318,7 +320,7 @@ def test_a_bad_request_past_validation_only_stops_its_own_row(
     r.schedule()
     logits = r.logits()
     assert sorted(allowed(logits[0]).nonzero().flatten().tolist()) == sorted(vocab.stop_ids)
-    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
     assert torch.equal(allowed(logits[1]), ref_allowed(ref))
     proc = r.plugin.core.processor()
     assert proc.status(0) == "error" and proc.status(1) == "active"
@@ -342,7 +344,7 @@ def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, voc
     empty: "Inplace update to inference tensor outside InferenceMode")."""
     r = runner(max_num_seqs=12, additional_config={"grammask": {"parallel_min": parallel_min}})
     rows = [*CONSTRAINTS, *CONSTRAINTS]  # two rows of each engine: batch fills from 2 rows
-    refs = [engine.compile(spec).matcher() for _, spec in rows]
+    refs = [RawReference.of(engine.compile(spec), engine.vocab) for _, spec in rows]
     with torch.inference_mode():
         for i, (args, _) in enumerate(rows):
             r.add(f"r{i}", xargs(args, thinking="off"), [1, 2])
@@ -372,7 +374,7 @@ class _Req:
     constraint: int | None  # index into CONSTRAINTS
     thinking: bool
     truth: list[int] = field(default_factory=list)  # the real output ids
-    ref: Matcher | None = None
+    ref: RawReference | None = None
     gate_open: bool = True  # thinking not ended yet
 
 
@@ -408,7 +410,7 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engi
                 req = _Req(rid, c, thinking=c is not None and rng.random() < 0.3)
                 req.gate_open = req.thinking
                 if c is not None:
-                    req.ref = grammars[c].matcher()
+                    req.ref = RawReference.of(grammars[c], vocab)
                 live[rid] = req
                 r.add(rid, _xargs_of(req), [1, 2, 3])
             if not live:

@@ -53,8 +53,9 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.states import RequestState
 
 from grammask import Engine, Vocabulary
-from grammask.backends import Matcher
 from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
+
+from .helpers import RawReference
 
 MAX_REQS = 4
 
@@ -193,7 +194,7 @@ def test_entry_point_builds_one_instance_and_masks_in_batch_order(
     json_slot = r.add("json", xargs(spec_args, thinking="off"), chat_prompt(vocab, "json"))
     assert r.sampler.needs_logits_processing[json_slot]
     assert not r.sampler.needs_logits_processing[r.reqs["plain"].slot]
-    ref = engine.compile(spec).matcher()
+    ref = RawReference.of(engine.compile(spec), engine.vocab)
     noise = torch.randn(2, VOCAB)
     for step, tid in enumerate([*vocab.encode('{"n":5,"ok":true}'), IM_END]):
         order = ["json", "plain"] if step % 2 else ["plain", "json"]  # rows move every step
@@ -213,7 +214,7 @@ def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, voc
     """The runner steps under ``torch.inference_mode()``; the helper and fill threads do
     not. Every engine's fill path must still write its masks (see the V1 test)."""
     r = runner(additional_config={"grammask": {"parallel_min": parallel_min}})
-    refs = [engine.compile(spec).matcher() for _, spec in CONSTRAINTS]
+    refs = [RawReference.of(engine.compile(spec), engine.vocab) for _, spec in CONSTRAINTS]
     order = [f"r{i}" for i in range(len(CONSTRAINTS))]
     with torch.inference_mode():
         for rid, (args, _) in zip(order, CONSTRAINTS, strict=True):
@@ -255,7 +256,7 @@ def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> Non
     assert len(both) == 2 and [p.core.active for p in both] == [False, True]
     r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
     assert both[0].core.proc_or_none is None
-    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
     assert torch.equal(allowed(r.step(["a"])[0]), ref_allowed(ref))
 
 
@@ -271,7 +272,7 @@ def test_recycled_slots_start_afresh(runner: Any, engine: Engine, vocab: Vocabul
     assert slot not in r.plugin.core.processor().rows  # its matcher was dropped
     r.remove("b")
     assert r.add("c", xargs(CONSTRAINTS[2][0], thinking="off"), [7]) == slot
-    fresh = engine.compile(CONSTRAINTS[2][1]).matcher()
+    fresh = RawReference.of(engine.compile(CONSTRAINTS[2][1]), engine.vocab)
     assert torch.equal(allowed(r.step(["c"])[0]), ref_allowed(fresh))
 
 
@@ -280,7 +281,7 @@ def test_resumed_request_replays_its_output(runner: Any, engine: Engine,
     r = runner()
     done = vocab.encode('{"n":12')
     r.add("again", xargs(CONSTRAINTS[1][0], thinking="off"), [1, 2, 3], output=done)
-    ref = engine.compile(CONSTRAINTS[1][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[1][1]), engine.vocab)
     assert all(ref.accept(t) for t in done)
     assert torch.equal(allowed(r.step(["again"])[0]), ref_allowed(ref))
 
@@ -290,7 +291,7 @@ def test_chunked_prefill_rows_are_left_alone(runner: Any, engine: Engine) -> Non
     r.add("long", xargs(CONSTRAINTS[3][0], thinking="off"), list(range(100, 125)))
     assert allowed(r.step(["long"], chunk=10)[0]).all()  # 10 of 25: sample discarded
     assert allowed(r.step(["long"], chunk=10)[0]).all()  # 20 of 25
-    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
     assert torch.equal(allowed(r.step(["long"], chunk=10)[0]), ref_allowed(ref))  # last chunk
 
 
@@ -299,7 +300,7 @@ def test_tokens_of_skipped_steps_are_read_back(runner: Any, engine: Engine,
     """Two tokens committed between two steps (more than the fast path's window)."""
     r = runner()
     r.add("a", xargs(CONSTRAINTS[0][0], thinking="off"), [1])
-    ref = engine.compile(CONSTRAINTS[0][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[0][1]), engine.vocab)
     r.step(["a"])
     ids = vocab.encode('{"n":3')
     r.commit({"a": ids[0]})
@@ -317,7 +318,7 @@ def test_thinking_gate_reads_the_prompt_from_the_device(
     if not thinking:  # Qwen3's template with enable_thinking=False
         prompt += [THINK, *vocab.encode("\n\n"), END_THINK, *vocab.encode("\n\n")]
     r.add("t", xargs(CONSTRAINTS[3][0]), prompt)
-    ref = engine.compile(CONSTRAINTS[3][1]).matcher()
+    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
     thoughts = [*vocab.encode("so"), END_THINK] if thinking else []
     for tid in thoughts:
         assert allowed(r.step(["t"])[0]).all()
@@ -334,7 +335,7 @@ class _Live:
     constraint: int | None
     thinking: bool
     truth: list[int] = field(default_factory=list)
-    ref: Matcher | None = None
+    ref: RawReference | None = None
     gate_open: bool = False
 
 
@@ -368,7 +369,7 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engi
                 c = rng.choice([None, 0, 1, 2, 3])
                 req = _Live(c, thinking=c is not None and rng.random() < 0.3)
                 req.gate_open = req.thinking
-                req.ref = None if c is None else grammars[c].matcher()
+                req.ref = None if c is None else RawReference.of(grammars[c], vocab)
                 live[rid] = req
                 slot = r.add(rid, _xargs_of(req), list(range(10, 10 + rng.randint(1, 12))))
                 counts["recycled"] += slot in used_slots

@@ -39,8 +39,9 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 from vllm.v1.worker.gpu.states import RequestState
 
 from grammask import Vocabulary
-from grammask.backends import Matcher
 from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
+
+from .helpers import RawReference
 
 MAX_REQS = 4
 NUM_SPEC = 4
@@ -130,8 +131,8 @@ class SpecRunner:
 class _Req:
     constraint: int | None
     gate_open: bool
-    ref: Matcher | None = None  # accepted only committed tokens
-    start: Matcher | None = None  # a fresh matcher (the state when thinking ends)
+    ref: RawReference | None = None  # accepted only committed tokens
+    start: RawReference | None = None  # a fresh matcher (the state when thinking ends)
     committed: int = 0  # constrained tokens committed
 
 
@@ -184,7 +185,7 @@ def test_masks_at_every_draft_position_match_the_reference() -> None:
                 thinking = c is not None and rng.random() < 0.3
                 req = _Req(c, gate_open=thinking)
                 if c is not None:
-                    req.ref = grammars[c].matcher()
+                    req.ref = RawReference.of(grammars[c], vocab)
                 live[rid] = req
                 r.add(rid, None if c is None else xargs(
                     CONSTRAINTS[c][0], thinking="auto" if thinking else "off"), [1, 2, 3])

@@ -28,8 +28,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import pytest
 import torch
 
-from grammask import GrammarSpec, allocate_bitmask
-from grammask.backends import Matcher
+from grammask import GrammarSpec
+
+from .helpers import RawReference
 
 FQCN = "grammask.integrations.vllm_v1:GrammaskLogitsProcessor"
 VOCAB = 151_936
@@ -124,19 +125,16 @@ def xargs(grammask: dict[str, Any] | None = None, **flat: Any) -> dict[str, Any]
     return out
 
 
-_BITS = torch.tensor([(1 << i) - (1 << 32) if i == 31 else 1 << i for i in range(32)],
-                     dtype=torch.int32)
-
-
 def allowed(logits_row: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits_row)
 
 
-def ref_allowed(matcher: Matcher, vocab_size: int = VOCAB) -> torch.Tensor:
-    """What a lone reference matcher allows next (bool per token id)."""
-    bm = allocate_bitmask(1, vocab_size)
-    matcher.fill(bm, 0)
-    return (bm[0].unsqueeze(-1) & _BITS).ne(0).flatten()[:vocab_size]
+def ref_allowed(ref: RawReference) -> torch.Tensor:
+    """What the reference allows next (bool per token id of the model vocab), stated from the
+    raw engine (tests/helpers.py ``RawReference``), never from the adapter under test."""
+    assert ref.vocab.vocab_size == VOCAB
+    return ref.allowed()
+
 
 
 # ------------------------------------------------------------------ V2 on CPU

@@ -9,7 +9,7 @@ with each backend forced and with auto routing) measures, in its own worker proc
 - cold compile: spec -> compiled grammar, nothing cached;
 - time to first mask (TTFM): cold compile + the request's matcher + the first fill of a
   (1, words) int32 bitmask, i.e. how long a new schema stalls its request;
-- cache hit: the same spec again (grammask: ``engine.compile`` of the compiled spec, and of
+- cache hit: the same spec again (grammask: ``compiler.compile`` of the compiled spec, and of
   a freshly built equal spec; vLLM-xgrammar: its compiler cache; others: none).
 A spec whose TTFM exceeds ``--timeout`` is a timeout (the worker is killed and restarted when
 it does not answer); errors and timeouts are counted, never dropped.
@@ -187,7 +187,7 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
     pairs: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "grammask-xgrammar vs xgrammar": ("grammask-xgrammar", lambda r: "xgrammar"),
         "grammask-guidance vs llguidance": ("grammask-guidance", lambda r: "llguidance"),
-        "grammask-auto vs the raw engine it routed to": (
+        "grammask-auto vs the raw backend it routed to": (
             "grammask-auto", lambda r: RAW_OF_BACKEND.get(r.get("backend", ""), "")),
     }
     for label, (mine, raw_of) in pairs.items():
@@ -220,8 +220,8 @@ def _ratio(ours: list[float], theirs: list[float]) -> dict[str, Any]:
 
 
 def _auto_vs_best(cases: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """grammask-auto's TTFM against, per spec, the faster raw engine (a spec one engine
-    cannot serve counts the other's time), and against each raw engine on the specs both
+    """grammask-auto's TTFM against, per spec, the faster raw backend (a spec one backend
+    cannot serve counts the other's time), and against each raw backend on the specs both
     served."""
     auto, best, losers = [], [], []
     pairs: dict[str, tuple[list[float], list[float]]] = {"xgrammar": ([], []),
@@ -251,7 +251,7 @@ def _auto_vs_best(cases: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]
     per_case = [a / b for a, b in zip(auto, best, strict=True) if b > 0]
     losers.sort(key=lambda d: d["auto_ms"] - d["best_ms"], reverse=True)
     out: dict[str, Any] = {
-        "n": len(auto), "auto_failed_where_a_raw_engine_served": auto_failed,
+        "n": len(auto), "auto_failed_where_a_raw_backend_served": auto_failed,
         "auto_p50_ms": round(percentile(auto, 50), 3),
         "auto_p99_ms": round(percentile(auto, 99), 3),
         "best_p50_ms": round(percentile(best, 50), 3),
@@ -304,7 +304,7 @@ def tables(payload: dict[str, Any]) -> str:
                           _met(hit["p99_ms"] * 1e3 <= TARGET_HIT_US)])
     auto = ratios.get("auto") or {}
     if auto:
-        obody.append(["grammask-auto TTFM p99 vs per-spec best raw engine", auto["n"],
+        obody.append(["grammask-auto TTFM p99 vs per-spec best raw backend", auto["n"],
                       fmt_ms(auto["auto_p99_ms"]), fmt_ms(auto["best_p99_ms"]),
                       f"{auto['p99_vs_best']:.3f}", f"{auto['per_case_ratio_p50']:.3f}",
                       "", f"<= {TARGET_AUTO}", _met(auto["p99_vs_best"] <= TARGET_AUTO)])

@@ -4,9 +4,9 @@
                               [--timeout 60] [--json out/bench/diskcache.json]
 
 1. Selection: a stratified sample of maskbench schemas is compiled with the backend forced to
-   xgrammar (one engine, disk cache on, so every grammar is also written); the ``--top``
+   xgrammar (one backend, disk cache on, so every grammar is also written); the ``--top``
    slowest that compiled are kept. Errors and timeouts are counted, not measured.
-2. For every kept schema, two fresh processes (vocabulary and engine built before the clock
+2. For every kept schema, two fresh processes (vocabulary and compiler built before the clock
    starts): ``cold`` (no disk cache: compile, matcher, first fill of a (1, words) bitmask) and
    ``disk`` (the same request served from the file phase 1 wrote).
 """
@@ -29,22 +29,22 @@ from bench.stats import dist, fmt_ms, machine_info, percentile, render_table, wr
 
 
 def worker(mode: str, directory: str, source: str) -> dict[str, Any]:
-    """One request in this fresh process: TTFM from ``engine.compile`` to the first fill."""
-    from grammask import Engine, GrammarSpec, allocate_bitmask, load_vocabulary
+    """One request in this fresh process: TTFM from ``compiler.compile`` to the first fill."""
+    from grammask import Compiler, GrammarSpec, allocate_bitmask, load_vocabulary
 
     vocab = load_vocabulary("qwen2.5")
-    engine = Engine(vocab, backend="xgrammar", timeout_s=600,
+    compiler = Compiler(vocab, backend="xgrammar", timeout_s=600,
                     disk_cache_dir=directory if mode == "disk" else None,
                     disk_cache_bytes=1 << 40)
     spec = GrammarSpec.json_schema(source)
     bitmask = allocate_bitmask(1, vocab.vocab_size)
     started = time.perf_counter()
-    grammar = engine.compile(spec)
+    grammar = compiler.compile(spec)
     got = time.perf_counter()
     grammar.matcher().fill(bitmask, 0)
     done = time.perf_counter()
     return {"ttfm_ms": (done - started) * 1000, "grammar_ms": (got - started) * 1000,
-            "from_disk": grammar.from_disk, "disk_hits": engine.stats.disk_hits}
+            "from_disk": grammar.from_disk, "disk_hits": compiler.stats.disk_hits}
 
 
 def _run_worker(mode: str, directory: Path, source: str, timeout: float) -> dict[str, Any]:
@@ -64,16 +64,16 @@ def _run_worker(mode: str, directory: Path, source: str, timeout: float) -> dict
 def select(args: argparse.Namespace, directory: Path) -> tuple[list[dict[str, Any]],
                                                                dict[str, int]]:
     """Compile the sample with xgrammar forced (filling the disk cache); the slowest."""
-    from grammask import CompileTimeoutError, Engine, GrammarError, GrammarSpec, load_vocabulary
+    from grammask import Compiler, CompileTimeoutError, GrammarError, GrammarSpec, load_vocabulary
 
     cases = load_maskbench(args.corpus, args.sample, args.seed)
-    engine = Engine(load_vocabulary("qwen2.5"), backend="xgrammar", timeout_s=args.timeout,
+    compiler = Compiler(load_vocabulary("qwen2.5"), backend="xgrammar", timeout_s=args.timeout,
                     disk_cache_dir=directory, disk_cache_bytes=1 << 40)
     timed: list[dict[str, Any]] = []
     counts = {"sampled": len(cases), "compiled": 0, "errors": 0, "timeouts": 0}
     for i, case in enumerate(cases, 1):
         try:
-            grammar = engine.compile(GrammarSpec.json_schema(case.source))
+            grammar = compiler.compile(GrammarSpec.json_schema(case.source))
         except CompileTimeoutError:
             counts["timeouts"] += 1
             continue
@@ -84,8 +84,8 @@ def select(args: argparse.Namespace, directory: Path) -> tuple[list[dict[str, An
         timed.append({"id": case.id, "source": case.source, "select_ms": grammar.compile_ms})
         if i % 50 == 0:
             print(f"  selection: {i}/{len(cases)}", file=sys.stderr, flush=True)
-    engine.flush_disk_cache()
-    engine.close()
+    compiler.flush_disk_cache()
+    compiler.close()
     timed.sort(key=lambda r: -r["select_ms"])
     return timed[:args.top], counts
 

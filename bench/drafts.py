@@ -2,7 +2,7 @@
 
     python -m bench.mask --drafts 0,1,2,4 [--batch-sizes 1,16,64,256] [--steps N] [--json OUT]
 
-For each engine (schemas forced onto xgrammar, then onto llguidance) and each batch size B,
+For each backend (schemas forced onto xgrammar, then onto llguidance) and each batch size B,
 B rows walk valid corpus instances through ``BatchProcessor``. Per step: the committed fill
 (``step`` + ``wait_masks``), then ``fill_drafts`` with the next ``d`` tokens of each row's
 instance as drafts (all valid: the worst case, every position is filled), then every row
@@ -24,18 +24,18 @@ def measure(cases: list[Case], *, batch_sizes: list[int], drafts: list[int], ste
             tokenizer: str) -> dict[str, Any]:
     import torch
 
-    from grammask import Engine, GrammarSpec, load_vocabulary
+    from grammask import Compiler, GrammarSpec, load_vocabulary
     from grammask.processor import BatchProcessor
 
     vocab = load_vocabulary(tokenizer)
-    engine = Engine(vocab, timeout_s=30)
+    compiler = Compiler(vocab, timeout_s=30)
     out: dict[str, Any] = {}
     for backend in ("xgrammar", "guidance"):
         walks: list[tuple[Any, list[int]]] = []
         for case in cases:
             spec = GrammarSpec.json_schema(case.source, any_whitespace=False, backend=backend)
             try:
-                grammar = engine.compile(spec)
+                grammar = compiler.compile(spec)
             except Exception:  # a refused schema is simply not measured
                 continue
             for text in case.instances:  # compact, as any_whitespace=False generates
@@ -51,7 +51,7 @@ def measure(cases: list[Case], *, batch_sizes: list[int], drafts: list[int], ste
         for size in batch_sizes:
             per_d: dict[str, Any] = {}
             for d in drafts:
-                times = _run(BatchProcessor, engine, walks, size, d, steps, torch)
+                times = _run(BatchProcessor, compiler, walks, size, d, steps, torch)
                 per_d[str(d)] = {**dist(times), "rows_per_step": size * (d + 1),
                                  "us_per_row": round(sorted(times)[len(times) // 2] * 1e3
                                                      / (size * (d + 1)), 2)}
@@ -60,22 +60,22 @@ def measure(cases: list[Case], *, batch_sizes: list[int], drafts: list[int], ste
                 stats["ratio_to_first"] = round(stats["p50_ms"] / base, 2) if base else None
             per_size[str(size)] = per_d
         out[backend] = {"walks": len(walks), "batches": per_size}
-    engine.close()
+    compiler.close()
     return out
 
 
-def _run(processor_cls: Any, engine: Any, walks: list[tuple[Any, list[int]]], size: int,
+def _run(processor_cls: Any, compiler: Any, walks: list[tuple[Any, list[int]]], size: int,
          d: int, steps: int, torch: Any) -> list[float]:
     """ms per step for ``size`` rows with ``d`` drafts each."""
     rows = [walks[i % len(walks)] for i in range(size)]
     times: list[float] = []
-    with processor_cls(engine, max_batch=size, think_end=None) as proc:
+    with processor_cls(compiler, max_batch=size, think_end=None) as proc:
         outs: list[list[int]] = []
         pos = [0] * size
         for i, (grammar, _) in enumerate(rows):
             outs.append([])
             proc.add(i, grammar.spec, output_ids=outs[i], grammar=grammar)
-        out = torch.full((size * (d + 1), (engine.vocab.vocab_size + 31) // 32), -1,
+        out = torch.full((size * (d + 1), (compiler.vocab.vocab_size + 31) // 32), -1,
                          dtype=torch.int32)
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -111,4 +111,4 @@ def tables(result: dict[str, Any]) -> str:
                              s["ratio_to_first"], s["us_per_row"]])
     return ("Mask cost per decode step with d draft tokens per row (ms p50 / p99; ratio to "
             "the first d; us per filled row)\n"
-            + render_table(["engine", "B", "drafts", "ms/step", "ratio", "us/row"], rows))
+            + render_table(["backend", "B", "drafts", "ms/step", "ratio", "us/row"], rows))

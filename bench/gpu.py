@@ -77,10 +77,10 @@ def _apply_case(vocab: int, batch: int, dtype: torch.dtype, reps: int) -> dict[s
 
 
 def overlap(reps: int) -> list[dict[str, Any]]:
-    from grammask import Engine, GrammarSpec, load_vocabulary
+    from grammask import Compiler, GrammarSpec, load_vocabulary
 
     vocab = load_vocabulary("qwen2.5")
-    engine = Engine(vocab, timeout_s=60)
+    compiler = Compiler(vocab, timeout_s=60)
     schema = {"type": "object", "properties": {
         "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
         "n": {"type": "integer"}}, "required": ["name", "n"]}
@@ -91,19 +91,19 @@ def overlap(reps: int) -> list[dict[str, Any]]:
     rows = []
     for batch in (1, 16, 64, 256):
         for forward_ms in (5.0, 20.0):
-            row = _overlap_case(engine, spec, text, weight, batch, forward_ms, reps)
+            row = _overlap_case(compiler, spec, text, weight, batch, forward_ms, reps)
             rows.append(row)
             print(f"overlap B={batch} forward {row['forward_ms']:.2f} ms: exposed "
                   f"{row['exposed_ms']:.3f} ms", file=sys.stderr)
-    engine.close()
+    compiler.close()
     return rows
 
 
-def _overlap_case(engine: Any, spec: Any, text: list[int], weight: torch.Tensor, batch: int,
+def _overlap_case(compiler: Any, spec: Any, text: list[int], weight: torch.Tensor, batch: int,
                   forward_ms: float, reps: int) -> dict[str, Any]:
     from grammask.processor import BatchProcessor
 
-    grammar = engine.compile(spec)
+    grammar = compiler.compile(spec)
     x = torch.randn(batch * 8, 4096, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -117,9 +117,9 @@ def _overlap_case(engine: Any, spec: Any, text: list[int], weight: torch.Tensor,
         for _ in range(chain):
             y = torch.tanh(y @ weight)
 
-    logits = torch.zeros(batch, engine.vocab.vocab_size, device="cuda")
+    logits = torch.zeros(batch, compiler.vocab.vocab_size, device="cuda")
     pos = [row % (len(text) - 1) for row in range(batch)]
-    with torch.inference_mode(), BatchProcessor(engine, max_batch=batch, think_end=None,
+    with torch.inference_mode(), BatchProcessor(compiler, max_batch=batch, think_end=None,
                                                 wait_s=60) as proc:
         for row in range(batch):
             proc.add(row, spec, grammar=grammar)

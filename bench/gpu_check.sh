@@ -28,6 +28,6 @@ PY
 status=0
 "$PY" -m pytest -q -p no:cacheprovider tests/test_devices.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
     || status=1
-"$PY" bench/gpu.py --json "$OUT/gpu.json" || status=1
+"$PY" -m bench.gpu --json "$OUT/gpu.json" || status=1
 echo "gpu_check: tests and benchmarks done (status $status); results in $OUT"
 exit $status

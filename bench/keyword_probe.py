@@ -8,7 +8,7 @@ table docs/keyword-probe.md is results.md of a full run.
 For every feature: a schema, VALID instances and INVALID instances (invalid ONLY
 because of that feature; labels are checked with jsonschema before use).  Each
 instance is serialised as json.dumps(x), compact json.dumps(x, separators=(",",":")),
-and (when it differs) compact with ensure_ascii=False, and fed to 4 engine configs:
+and (when it differs) compact with ensure_ascii=False, and fed to 4 backend configs:
 
   xgr_strict      xgrammar compile_json_schema(any_whitespace=True, strict_mode=True)
   xgr_nonstrict   xgrammar compile_json_schema(any_whitespace=True, strict_mode=False)
@@ -469,7 +469,7 @@ CASES = [
 CASES = [c for c in CASES if c["valid"] or c["invalid"]]
 
 # ----------------------------------------------------------------------------
-# engines
+# backends
 # ----------------------------------------------------------------------------
 
 CONFIGS = ["xgr_strict", "xgr_nonstrict", "llg_default", "llg_lenient"]
@@ -499,15 +499,15 @@ class CaptureFd2:
         return [re.sub(r"^\[[0-9:]+\] \S+: ", "", ln).strip() for ln in self.text.splitlines() if ln.strip()]
 
 
-class Engine(Protocol):
-    """What run_case needs from an engine config: compile -> (handle, seconds, warnings), then match."""
+class BackendConfig(Protocol):
+    """What run_case needs from a backend config: compile -> (handle, seconds, warnings), then match."""
 
     def compile(self, schema: Any) -> tuple[Any, float, list[str]]: ...
 
     def match(self, handle: Any, text: str) -> bool: ...
 
 
-class XgrEngine:
+class XgrBackend:
     def __init__(self, strict: bool) -> None:
         self.strict = strict
 
@@ -530,7 +530,7 @@ class XgrEngine:
         return bool(m.accept_token(STOP_IDS[0]) and m.is_terminated())
 
 
-class LlgEngine:
+class LlgBackend:
     def __init__(self, defaults: "JsonCompileOptions | None") -> None:
         self.defaults = defaults
 
@@ -553,11 +553,11 @@ class LlgEngine:
         return bool(m.is_accepting())
 
 
-ENGINES: dict[str, Engine] = {
-    "xgr_strict": XgrEngine(True),
-    "xgr_nonstrict": XgrEngine(False),
-    "llg_default": LlgEngine(None),
-    "llg_lenient": LlgEngine({"lenient": True, "coerce_one_of": True}),
+BACKENDS: dict[str, BackendConfig] = {
+    "xgr_strict": XgrBackend(True),
+    "xgr_nonstrict": XgrBackend(False),
+    "llg_default": LlgBackend(None),
+    "llg_lenient": LlgBackend({"lenient": True, "coerce_one_of": True}),
 }
 
 
@@ -603,11 +603,11 @@ def run_case(case: Case) -> Result:
         if label_ok(case["schema"], x, case["draft"]):
             res["label_problems"].append(f"invalid instance {json.dumps(x)} IS valid per jsonschema")
     for name in CONFIGS:
-        eng = ENGINES[name]
+        backend = BACKENDS[name]
         cell: Cell = {"compile_s": None, "error": None, "warnings": [], "valid_rejected": [], "invalid_accepted": [],
                 "invalid_rejected": [], "valid_partial": []}
         try:
-            h, dt, warns = eng.compile(case["schema"])
+            h, dt, warns = backend.compile(case["schema"])
             cell["compile_s"] = dt
             cell["warnings"] = warns
         except Exception as e:
@@ -616,12 +616,12 @@ def run_case(case: Case) -> Result:
             res["cells"][name] = cell
             continue
         for x in case["valid"]:
-            r = {f: eng.match(h, f) for f in forms(x, case)}
+            r = {f: backend.match(h, f) for f in forms(x, case)}
             if not all(r.values()):
                 bad = [f for f, ok in r.items() if not ok]
                 (cell["valid_rejected"] if not any(r.values()) else cell["valid_partial"]).append(bad[0])
         for x in case["invalid"]:
-            r = {f: eng.match(h, f) for f in forms(x, case)}
+            r = {f: backend.match(h, f) for f in forms(x, case)}
             if any(r.values()):
                 cell["invalid_accepted"].append(json.dumps(x))
             else:
@@ -797,7 +797,7 @@ def special_probes() -> dict[str, Any]:
     w = llg_mask_words(lm)
     out["llg_int_after_12"] = {"stop": {i: bit(w, i) for i in STOP_IDS}, "digit_3_allowed": bit(w, ENC.encode_single_token(b"3"))}
 
-    # trailing whitespace after the complete value (both engines)
+    # trailing whitespace after the complete value (both backends)
     m = xgr.GrammarMatcher(cg)
     out["xgr_trailing_ws_then_stop"] = bool(m.accept_string(text + " \n") and m.accept_token(151645))
     lm = LLMatcher(LLG_TOK, g, log_level=0)
@@ -825,7 +825,7 @@ def special_probes() -> dict[str, Any]:
     cga = XGR_COMPILER.compile_json_schema(json.dumps(s), any_whitespace=True, strict_mode=True, any_order=True)
     cgc = XGR_COMPILER.compile_json_schema('{"const": {"a": 1, "b": 2}}', any_whitespace=True, strict_mode=True,
                                            any_order=True)
-    xe = ENGINES["xgr_strict"]
+    xe = BACKENDS["xgr_strict"]
     out["xgr_any_order"] = {"reordered_props": xe.match(cga, '{"b": "x", "a": 1}'),
                             "in_order_props": xe.match(cga, '{"a": 1, "b": "x"}'),
                             "missing_required_rejected": not xe.match(cga, '{"b": "x"}'),
@@ -880,7 +880,7 @@ def write_md(results: list[Result], specials: dict[str, Any]) -> None:
              "llguidance: `tokenize_str(text)` -> `consume_tokens` -> `is_accepting()`.\n")
     L.append("Labels verified with `Draft202012Validator` (Draft7Validator for draft-07 rows) + format checker. "
              f"Format checkers missing from the venv were supplemented with local RFC checks: {', '.join(SUPPLEMENTED)}. "
-             "The remote `$ref` was served to jsonschema from an in-memory registry (engines got no network).\n")
+             "The remote `$ref` was served to jsonschema from an in-memory registry (backends got no network).\n")
     L.append("Legend: ENFORCED = compiles, valid accepted, invalid rejected; IGNORED = invalid accepted "
              "(\"partial\" = only some invalid instances accepted); WRONG = a valid instance rejected; REJECTED = compile error.\n")
     probs = [(r["id"], p) for r in results for p in r["label_problems"]]

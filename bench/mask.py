@@ -1,8 +1,8 @@
 """Mask (bitmask fill) latency: per token along real outputs, and per decode step in a batch.
 
-    grammask bench mask [--corpus PATH] [--sample N] [--seed S] [--timeout SEC]
-                        [--systems a,b,...] [--batch-sizes 1,16,64,256] [--steps N]
-                        [--quick] [--json OUT]
+    python -m bench.mask [--corpus PATH] [--sample N] [--seed S] [--timeout SEC]
+                         [--systems a,b,...] [--batch-sizes 1,16,64,256] [--steps N]
+                         [--quick] [--json OUT]
 
 - Per token: every system compiles the same specs, then walks valid corpus instances
   (``json.dumps(instance)`` tokenized with the vocabulary), timing one fill of a (1, words)
@@ -11,7 +11,7 @@
 - Per step: B requests (B = 1/16/64/256) over the specs every system served, each at its own
   position of its own instance; one step fills all B rows, then every request advances by one
   token. Methods: the plain loop over rows; xgrammar's ``BatchGrammarMatcher``; llguidance's
-  ``LLExecutor``; grammask's rows split by engine into those two; vLLM's own
+  ``LLExecutor``; grammask's rows split by backend into those two; vLLM's own
   ``StructuredOutputManager.grammar_bitmask`` over real ``Request`` objects.
 """
 
@@ -24,9 +24,6 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cases import Case, case_from, case_payload, extra_cases, load_maskbench
 from bench.paths import DEFAULT_CORPUS
@@ -211,7 +208,7 @@ def tables(payload: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grammask bench mask", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.mask", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     p.add_argument("--sample", type=int,

@@ -3,12 +3,12 @@
 Two measurements (``python -m bench.stress``; ``--quick`` for a short run):
 
 1. **latency**: ``--threads`` threads (200) send a mix of good, bad (invalid) and slow
-   (pathological for xgrammar) specs to one ``Engine``; the good requests' p50/p99 latency is
+   (pathological for xgrammar) specs to one ``Compiler``; the good requests' p50/p99 latency is
    compared with a run that sends only the good ones (ratio printed). Slow specs must not
    starve good requests, and no request may outlive ``timeout_s`` by much.
-2. **memory**: ``--schemas`` corpus schemas (3,000) compiled through an Engine with a
+2. **memory**: ``--schemas`` corpus schemas (3,000) compiled through a Compiler with a
    ``--cache-mib`` limit (64): RSS against the cache's byte count as it fills and evicts, and
-   after ``clear()``. Before it, a calibration: per engine, RSS growth per cached grammar
+   after ``clear()``. Before it, a calibration: per backend, RSS growth per cached grammar
    against ``Grammar.memory_bytes`` (the estimate the cache is bounded by).
 
 Results: a table on stdout and JSON (``--json``, default ``out/bench/stress.json``).
@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.paths import DEFAULT_CORPUS, REPO_ROOT
 from bench.stats import dist, fmt_ms, machine_info, render_table, write_json
-from grammask import Engine, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
+from grammask import Compiler, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
 from grammask.compiler import trim_heap
 
 MIB = 1024 * 1024
@@ -92,7 +92,7 @@ def latency_run(vocab: Vocabulary, *, threads: int, per_thread: int, mixed: bool
                 seed: int) -> dict[str, Any]:
     """One run: every thread sends ``per_thread`` requests; in a mixed run 70% good,
     20% bad, 10% slow (over ``n_slow`` distinct runaways)."""
-    engine = Engine(vocab, max_workers=workers, timeout_s=timeout_s, max_abandoned=2)
+    compiler = Compiler(vocab, max_workers=workers, timeout_s=timeout_s, max_abandoned=2)
     good_ms: list[float] = []
     over: list[float] = []
     outcome = {"good_ok": 0, "good_failed": 0, "bad_errors": 0, "slow_timeouts": 0,
@@ -110,7 +110,7 @@ def latency_run(vocab: Vocabulary, *, threads: int, per_thread: int, mixed: bool
             t0 = time.perf_counter()
             err: GrammarError | None = None
             try:  # bad specs may fail as early as GrammarSpec validation
-                engine.compile(good_spec(rng.randrange(n_good)) if what == "good" else
+                compiler.compile(good_spec(rng.randrange(n_good)) if what == "good" else
                                bad_spec(rng.randrange(50)) if what == "bad" else
                                slow_spec(rng.randrange(n_slow)))
             except GrammarError as exc:
@@ -137,8 +137,8 @@ def latency_run(vocab: Vocabulary, *, threads: int, per_thread: int, mixed: bool
     for th in pool:
         th.join()
     wall = time.perf_counter() - t0
-    stats = engine.stats
-    engine.close()
+    stats = compiler.stats
+    compiler.close()
     return {"mixed": mixed, "wall_s": round(wall, 2), "good": dist(good_ms), **outcome,
             "good_failures": failures, "max_over_timeout_ms": round(max(over, default=0.0), 1),
             "requests_over_timeout": len(over),
@@ -150,21 +150,21 @@ def latency_run(vocab: Vocabulary, *, threads: int, per_thread: int, mixed: bool
 
 # ---------------------------------------------------------------------------- memory
 def calibrate(vocab: Vocabulary, schemas: list[Any], backend: str, n: int) -> dict[str, Any]:
-    """RSS growth per cached grammar against the estimate, one engine forced, no evictions.
+    """RSS growth per cached grammar against the estimate, one backend forced, no evictions.
     xgrammar gets the schemas auto-routing sends it (the others take it seconds each)."""
-    engine = Engine(vocab, max_workers=2, timeout_s=5, cache_bytes=1 << 40)
+    compiler = Compiler(vocab, max_workers=2, timeout_s=5, cache_bytes=1 << 40)
     picked = [s for s in schemas
-              if backend == "guidance" or _routes_to(engine, s, "xgrammar")][:n]
+              if backend == "guidance" or _routes_to(compiler, s, "xgrammar")][:n]
     trim_heap()
     before = rss()
     for schema in picked:
         with contextlib.suppress(GrammarError):
-            engine.compile(GrammarSpec.json_schema(schema, backend=backend))  # type: ignore[arg-type]
+            compiler.compile(GrammarSpec.json_schema(schema, backend=backend))  # type: ignore[arg-type]
     trim_heap()
     grown = rss() - before
-    info = engine.cache_info()
-    engine.clear()
-    engine.close()
+    info = compiler.cache_info()
+    compiler.clear()
+    compiler.close()
     entries = max(1, info["entries"])
     return {"backend": backend, "grammars": info["entries"],
             "rss_per_grammar_kib": round(grown / entries / 1024, 1),
@@ -181,16 +181,16 @@ def _calibrate_in_child(backend: str, args: argparse.Namespace) -> dict[str, Any
     return result
 
 
-def _routes_to(engine: Engine, schema: Any, backend: str) -> bool:
+def _routes_to(compiler: Compiler, schema: Any, backend: str) -> bool:
     try:
-        return engine.route(GrammarSpec.json_schema(schema)).backend == backend
+        return compiler.route(GrammarSpec.json_schema(schema)).backend == backend
     except GrammarError:
         return False
 
 
 def memory_run(vocab: Vocabulary, schemas: list[Any], cache_mib: int,
                every: int) -> dict[str, Any]:
-    engine = Engine(vocab, max_workers=2, timeout_s=2, cache_bytes=cache_mib * MIB)
+    compiler = Compiler(vocab, max_workers=2, timeout_s=2, cache_bytes=cache_mib * MIB)
     trim_heap()
     base = rss()
     samples: list[dict[str, float]] = []
@@ -198,11 +198,11 @@ def memory_run(vocab: Vocabulary, schemas: list[Any], cache_mib: int,
     t0 = time.perf_counter()
     for i, schema in enumerate(schemas, 1):
         try:
-            engine.compile(GrammarSpec.json_schema(schema))
+            compiler.compile(GrammarSpec.json_schema(schema))
         except GrammarError:
             errors += 1
         if i % every == 0 or i == len(schemas):
-            info = engine.cache_info()
+            info = compiler.cache_info()
             samples.append({"compiled": i, "rss_mib": round(rss() / MIB, 1),
                             "rss_growth_mib": round((rss() - base) / MIB, 1),
                             "cache_mib": round(info["bytes"] / MIB, 1),
@@ -210,10 +210,10 @@ def memory_run(vocab: Vocabulary, schemas: list[Any], cache_mib: int,
     wall = time.perf_counter() - t0
     peak = max(s["rss_growth_mib"] for s in samples)
     before_clear = rss()
-    engine.clear()
+    compiler.clear()
     after_clear = rss()
-    stats = engine.stats
-    engine.close()
+    stats = compiler.stats
+    compiler.close()
     return {"schemas": len(schemas), "cache_limit_mib": cache_mib, "errors": errors,
             "wall_s": round(wall, 1), "base_rss_mib": round(base / MIB, 1),
             "peak_growth_mib": peak, "final_growth_mib": samples[-1]["rss_growth_mib"],
@@ -231,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schemas", type=int, default=3000, help="corpus schemas in the RSS run")
     ap.add_argument("--cache-mib", type=int, default=64)
     ap.add_argument("--calibrate", type=int, default=300,
-                    help="grammars per engine in the calibration (0: skip)")
+                    help="grammars per backend in the calibration (0: skip)")
     ap.add_argument("--threads", type=int, default=200)
     ap.add_argument("--requests", type=int, default=10, help="requests per thread")
-    ap.add_argument("--timeout", type=float, default=2.0, help="Engine timeout_s")
-    ap.add_argument("--workers", type=int, default=2, help="Engine max_workers")
+    ap.add_argument("--timeout", type=float, default=2.0, help="Compiler timeout_s")
+    ap.add_argument("--workers", type=int, default=2, help="Compiler max_workers")
     ap.add_argument("--skip", choices=["latency", "memory"], action="append", default=[])
     ap.add_argument("--quick", action="store_true", help="300 schemas, 50 threads")
     ap.add_argument("--seed", type=int, default=0)
@@ -259,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     if "memory" not in args.skip:
         schemas = corpus_schemas(args.corpus, max(args.schemas, args.calibrate), args.seed)
         if args.calibrate:
-            # each engine in a fresh process: a used heap reuses free memory without growing
+            # each backend in a fresh process: a used heap reuses free memory without growing
             cal = [_calibrate_in_child(b, args) for b in ("guidance", "xgrammar")]
             payload["calibration"] = cal
-            print(render_table(["engine", "grammars", "RSS KiB/grammar", "estimate KiB",
+            print(render_table(["backend", "grammars", "RSS KiB/grammar", "estimate KiB",
                                 "RSS / estimate"],
                                [[c["backend"], c["grammars"], c["rss_per_grammar_kib"],
                                  c["estimate_per_grammar_kib"], c["rss_over_estimate"]]

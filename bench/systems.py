@@ -1,6 +1,6 @@
 """The systems under measurement, behind one small interface.
 
-The raw engines (xgrammar, llguidance), vLLM's own structured-output backends and grammask sit
+The raw backends (xgrammar, llguidance), vLLM's own structured-output backends and grammask sit
 behind ``System``, so a measurement function is written once and runs against each of them.
 Their methods run inside a worker process (see ``bench.workers``). vLLM needs a Hugging Face
 model directory; ``hf_model_dir`` builds one offline from the Qwen BPE file and caches it.
@@ -34,7 +34,7 @@ class System:
     """One way of turning a spec into masks. Methods run inside a worker process."""
 
     name = "system"
-    family = ""  # the engine underneath: xgrammar | guidance | auto
+    family = ""  # the backend underneath: xgrammar | guidance | auto
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
@@ -108,7 +108,7 @@ def _warmup_cases() -> list[Case]:
 
 
 def warm_up(system: System) -> None:
-    """Pay one-time lazy set-up (engine compilers, thread pools) before anything is timed."""
+    """Pay one-time lazy set-up (backend compilers, thread pools) before anything is timed."""
     for case in _warmup_cases():
         with contextlib.suppress(Exception):
             compiled = system.compile(case)
@@ -235,7 +235,7 @@ def choice_ebnf(options: Sequence[str]) -> str:
 
 
 class Grammask(System):
-    """grammask's ``Engine``: spec construction, routing, compile service, matcher."""
+    """grammask's ``Compiler``: spec construction, routing, compile service, matcher."""
 
     family = "auto"
 
@@ -256,9 +256,9 @@ class Grammask(System):
         self.vocab = grammask.load_vocabulary(self.tokenizer)
         self.vocab_size = self.vocab.vocab_size
         _ = self.vocab.xgrammar_info, self.vocab.llguidance_tokenizer
-        self.engine = grammask.Engine(self.vocab, timeout_s=self.timeout)
+        self.compiler = grammask.Compiler(self.vocab, timeout_s=self.timeout)
         self._xgm, self._glm = XGrammarMatcher, GuidanceMatcher
-        return {"engine": f"Engine(timeout_s={self.timeout}, max_workers=4)"}
+        return {"compiler": f"Compiler(timeout_s={self.timeout}, max_workers=4)"}
 
     def spec(self, case: Case) -> Any:
         spec_cls = self.gm.GrammarSpec
@@ -273,7 +273,7 @@ class Grammask(System):
 
     def compile(self, case: Case) -> Any:
         self._spec = self.spec(case)
-        return self.engine.compile(self._spec)
+        return self.compiler.compile(self._spec)
 
     def matcher(self, compiled: Any) -> Any:
         return compiled.matcher()
@@ -287,9 +287,9 @@ class Grammask(System):
     def cache_hit(self, case: Case) -> dict[str, float]:
         spec = self._spec
         t0 = time.perf_counter()
-        self.engine.compile(spec)
+        self.compiler.compile(spec)
         t1 = time.perf_counter()
-        grammar = self.engine.compile(self.spec(case))
+        grammar = self.compiler.compile(self.spec(case))
         t2 = time.perf_counter()
         m = grammar.matcher()
         m.fill(self.bitmask(1), 0)
@@ -303,35 +303,35 @@ class Grammask(System):
                 "unenforced": len(compiled.unenforced)}
 
     def needs_restart(self) -> bool:
-        return bool(self.engine.cache_info()["abandoned"])
+        return bool(self.compiler.cache_info()["abandoned"])
 
     def forget(self) -> None:
-        self.engine.clear()
+        self.compiler.clear()
 
     def batch_methods(self, matchers: list[Any]) -> dict[str, Callable[[Any], None]]:
-        """The plain loop, and the loop split by engine into each engine's batch call (what a
+        """The plain loop, and the loop split by backend into each backend's batch call (what a
         batch fill built on grammask's matchers can do)."""
         import llguidance as llg
         import xgrammar as xgr
 
         methods = super().batch_methods(matchers)
-        xg_rows = [(i, m.engine_matcher) for i, m in enumerate(matchers)
+        xg_rows = [(i, m.native) for i, m in enumerate(matchers)
                    if isinstance(m, self._xgm)]
-        ll_rows = [(m.engine_matcher, i) for i, m in enumerate(matchers)
+        ll_rows = [(m.native, i) for i, m in enumerate(matchers)
                    if isinstance(m, self._glm)]
         batcher = xgr.BatchGrammarMatcher()
         executor = llg.LLExecutor()
         xg_idx = [i for i, _ in xg_rows]
         xg_ms = [m for _, m in xg_rows]
 
-        def engine_batch(bitmask: Any) -> None:
+        def backend_batch(bitmask: Any) -> None:
             if xg_ms:
                 batcher.batch_fill_next_token_bitmask(xg_ms, bitmask, indices=xg_idx)
             if ll_rows:
                 executor.unsafe_compute_mask_ptr(ll_rows, bitmask.data_ptr(),
                                                  bitmask.shape[1] * 4, bitmask.shape[0])
 
-        methods["engine-batch"] = engine_batch
+        methods["backend-batch"] = backend_batch
         return methods
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grammask import Engine, Vocabulary, load_vocabulary
+from grammask import Compiler, Vocabulary, load_vocabulary
 
 # two xdist workers on two cores: one intra-op thread each avoids oversubscription
 torch.set_num_threads(1)
@@ -43,10 +43,10 @@ def qwen36() -> Vocabulary:
 
 
 @pytest.fixture(scope="session")
-def engine(qwen25: Vocabulary) -> Iterator[Engine]:
-    eng = Engine(qwen25, timeout_s=60)
-    yield eng
-    eng.close()
+def compiler(qwen25: Vocabulary) -> Iterator[Compiler]:
+    compiler = Compiler(qwen25, timeout_s=60)
+    yield compiler
+    compiler.close()
 
 
 @pytest.fixture(scope="session")

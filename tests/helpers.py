@@ -35,11 +35,11 @@ def bit(row: torch.Tensor, token: int) -> bool:
 
 #: First-mask budgets out of reach, for tests about masks rather than latency: on two loaded
 #: CI cores a compile may take longer than the production ``wait_s`` / ``hedge_s``, and a
-#: hedge would serve another engine's (equally valid, differently styled) grammar.
+#: hedge would serve another backend's (equally valid, differently styled) grammar.
 PATIENT: dict[str, float] = {"wait_s": 120.0, "hedge_s": 60.0}
 
 
-# ------------------------------------------------------------------ raw-engine references
+# ------------------------------------------------------------------ raw-backend references
 #: token id -> (word, bit) as torch stores an int32 word (bit 31 is the sign)
 _BIT_VALUES = torch.tensor([(1 << i) - (1 << 32) if i == 31 else 1 << i for i in range(32)],
                            dtype=torch.int32)
@@ -75,9 +75,9 @@ def _closed(node: Any) -> Any:
 
 
 class _RawVocab:
-    """The raw engines' tokenizer objects for one Vocabulary, built here from its plain token
+    """The raw backends' tokenizer objects for one Vocabulary, built here from its plain token
     bytes: special tokens keep their text (nothing blanked or flagged), only the stop ids are
-    told to the engines, as their end-of-sequence tokens."""
+    told to the backends, as their end-of-sequence tokens."""
 
     def __init__(self, vocab: Vocabulary) -> None:
         self.vocab = vocab
@@ -99,8 +99,8 @@ class _RawVocab:
         self._compiled: dict[tuple[str, str], Any] = {}
 
     def compiled(self, spec: GrammarSpec, backend: BackendName) -> Any:
-        """The raw engine's compiled grammar (xgrammar ``CompiledGrammar``, or a pristine
-        llguidance ``LLMatcher`` to copy), built once per spec and engine."""
+        """The raw backend's compiled grammar (xgrammar ``CompiledGrammar``, or a pristine
+        llguidance ``LLMatcher`` to copy), built once per spec and backend."""
         key = (spec.key, backend)
         found = self._compiled.get(key)
         if found is None:
@@ -141,7 +141,7 @@ class _RawVocab:
 
 class _PlainTokens:
     """What llguidance's ``TokenizerWrapper`` reads: the plain token bytes; only the stop ids
-    are flagged (they are the engine's end-of-sequence tokens, never text)."""
+    are flagged (they are the backend's end-of-sequence tokens, never text)."""
 
     def __init__(self, vocab: Vocabulary) -> None:
         self.eos_token_id = vocab.stop_ids[0]
@@ -210,20 +210,20 @@ def _raw_llguidance_grammar(spec: GrammarSpec) -> str:
 
 
 class RawReference:
-    """What a grammask matcher must allow next, stated from the RAW engine objects.
+    """What a grammask matcher must allow next, stated from the RAW backend objects.
 
-    The engine (xgrammar ``GrammarMatcher`` / llguidance ``LLMatcher``, compiled here from the
+    The backend (xgrammar ``GrammarMatcher`` / llguidance ``LLMatcher``, compiled here from the
     spec over the tokenizer's plain token bytes, not through grammask's adapters) gives the
     grammar's mask; the rules grammask documents (``backends/base.py``, ``vocab.py``) are then
     applied on top, here and nowhere else:
 
     - ids past the tokenizer (model padding) and special tokens are never allowed;
-    - the stop ids are allowed exactly where the grammar may end (the raw engine's own
+    - the stop ids are allowed exactly where the grammar may end (the raw backend's own
       end-of-sequence answer), and accepting one ends the output: from then on only stop
       ids are allowed and accepted.
 
     ``rollback`` and ``fork`` replay the accepted tokens on a fresh raw matcher, so they do
-    not lean on the engines' rollback either."""
+    not lean on the backends' rollback either."""
 
     def __init__(self, spec: GrammarSpec, vocab: Vocabulary, backend: BackendName) -> None:
         self.spec, self.vocab, self.backend = spec, vocab, backend
@@ -234,8 +234,8 @@ class RawReference:
 
     @classmethod
     def of(cls, grammar: Grammar, vocab: Vocabulary) -> RawReference:
-        """The reference for a compiled grammask grammar: the same spec on the engine that
-        serves it (the two engines may style a language differently)."""
+        """The reference for a compiled grammask grammar: the same spec on the backend that
+        serves it (the two backends may style a language differently)."""
         return cls(grammar.spec, vocab, grammar.backend)
 
     def _restart(self) -> None:
@@ -249,9 +249,9 @@ class RawReference:
         self._stops = 0  # stop ids accepted (the first one ends the output)
         self._cache: torch.Tensor | None = None
 
-    # -------------------------------------------------------------- raw engine views
+    # -------------------------------------------------------------- raw backend views
     def _text_words(self) -> torch.Tensor:
-        """The raw engine's mask over the model vocab (stop bits as the engine sets them)."""
+        """The raw backend's mask over the model vocab (stop bits as the backend sets them)."""
         raw = self._raw
         words = torch.zeros((1, (self.vocab.vocab_size + 31) // 32), dtype=torch.int32)
         if self.backend == "xgrammar":
@@ -334,7 +334,7 @@ class RawReference:
 def raw_reference(grammar: Grammar, vocab: Vocabulary, tokens: Sequence[int] = ()
                   ) -> torch.Tensor:
     """The mask (bool over the model vocab) grammask must serve after ``tokens`` were
-    committed under ``grammar``, from the raw engine (``RawReference``)."""
+    committed under ``grammar``, from the raw backend (``RawReference``)."""
     ref = RawReference.of(grammar, vocab)
     for token in tokens:
         assert ref.accept(token), (token, ref.history)

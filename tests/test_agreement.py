@@ -1,9 +1,9 @@
 """Tensor-parallel agreement on first masks: two real processes over gloo, and the decision rule.
 
-Each process is one "rank" with its own ``Engine`` and ``BatchProcessor`` (as vLLM's TP workers
+Each process is one "rank" with its own ``Compiler`` and ``BatchProcessor`` (as vLLM's TP workers
 have). The ranks' compiles are made to finish at different times -- a ``Future`` resolved by a
 timer stands in for a compile that is slower on one rank, since real compile times cannot be
-steered -- and every rank must still give every row the same status, engine and mask.
+steered -- and every rank must still give every row the same status, backend and mask.
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
-    """One rank: a real engine and processor; writes each row's outcome to ``out``."""
+    """One rank: a real compiler and processor; writes each row's outcome to ``out``."""
     import torch.distributed as dist
 
-    from grammask import Engine, load_vocabulary
+    from grammask import Compiler, load_vocabulary
     from grammask.agreement import Solo, TorchGroup
     from grammask.compiler import Grammar
     from grammask.errors import CompileTimeoutError
@@ -80,12 +80,12 @@ def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
                             world_size=2)
     kind, behaviours, wait_s, hedge_s = SCENARIOS[scenario]
     vocab = load_vocabulary("qwen2.5")
-    engine = Engine(vocab, timeout_s=60)
+    compiler = Compiler(vocab, timeout_s=60)
     spec = GrammarSpec.json_schema(XGR_SCHEMA, any_whitespace=False,
                                    backend="xgrammar" if kind == "forced" else None)
-    compiled = engine.compile(spec)
+    compiled = compiler.compile(spec)
     # row 1 is compiled before the clocks start: no real compile races a short wait_s
-    other = engine.compile(GrammarSpec.choice(["alpha", "beta"]))
+    other = compiler.compile(GrammarSpec.choice(["alpha", "beta"]))
     future: Future[Grammar] = Future()
     behaviour = behaviours[rank]
     if behaviour == "ready":
@@ -97,7 +97,7 @@ def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
         threading.Timer(float(behaviour[6:]), future.set_result, [compiled]).start()
     agreement = TorchGroup(dist.group.WORLD) if agree else Solo()
     result: dict[str, Any] = {}
-    with BatchProcessor(engine, max_batch=2, wait_s=wait_s, hedge_s=hedge_s,
+    with BatchProcessor(compiler, max_batch=2, wait_s=wait_s, hedge_s=hedge_s,
                         agreement=agreement) as proc:
         proc.add(0, spec, grammar=future)
         proc.add(1, other.spec, grammar=other)

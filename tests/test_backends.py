@@ -1,10 +1,10 @@
-"""Both engines behind one protocol: every spec kind, stop handling, rollback, fork."""
+"""Both backends behind one protocol: every spec kind, stop handling, rollback, fork."""
 
 from __future__ import annotations
 
 import pytest
 
-from grammask import Engine, GrammarSpec, InvalidGrammarError, UnsupportedError, Vocabulary
+from grammask import Compiler, GrammarSpec, InvalidGrammarError, UnsupportedError, Vocabulary
 from grammask.spec import BackendName
 
 from .conftest import CORPUS
@@ -32,13 +32,13 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def eng(qwen25: Vocabulary) -> Engine:
-    return Engine(qwen25, timeout_s=60)
+def compiler(qwen25: Vocabulary) -> Compiler:
+    return Compiler(qwen25, timeout_s=60)
 
 
 @pytest.fixture(scope="module")
-def eng36(qwen36: Vocabulary) -> Engine:
-    return Engine(qwen36, timeout_s=60)
+def compiler36(qwen36: Vocabulary) -> Compiler:
+    return Compiler(qwen36, timeout_s=60)
 
 
 @pytest.mark.parametrize("vocab_name", ["qwen25", "qwen36"])
@@ -48,8 +48,9 @@ def test_every_kind_on_both_backends(request: pytest.FixtureRequest, vocab_name:
                                      backend: BackendName, spec: GrammarSpec, good: str,
                                      bad: str) -> None:
     vocab: Vocabulary = request.getfixturevalue(vocab_name)
-    engine: Engine = request.getfixturevalue("eng" if vocab_name == "qwen25" else "eng36")
-    grammar = engine.compile(spec.with_backend(backend))
+    compiler: Compiler = request.getfixturevalue(
+        "compiler" if vocab_name == "qwen25" else "compiler36")
+    grammar = compiler.compile(spec.with_backend(backend))
     assert grammar.backend == backend
     assert accepts_complete(grammar.matcher(), vocab, good)
     m = grammar.matcher()
@@ -57,9 +58,9 @@ def test_every_kind_on_both_backends(request: pytest.FixtureRequest, vocab_name:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_stop_only_at_end_then_force_eos(eng: Engine, qwen25: Vocabulary,
+def test_stop_only_at_end_then_force_eos(compiler: Compiler, qwen25: Vocabulary,
                                          backend: BackendName) -> None:
-    m = eng.compile(GrammarSpec.regex("ab", backend=backend)).matcher()
+    m = compiler.compile(GrammarSpec.regex("ab", backend=backend)).matcher()
     stop = qwen25.stop_ids[0]
     assert feed(m, qwen25, "a")
     assert not bit(mask_of(m, qwen25), stop) and not m.can_terminate()
@@ -75,8 +76,8 @@ def test_stop_only_at_end_then_force_eos(eng: Engine, qwen25: Vocabulary,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rollback_and_fork(eng: Engine, qwen25: Vocabulary, backend: BackendName) -> None:
-    m = eng.compile(GrammarSpec.choice(["alpha", "beta"], backend=backend)).matcher()
+def test_rollback_and_fork(compiler: Compiler, qwen25: Vocabulary, backend: BackendName) -> None:
+    m = compiler.compile(GrammarSpec.choice(["alpha", "beta"], backend=backend)).matcher()
     start = mask_of(m, qwen25).clone()
     tokens = qwen25.encode("alpha")
     assert feed(m, qwen25, "alpha") and m.accept(qwen25.stop_ids[0])
@@ -95,21 +96,21 @@ LARK = [CORPUS / "lark" / "lark.lark", CORPUS / "lark" / "rfc.lark",
 
 
 @pytest.mark.parametrize("path", GBNF + LARK, ids=lambda p: p.name)
-def test_corpus_grammars_compile_on_guidance(eng: Engine, qwen25: Vocabulary, path: object
+def test_corpus_grammars_compile_on_guidance(compiler: Compiler, qwen25: Vocabulary, path: object
                                              ) -> None:
     text = path.read_text()  # type: ignore[attr-defined]
-    grammar = eng.compile(GrammarSpec.grammar(text, backend="guidance"))
+    grammar = compiler.compile(GrammarSpec.grammar(text, backend="guidance"))
     row = mask_of(grammar.matcher(), qwen25)
     assert int(row.ne(0).sum()) > 0  # something can start
 
 
-def test_corpus_grammars_on_xgrammar(eng: Engine, qwen25: Vocabulary) -> None:
+def test_corpus_grammars_on_xgrammar(compiler: Compiler, qwen25: Vocabulary) -> None:
     """xgrammar parses GBNF natively but not llama.cpp's empty alternative (``ws ::= | " "``):
     those two grammars fail with the line named, and auto routing still serves them."""
     refused = {}
     for path in GBNF:
         try:
-            grammar = eng.compile(GrammarSpec.grammar(path.read_text(), backend="xgrammar"))
+            grammar = compiler.compile(GrammarSpec.grammar(path.read_text(), backend="xgrammar"))
         except InvalidGrammarError as exc:
             refused[path.name] = exc
             continue
@@ -118,21 +119,21 @@ def test_corpus_grammars_on_xgrammar(eng: Engine, qwen25: Vocabulary) -> None:
     assert all("line" in str(e) for e in refused.values())
     samples = {"json.gbnf": '{"a": [1, 2]}', "json_arr.gbnf": '[\n{"a": 1}]'}
     for name, sample in samples.items():
-        auto = eng.compile(GrammarSpec.grammar((CORPUS / "gbnf" / name).read_text()))
+        auto = compiler.compile(GrammarSpec.grammar((CORPUS / "gbnf" / name).read_text()))
         assert auto.backend == "guidance" and auto.fallback_from == "xgrammar"
         assert accepts_complete(auto.matcher(), qwen25, sample), name
 
 
-def test_gbnf_keeps_its_language_under_auto(eng: Engine, qwen25: Vocabulary) -> None:
+def test_gbnf_keeps_its_language_under_auto(compiler: Compiler, qwen25: Vocabulary) -> None:
     """llguidance's GBNF-to-Lark conversion folds the trailing newline of arithmetic.gbnf into
     a terminal, so a complete expression ending in a newline is refused; auto serves GBNF on
     xgrammar, which reads it natively."""
     source = (CORPUS / "gbnf" / "arithmetic.gbnf").read_text()
     text = "1=1\n"
-    auto = eng.compile(GrammarSpec.grammar(source, "ebnf"))
+    auto = compiler.compile(GrammarSpec.grammar(source, "ebnf"))
     assert auto.backend == "xgrammar"
     assert accepts_complete(auto.matcher(), qwen25, text)
-    converted = eng.compile(GrammarSpec.grammar(source, "ebnf", backend="guidance"))
+    converted = compiler.compile(GrammarSpec.grammar(source, "ebnf", backend="guidance"))
     assert not accepts_complete(converted.matcher(), qwen25, text)
 
 
@@ -140,20 +141,20 @@ EMPTY_FOR_GUIDANCE = {"type": "number", "allOf": [
     {"anyOf": [{"multipleOf": 33}, {"multipleOf": 12}]}, {"exclusiveMaximum": -100000}]}
 
 
-def test_guidance_grammar_with_no_output_is_a_compile_error(eng: Engine, qwen25: Vocabulary
+def test_guidance_grammar_with_no_output_is_a_compile_error(compiler: Compiler, qwen25: Vocabulary
                                                             ) -> None:
     """llguidance builds this grammar but fails on its first mask (it used to hand out a
     stop-only mask whose stop token ``accept`` then refused): now a clear compile error, and
     auto routing serves the schema on xgrammar instead."""
     with pytest.raises(UnsupportedError, match="can produce no output"):
-        eng.compile(GrammarSpec.json_schema(EMPTY_FOR_GUIDANCE, backend="guidance"))
-    auto = eng.compile(GrammarSpec.json_schema(EMPTY_FOR_GUIDANCE))
+        compiler.compile(GrammarSpec.json_schema(EMPTY_FOR_GUIDANCE, backend="guidance"))
+    auto = compiler.compile(GrammarSpec.json_schema(EMPTY_FOR_GUIDANCE))
     assert auto.backend == "xgrammar" and auto.fallback_from == "guidance"
     assert accepts_complete(auto.matcher(), qwen25, "-100032")
 
 
-def test_rfc_lark_accepts_its_sample(eng: Engine, qwen25: Vocabulary) -> None:
-    grammar = eng.compile(GrammarSpec.grammar((CORPUS / "lark" / "rfc.lark").read_text(),
+def test_rfc_lark_accepts_its_sample(compiler: Compiler, qwen25: Vocabulary) -> None:
+    grammar = compiler.compile(GrammarSpec.grammar((CORPUS / "lark" / "rfc.lark").read_text(),
                                               backend="guidance"))
     assert feed(grammar.matcher(), qwen25, (CORPUS / "lark" / "rfc.xml").read_text()[:400])
 
@@ -170,7 +171,7 @@ def test_guidance_error_state_ends_like_a_stop(qwen25: Vocabulary) -> None:
     m = GuidanceMatcher(llg.LLMatcher(qwen25.llguidance_tokenizer, grammar, log_level=0),
                         qwen25.stop_ids, qwen25.vocab_size)
     row = mask_of(m, qwen25)
-    assert m.engine_matcher.is_error()
+    assert m.native.is_error()
     allowed = {i for i in range(qwen25.vocab_size) if bit(row, i)}
     assert allowed == set(qwen25.stop_ids)
     assert m.is_terminated() and m.can_terminate()

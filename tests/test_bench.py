@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import compile as compile_bench  # noqa: E402
-from bench import mask as mask_bench  # noqa: E402
-from bench.cases import Case, extra_cases, load_maskbench, stratified  # noqa: E402
-from bench.stats import dist, percentile  # noqa: E402
-from bench.systems import parse_systems  # noqa: E402
+# ``bench`` is the repository's package (not installed): importable because pytest puts the
+# root of the checkout (the parent of the ``tests`` package) on sys.path, like ``python -m``
+from bench import compile as compile_bench
+from bench import mask as mask_bench
+from bench.cases import Case, extra_cases, load_maskbench, stratified
+from bench.stats import dist, percentile
+from bench.systems import parse_systems
 
 DIST_KEYS = {"n", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
 
@@ -99,7 +97,7 @@ def test_compile_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:
     assert auto and all(r["backend"] in ("xgrammar", "guidance") and r["reason"] for r in auto)
     assert all("hit_ms" in r for r in auto)  # grammask serves a repeat from its cache
     ratios = payload["ratios"]
-    assert "grammask-auto vs the raw engine it routed to (ttfm)" in ratios["overhead"]
+    assert "grammask-auto vs the raw backend it routed to (ttfm)" in ratios["overhead"]
     assert ratios["auto"]["n"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "versions" in payload["machine"]
@@ -145,7 +143,7 @@ def test_mask_bench_tiny_sample(corpus: Path, tmp_path: Path) -> None:
         assert s["masked_but_accepted"] == 0  # the mask allowed every token it accepted
     per_step = payload["summary"]["per_step"]
     assert set(per_step["llguidance"]["4"]) == {"loop", "LLExecutor"}
-    assert set(per_step["grammask-auto"]["1"]) == {"loop", "engine-batch"}
+    assert set(per_step["grammask-auto"]["1"]) == {"loop", "backend-batch"}
     for per in per_step.values():
         for methods in per.values():
             for d in methods.values():

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from grammask import (
+    Compiler,
     CompileTimeoutError,
-    Engine,
     GrammarError,
     GrammarSpec,
     InvalidGrammarError,
@@ -58,13 +58,13 @@ def test_32_threads_200_specs_compile_each_key_once(qwen25: Vocabulary,
             return _orig(spec, vocab, lenient=lenient)
 
         monkeypatch.setattr(backend, "compile", counting)
-    engine = Engine(qwen25, max_workers=4)
+    compiler = Compiler(qwen25, max_workers=4)
     # 200 requests over 50 distinct specs, in a shuffled order, from 32 threads
     order = [(i * 37) % 50 for i in range(200)]
     with ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(lambda i: (i, engine.compile(_spec(i))), order))
+        results = list(pool.map(lambda i: (i, compiler.compile(_spec(i))), order))
     assert len(calls) == 50 and set(calls.values()) == {1}
-    stats = engine.stats
+    stats = compiler.stats
     assert stats.misses == 50 and stats.hits + stats.joined == 150
     for i, grammar in results:
         assert grammar.spec == _spec(i)
@@ -72,15 +72,15 @@ def test_32_threads_200_specs_compile_each_key_once(qwen25: Vocabulary,
 
 
 def test_cache_is_bounded_by_bytes(qwen25: Vocabulary) -> None:
-    engine = Engine(qwen25, cache_bytes=1)  # nothing fits: every compile is a miss
-    engine.compile(GrammarSpec.regex("a"))
-    engine.compile(GrammarSpec.regex("a"))
-    assert engine.stats.misses == 2 and engine.cache_info()["bytes"] == 0
+    compiler = Compiler(qwen25, cache_bytes=1)  # nothing fits: every compile is a miss
+    compiler.compile(GrammarSpec.regex("a"))
+    compiler.compile(GrammarSpec.regex("a"))
+    assert compiler.stats.misses == 2 and compiler.cache_info()["bytes"] == 0
     patterns = ["x1", "x2", "x3", "x4"]
-    roomy = Engine(qwen25)
+    roomy = Compiler(qwen25)
     sizes = [roomy.compile(GrammarSpec.regex(p)).memory_bytes for p in patterns]
     budget = sizes[-1] + sizes[-2]
-    small = Engine(qwen25, cache_bytes=budget)
+    small = Compiler(qwen25, cache_bytes=budget)
     for pattern in patterns:
         small.compile(GrammarSpec.regex(pattern))
     info = small.cache_info()
@@ -115,20 +115,20 @@ class _Clock:
 
 def test_negative_cache_expires(qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _Clock(monkeypatch)
-    engine = Engine(qwen25, negative_ttl_s=0.2)
+    compiler = Compiler(qwen25, negative_ttl_s=0.2)
     bad = GrammarSpec.regex("a(b")
     for _ in range(3):
         with pytest.raises(InvalidRegexError):
-            engine.compile(bad)
-    assert engine.stats.misses == 1 and engine.stats.negative_hits == 2
+            compiler.compile(bad)
+    assert compiler.stats.misses == 1 and compiler.stats.negative_hits == 2
     clock.advance(0.19)  # still inside the TTL: a hit, no compile
     with pytest.raises(InvalidRegexError):
-        engine.compile(bad)
-    assert engine.stats.misses == 1 and engine.stats.negative_hits == 3
+        compiler.compile(bad)
+    assert compiler.stats.misses == 1 and compiler.stats.negative_hits == 3
     clock.advance(0.02)  # past it: compiled again
     with pytest.raises(InvalidRegexError):
-        engine.compile(bad)
-    assert engine.stats.misses == 2 and engine.stats.negative_hits == 3
+        compiler.compile(bad)
+    assert compiler.stats.misses == 2 and compiler.stats.negative_hits == 3
 
 
 def _nested_one_of(depth: int, width: int, key: str = "oneOf") -> dict[str, Any]:
@@ -144,18 +144,18 @@ def test_timeout_on_the_only_backend_is_an_error(qwen25: Vocabulary,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A runaway xgrammar compile (this schema takes seconds there; the gate makes it run
     until released, whatever the machine's speed): the request gets a timeout error and the
-    engine keeps serving others while the runaway compile is abandoned."""
+    compiler keeps serving others while the runaway compile is abandoned."""
     spec = GrammarSpec.json_schema(_nested_one_of(3, 3), backend="xgrammar")
     gate = _Gate(monkeypatch, "xgrammar", only=spec, abort=True)
     _ = qwen25.xgrammar_info  # the tokenizer view is built once per process, outside budgets
-    engine = Engine(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=1)
+    compiler = Compiler(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=1)
     try:
         with pytest.raises(CompileTimeoutError, match="xgrammar compile exceeded"):
-            engine.compile(spec)
+            compiler.compile(spec)
         assert gate.calls == 1 and not gate.release.is_set()  # still running when it failed
-        assert engine.stats.timeouts == 1 and engine.cache_info()["abandoned"] == 1
+        assert compiler.stats.timeouts == 1 and compiler.cache_info()["abandoned"] == 1
         # the single slot was handed back: another request compiles despite the runaway
-        assert engine.compile(GrammarSpec.regex("ok", backend="xgrammar")).backend == \
+        assert compiler.compile(GrammarSpec.regex("ok", backend="xgrammar")).backend == \
             "xgrammar"
     finally:
         gate.release.set()
@@ -169,16 +169,16 @@ def test_timeout_falls_back_to_the_other_backend(qwen25: Vocabulary,
     spec = GrammarSpec.json_schema(_nested_one_of(4, 3, key="anyOf"))
     gate = _Gate(monkeypatch, "xgrammar", only=spec, abort=True)
     _ = qwen25.xgrammar_info, qwen25.llguidance_tokenizer  # built outside the budget
-    engine = Engine(qwen25, timeout_s=2.0, prefer="xgrammar")
-    assert engine.route(spec).backend == "xgrammar"
+    compiler = Compiler(qwen25, timeout_s=2.0, prefer="xgrammar")
+    assert compiler.route(spec).backend == "xgrammar"
     try:
-        grammar = engine.compile(spec)
+        grammar = compiler.compile(spec)
         assert gate.calls == 1 and not gate.release.is_set()
     finally:
         gate.release.set()
     assert grammar.backend == "guidance" and grammar.fallback_from == "xgrammar"
     assert "fell back" in grammar.reason
-    assert engine.stats.timeouts == 1 and engine.stats.fallbacks == 1
+    assert compiler.stats.timeouts == 1 and compiler.stats.fallbacks == 1
 
 
 BAD_INPUTS: list[tuple[str, Any, type[GrammarError], str]] = [
@@ -195,38 +195,38 @@ BAD_INPUTS: list[tuple[str, Any, type[GrammarError], str]] = [
 
 @pytest.mark.parametrize(("what", "make", "error", "fragment"), BAD_INPUTS,
                          ids=[b[0] for b in BAD_INPUTS])
-def test_bad_inputs_give_clear_errors_and_harm_nothing(engine: Engine, qwen25: Vocabulary,
+def test_bad_inputs_give_clear_errors_and_harm_nothing(compiler: Compiler, qwen25: Vocabulary,
                                                        what: str, make: Any,
                                                        error: type[GrammarError],
                                                        fragment: str) -> None:
     with pytest.raises(error, match=fragment or None):
-        engine.compile(make())
-    assert accepts_complete(engine.compile(GrammarSpec.regex("fine")).matcher(), qwen25, "fine")
+        compiler.compile(make())
+    assert accepts_complete(compiler.compile(GrammarSpec.regex("fine")).matcher(), qwen25, "fine")
 
 
-def test_wrong_python_types(engine: Engine) -> None:
+def test_wrong_python_types(compiler: Compiler) -> None:
     with pytest.raises(GrammarError, match="GrammarSpec"):
-        engine.compile({"type": "object"})  # type: ignore[arg-type]
+        compiler.compile({"type": "object"})  # type: ignore[arg-type]
     with pytest.raises(GrammarError, match="backend"):
-        Engine(engine.vocab, backend="outlines")
+        Compiler(compiler.vocab, backend="outlines")
 
 
-def test_check_is_cheap_and_catches_bad_specs(engine: Engine) -> None:
-    before = dict(engine.stats.compiles)
-    assert engine.check(GrammarSpec.regex("a+")).backend == "guidance"
+def test_check_is_cheap_and_catches_bad_specs(compiler: Compiler) -> None:
+    before = dict(compiler.stats.compiles)
+    assert compiler.check(GrammarSpec.regex("a+")).backend == "guidance"
     for bad in (GrammarSpec.regex("(a"), GrammarSpec.grammar('start: "a" |\nfoo'),
                 GrammarSpec.json_schema({"type": "strin"})):
         with pytest.raises(GrammarError):
-            engine.check(bad)
-    assert engine.stats.compiles == before  # nothing compiled for the tokenizer
+            compiler.check(bad)
+    assert compiler.stats.compiles == before  # nothing compiled for the tokenizer
 
 
 def test_async_compile_and_cache_hit(qwen25: Vocabulary) -> None:
-    engine = Engine(qwen25)
-    fut = engine.compile_async(GrammarSpec.choice(["x", "y"]))
+    compiler = Compiler(qwen25)
+    fut = compiler.compile_async(GrammarSpec.choice(["x", "y"]))
     grammar = fut.result(30)
-    again = engine.compile_async(GrammarSpec.choice(["x", "y"]))
-    assert again.done() and again.result() is grammar and engine.stats.hits == 1
+    again = compiler.compile_async(GrammarSpec.choice(["x", "y"]))
+    assert again.done() and again.result() is grammar and compiler.stats.hits == 1
 
 
 # ------------------------------------------------------------- compile-service robustness
@@ -235,7 +235,7 @@ class _Gate:
     when one is given; every other spec compiles as usual).
 
     A stand-in for a compile that runs as long as the test needs (real slow specs take
-    seconds to minutes and vary with load); the compile itself is the real engine's, unless
+    seconds to minutes and vary with load); the compile itself is the real backend's, unless
     ``abort``: then a released compile fails at once instead of burning seconds of CPU on a
     spec whose real compile is slow (the test is over by then)."""
 
@@ -265,35 +265,35 @@ def test_cancel_drops_only_that_callers_future(qwen25: Vocabulary,
     """Single-flight shares the compile, not the future: one caller's cancel() must not
     cancel the others' (it used to cancel the shared future for everyone)."""
     gate = _Gate(monkeypatch, "guidance")
-    engine = Engine(qwen25, timeout_s=30)
+    compiler = Compiler(qwen25, timeout_s=30)
     spec = GrammarSpec.regex("cancel-[0-9]+", backend="guidance")
-    first = engine.compile_async(spec)
-    second = engine.compile_async(spec)
+    first = compiler.compile_async(spec)
+    second = compiler.compile_async(spec)
     assert gate.entered.wait(10)
     assert first.cancel() and first.cancelled()
-    third = engine.compile_async(spec)
+    third = compiler.compile_async(spec)
     assert not second.cancelled() and not third.cancelled()
     gate.release.set()
     assert second.result(30).backend == "guidance"
     assert third.result(30) is second.result()
-    assert gate.calls == 1 and engine.stats.joined == 2
+    assert gate.calls == 1 and compiler.stats.joined == 2
 
 
 def test_close_fails_pending_requests_and_later_ones(qwen25: Vocabulary,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """close() used to leave the key in flight: pending and later requests hung forever."""
     gate = _Gate(monkeypatch, "guidance")
-    engine = Engine(qwen25, timeout_s=30)
+    compiler = Compiler(qwen25, timeout_s=30)
     spec = GrammarSpec.regex("close-[0-9]+", backend="guidance")
     try:
-        pending = engine.compile_async(spec)
+        pending = compiler.compile_async(spec)
         assert gate.entered.wait(10)
-        engine.close()
+        compiler.close()
         assert isinstance(pending.exception(timeout=5), GrammarError)
         with pytest.raises(GrammarError, match="closed"):
-            engine.compile(spec, timeout=5)
+            compiler.compile(spec, timeout=5)
         with pytest.raises(GrammarError, match="closed"):
-            engine.compile_async(GrammarSpec.regex("other"))
+            compiler.compile_async(GrammarSpec.regex("other"))
     finally:
         gate.release.set()
 
@@ -303,18 +303,18 @@ def test_negative_cache_hits_do_not_grow_tracebacks(qwen25: Vocabulary) -> None:
     gave 80,000 frames and hundreds of MB); each hit must raise a fresh copy."""
     import traceback
 
-    engine = Engine(qwen25)
+    compiler = Compiler(qwen25)
     bad = GrammarSpec.regex("tb(")
     depths, seen = [], set()
     for _ in range(50):
         try:
-            engine.compile(bad)
+            compiler.compile(bad)
         except InvalidRegexError as exc:
             depths.append(len(traceback.extract_tb(exc.__traceback__)))
             seen.add(id(exc))
             assert exc.__cause__ is None and "tb(" not in repr(exc.__context__)
             del exc
-    assert engine.stats.negative_hits == 49
+    assert compiler.stats.negative_hits == 49
     assert max(depths[1:]) <= depths[1]
 
 
@@ -322,25 +322,25 @@ def test_negative_cache_is_bounded_and_purges_expired(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     """Expired entries were never purged (3,000 bad specs left 3,001 entries)."""
     clock = _Clock(monkeypatch)
-    engine = Engine(qwen25, negative_ttl_s=2.0)
+    compiler = Compiler(qwen25, negative_ttl_s=2.0)
     for i in range(30):
         with pytest.raises(InvalidRegexError):
-            engine.compile(GrammarSpec.regex(f"x{i}("))
-    assert engine.cache_info()["negative"] == 30
+            compiler.compile(GrammarSpec.regex(f"x{i}("))
+    assert compiler.cache_info()["negative"] == 30
     clock.advance(2.1)
     with pytest.raises(InvalidRegexError):
-        engine.compile(GrammarSpec.regex("last("))
-    assert engine.cache_info()["negative"] == 1
-    small = Engine(qwen25, negative_ttl_s=60, max_negative=10)
+        compiler.compile(GrammarSpec.regex("last("))
+    assert compiler.cache_info()["negative"] == 1
+    small = Compiler(qwen25, negative_ttl_s=60, max_negative=10)
     for i in range(30):
         with pytest.raises(InvalidRegexError):
             small.compile(GrammarSpec.regex(f"y{i}("))
     assert small.cache_info()["negative"] == 10
 
 
-def test_internal_errors_try_the_other_engine_and_are_not_cached(
+def test_internal_errors_try_the_other_backend_and_are_not_cached(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine running out of memory says nothing about the spec. The fault is injected
+    """A backend running out of memory says nothing about the spec. The fault is injected
     with a wrapper around the real backend: a real MemoryError cannot be caused on demand."""
     backend = get_backend("guidance")
     original = backend.compile
@@ -353,29 +353,29 @@ def test_internal_errors_try_the_other_engine_and_are_not_cached(
         return original(spec, vocab, lenient=lenient)
 
     monkeypatch.setattr(backend, "compile", flaky)
-    engine = Engine(qwen25)
+    compiler = Compiler(qwen25)
     routed = GrammarSpec.regex("mem-[a-z]+")
-    assert engine.route(routed).backend == "guidance"
-    grammar = engine.compile(routed)
+    assert compiler.route(routed).backend == "guidance"
+    grammar = compiler.compile(routed)
     assert grammar.backend == "xgrammar" and grammar.fallback_from == "guidance"
     forced = GrammarSpec.regex("mem2-[a-z]+", backend="guidance")
     with pytest.raises(GrammarError, match="MemoryError"):
-        engine.compile(forced)
-    assert engine.cache_info()["negative"] == 0
-    assert engine.compile(forced).backend == "guidance"  # compiled again, not a cached error
-    assert engine.stats.negative_hits == 0
+        compiler.compile(forced)
+    assert compiler.cache_info()["negative"] == 0
+    assert compiler.compile(forced).backend == "guidance"  # compiled again, not a cached error
+    assert compiler.stats.negative_hits == 0
 
 
 def test_compile_timeout_argument_is_honoured_on_a_miss(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     """compile(spec, timeout=...) was ignored on a miss: the build ran on the caller."""
     gate = _Gate(monkeypatch, "guidance")
-    engine = Engine(qwen25, timeout_s=30)
+    compiler = Compiler(qwen25, timeout_s=30)
     outcome: list[BaseException] = []
 
     def call() -> None:
         try:
-            engine.compile(GrammarSpec.regex("slow-[0-9]+", backend="guidance"), timeout=0.3)
+            compiler.compile(GrammarSpec.regex("slow-[0-9]+", backend="guidance"), timeout=0.3)
         except BaseException as exc:
             outcome.append(exc)
 
@@ -388,33 +388,33 @@ def test_compile_timeout_argument_is_honoured_on_a_miss(
     finally:
         gate.release.set()
     # the compile went on for whoever waits next: it lands in the cache
-    assert engine.compile(GrammarSpec.regex("slow-[0-9]+", backend="guidance"), timeout=30)
+    assert compiler.compile(GrammarSpec.regex("slow-[0-9]+", backend="guidance"), timeout=30)
 
 
 def test_one_deadline_covers_the_route_and_its_fallbacks(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each attempt had a budget of its own, so a request whose engines both stalled took
+    """Each attempt had a budget of its own, so a request whose backends both stalled took
     2x ``timeout_s`` (3x with a slot wait); one deadline from submission covers them all."""
     gates = [_Gate(monkeypatch, "xgrammar"), _Gate(monkeypatch, "guidance")]
-    # the deadline each attempt is given, as the engine computes it (no wall-clock bound:
+    # the deadline each attempt is given, as the compiler computes it (no wall-clock bound:
     # the old code's second deadline was "now + timeout_s" after the first attempt's share)
     given: list[tuple[str, float, float | None]] = []
-    attempt = Engine._attempt
+    attempt = Compiler._attempt
 
-    def spy(self: Engine, spec: GrammarSpec, step: Any, reason: str, deadline: float,
+    def spy(self: Compiler, spec: GrammarSpec, step: Any, reason: str, deadline: float,
             *args: Any, **kwargs: Any) -> Any:
         given.append((step.backend, deadline, kwargs.get("slot_deadline")))
         return attempt(self, spec, step, reason, deadline, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "_attempt", spy)
+    monkeypatch.setattr(Compiler, "_attempt", spy)
     _ = qwen25.xgrammar_info, qwen25.llguidance_tokenizer
     timeout_s = 1.0
-    engine = Engine(qwen25, timeout_s=timeout_s, prefer="xgrammar")
+    compiler = Compiler(qwen25, timeout_s=timeout_s, prefer="xgrammar")
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
-    assert engine.route(spec).backend == "xgrammar" and len(engine.plan(spec).attempts) > 1
+    assert compiler.route(spec).backend == "xgrammar" and len(compiler.plan(spec).attempts) > 1
     try:
         submitted = time.monotonic()
-        fut = engine.compile_async(spec)
+        fut = compiler.compile_async(spec)
         registered = time.monotonic()  # the request's deadline is set in between
         error = fut.exception(timeout=60)  # liveness only
         assert isinstance(error, CompileTimeoutError)
@@ -432,15 +432,15 @@ def test_one_deadline_covers_the_route_and_its_fallbacks(
 
 def test_xgrammar_runaways_do_not_block_llguidance(qwen25: Vocabulary,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """One pool of slots for both engines let xgrammar runaways starve every request
-    ('no compile slot free'); each engine has its own slots now."""
+    """One pool of slots for both backends let xgrammar runaways starve every request
+    ('no compile slot free'); each backend has its own slots now."""
     gate = _Gate(monkeypatch, "xgrammar")
     _ = qwen25.llguidance_tokenizer  # built once per process, outside the 0.5 s budget
-    engine = Engine(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=0)
+    compiler = Compiler(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=0)
     try:
         with pytest.raises(CompileTimeoutError):
-            engine.compile(GrammarSpec.choice(["a", "b"], backend="xgrammar"))
-        assert engine.compile(GrammarSpec.regex("good", backend="guidance")).backend == \
+            compiler.compile(GrammarSpec.choice(["a", "b"], backend="xgrammar"))
+        assert compiler.compile(GrammarSpec.regex("good", backend="guidance")).backend == \
             "guidance"
     finally:
         gate.release.set()
@@ -448,50 +448,50 @@ def test_xgrammar_runaways_do_not_block_llguidance(qwen25: Vocabulary,
 
 def test_runaway_is_not_restarted_and_its_late_result_is_cached(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A spec that just ran away is not started again on that engine (each retry used to
+    """A spec that just ran away is not started again on that backend (each retry used to
     start another runaway); when the abandoned compile finishes, its result is kept."""
     gate = _Gate(monkeypatch, "xgrammar")
-    engine = Engine(qwen25, timeout_s=0.3, max_workers=2, max_abandoned=2)
+    compiler = Compiler(qwen25, timeout_s=0.3, max_workers=2, max_abandoned=2)
     spec = GrammarSpec.choice(["late", "result"], backend="xgrammar")
     for _ in range(3):
         with pytest.raises(CompileTimeoutError):
-            engine.compile(spec)
+            compiler.compile(spec)
     assert gate.calls == 1
     gate.release.set()
     waited_until = time.monotonic() + 60  # liveness only: the late result lands in ms
-    while engine.cached(spec) is None and time.monotonic() < waited_until:
+    while compiler.cached(spec) is None and time.monotonic() < waited_until:
         time.sleep(0.01)
-    assert engine.compile(spec).backend == "xgrammar" and engine.stats.late_results == 1
+    assert compiler.compile(spec).backend == "xgrammar" and compiler.stats.late_results == 1
 
 
 _MEMORY_PROBE = """
 import contextlib, gc, gzip, json, os, sys
 from pathlib import Path
-from grammask import Engine, GrammarError, GrammarSpec, load_vocabulary
+from grammask import Compiler, GrammarError, GrammarSpec, load_vocabulary
 from grammask.compiler import trim_heap
 
 def rss():
     gc.collect()
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-engine = Engine(load_vocabulary("qwen2.5"), max_workers=1)
+compiler = Compiler(load_vocabulary("qwen2.5"), max_workers=1)
 specs = []
 with gzip.open(sys.argv[1], "rt") as fh:
     for line in fh:
         specs.append(GrammarSpec.json_schema(json.loads(line)["schema"], backend="guidance"))
         if len(specs) == 200:
             break
-engine.compile(GrammarSpec.regex("warm", backend="guidance"))
+compiler.compile(GrammarSpec.regex("warm", backend="guidance"))
 trim_heap()
 before = rss()
 for spec in specs:
     with contextlib.suppress(GrammarError):
-        engine.compile(spec)
+        compiler.compile(spec)
 grown = rss() - before
 trim_heap()
 held = rss() - before
-info = engine.cache_info()
-engine.clear()
+info = compiler.cache_info()
+compiler.clear()
 print(json.dumps({"grown": grown, "held": held, "estimate": info["bytes"],
                   "entries": info["entries"], "after_clear": rss() - before}))
 """
@@ -522,10 +522,10 @@ def test_abandoned_compiles_run_at_the_lowest_cpu_priority(
     import os
 
     gate = _Gate(monkeypatch, "xgrammar")
-    engine = Engine(qwen25, timeout_s=0.3, max_workers=1)
+    compiler = Compiler(qwen25, timeout_s=0.3, max_workers=1)
     try:
         with pytest.raises(CompileTimeoutError):
-            engine.compile(GrammarSpec.choice(["nice", "ness"], backend="xgrammar"))
+            compiler.compile(GrammarSpec.choice(["nice", "ness"], backend="xgrammar"))
         workers = [t for t in threading.enumerate()
                    if t.name == "grammask-compile" and t.native_id is not None]
         niceness = {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in workers
@@ -540,15 +540,15 @@ def test_compile_metrics(qwen25: Vocabulary) -> None:
     from grammask import metrics
 
     before = metrics.snapshot()
-    engine = Engine(qwen25)
+    compiler = Compiler(qwen25)
     try:
         spec = GrammarSpec.json_schema({"type": "array", "uniqueItems": True})
-        engine.compile(spec)
-        engine.compile(spec)
+        compiler.compile(spec)
+        compiler.compile(spec)
         with pytest.raises(GrammarError):
-            engine.compile(GrammarSpec.regex("(unclosed", backend="guidance"))
+            compiler.compile(GrammarSpec.regex("(unclosed", backend="guidance"))
     finally:
-        engine.close()
+        compiler.close()
     after = metrics.snapshot()
 
     def delta(name: str) -> float:

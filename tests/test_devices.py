@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grammask import Engine, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
 from grammask.masks import apply_bitmask
 from grammask.processor import BatchProcessor
 
@@ -57,7 +57,7 @@ def test_apply_matches_the_bitwise_reference(device: str, dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_processor_masks_device_logits_under_inference_mode(device: str, engine: Engine,
+def test_processor_masks_device_logits_under_inference_mode(device: str, compiler: Compiler,
                                                             qwen25: Vocabulary) -> None:
     specs = [GrammarSpec.regex("(ab|cd)[0-9]{1,3}(-[a-z]+)?"),
              GrammarSpec.choice(["alpha", "beta gamma delta"]),
@@ -67,8 +67,8 @@ def test_processor_masks_device_logits_under_inference_mode(device: str, engine:
              qwen25.encode('{"n":42}')]
     steps = min(len(w) for w in walks)
     assert steps >= 3
-    refs = [engine.compile(s).matcher() for s in specs]
-    with torch.inference_mode(), BatchProcessor(engine, max_batch=4, **PATIENT) as proc:
+    refs = [compiler.compile(s).matcher() for s in specs]
+    with torch.inference_mode(), BatchProcessor(compiler, max_batch=4, **PATIENT) as proc:
         for row, spec in enumerate(specs):
             proc.add(row, spec)
         for step in range(steps):

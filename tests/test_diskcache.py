@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from grammask import Engine, GrammarSpec, Vocabulary, metrics
+from grammask import Compiler, GrammarSpec, Vocabulary, metrics
 from grammask.backends import get_backend
 from grammask.diskcache import (
     _HEADER,
@@ -49,8 +49,8 @@ def _spec(schema: object = SCHEMA) -> GrammarSpec:
     return GrammarSpec.json_schema(schema, backend="xgrammar")  # type: ignore[arg-type]
 
 
-def _engine(vocab: Vocabulary, directory: Path, **kw: object) -> Engine:
-    return Engine(vocab, backend="xgrammar", timeout_s=120, disk_cache_dir=directory,
+def _compiler(vocab: Vocabulary, directory: Path, **kw: object) -> Compiler:
+    return Compiler(vocab, backend="xgrammar", timeout_s=120, disk_cache_dir=directory,
                   **kw)  # type: ignore[arg-type]
 
 
@@ -81,14 +81,14 @@ def seeded(qwen25: Vocabulary, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[Path, Path, Path]]:
     """A cache directory holding valid files for SCHEMA and OTHER: (dir, file, other_file)."""
     directory = tmp_path_factory.mktemp("seed") / "cache"
-    eng = _engine(qwen25, directory)
-    eng.compile(_spec())
-    assert eng.flush_disk_cache(60)
+    compiler = _compiler(qwen25, directory)
+    compiler.compile(_spec())
+    assert compiler.flush_disk_cache(60)
     (first,) = _files(directory)
-    eng.compile(_spec(OTHER))
-    assert eng.flush_disk_cache(60)
+    compiler.compile(_spec(OTHER))
+    assert compiler.flush_disk_cache(60)
     (other,) = [p for p in _files(directory) if p != first]
-    eng.close()
+    compiler.close()
     yield directory, first, other
 
 
@@ -106,8 +106,8 @@ def test_hit_across_processes_serves_the_same_masks(qwen25: Vocabulary, tmp_path
     directory = tmp_path / "cache"
     script = f"""
 import json, sys
-from grammask import Engine, GrammarSpec, load_vocabulary
-eng = Engine(load_vocabulary("qwen2.5"), backend="xgrammar", timeout_s=120,
+from grammask import Compiler, GrammarSpec, load_vocabulary
+eng = Compiler(load_vocabulary("qwen2.5"), backend="xgrammar", timeout_s=120,
              disk_cache_dir={str(directory)!r})
 g = eng.compile(GrammarSpec.json_schema({json.dumps(SCHEMA)!r}))
 assert eng.flush_disk_cache(60)
@@ -121,42 +121,42 @@ print(json.dumps({{"from_disk": g.from_disk, "writes": eng.stats.disk_writes,
     assert len(_files(directory)) == 1
 
     hits_before = _metric("hit")
-    eng = _engine(qwen25, directory)
-    grammar = eng.compile(_spec())
+    compiler = _compiler(qwen25, directory)
+    grammar = compiler.compile(_spec())
     assert grammar.from_disk and grammar.backend == "xgrammar"
-    assert eng.stats.disk_hits == 1 and eng.stats.compiles["xgrammar"] == 0
+    assert compiler.stats.disk_hits == 1 and compiler.stats.compiles["xgrammar"] == 0
     if metrics.available():
         assert _metric("hit") == hits_before + 1
     fresh = get_backend("xgrammar").compile(_spec(), qwen25)
-    assert _walk_masks_equal(qwen25, grammar.compiled, fresh, INSTANCE) > 10
-    eng.flush_disk_cache(10)
-    assert eng.stats.disk_writes == 0  # a hit is not written again
-    eng.close()
+    assert _walk_masks_equal(qwen25, grammar.backend_grammar, fresh, INSTANCE) > 10
+    compiler.flush_disk_cache(10)
+    assert compiler.stats.disk_writes == 0  # a hit is not written again
+    compiler.close()
 
 
 def test_miss_compiles_writes_and_counts(qwen25: Vocabulary, tmp_path: Path) -> None:
     misses_before = _metric("miss")
-    eng = _engine(qwen25, tmp_path / "c")
-    grammar = eng.compile(_spec())
-    assert not grammar.from_disk and eng.stats.disk_misses == 1
+    compiler = _compiler(qwen25, tmp_path / "c")
+    grammar = compiler.compile(_spec())
+    assert not grammar.from_disk and compiler.stats.disk_misses == 1
     if metrics.available():
         assert _metric("miss") == misses_before + 1
-    assert eng.flush_disk_cache(60) and len(_files(tmp_path / "c")) == 1
+    assert compiler.flush_disk_cache(60) and len(_files(tmp_path / "c")) == 1
     # the memory cache answers first: no second disk lookup
-    assert eng.compile(_spec()) is grammar and eng.stats.disk_misses == 1
-    eng.close()
+    assert compiler.compile(_spec()) is grammar and compiler.stats.disk_misses == 1
+    compiler.close()
 
 
 def test_single_flight_loads_once(qwen25: Vocabulary, seeded: tuple[Path, Path, Path],
                                   tmp_path: Path) -> None:
     directory, _, _ = _copy_seed(seeded, tmp_path)
-    eng = _engine(qwen25, directory)
-    futures = [eng.compile_async(_spec()) for _ in range(8)]
+    compiler = _compiler(qwen25, directory)
+    futures = [compiler.compile_async(_spec()) for _ in range(8)]
     grammars = {id(f.result(60)) for f in futures}
     assert len(grammars) == 1
-    assert eng.stats.disk_hits == 1 and eng.stats.joined == 7
-    assert eng.stats.compiles["xgrammar"] == 0
-    eng.close()
+    assert compiler.stats.disk_hits == 1 and compiler.stats.joined == 7
+    assert compiler.stats.compiles["xgrammar"] == 0
+    compiler.close()
 
 
 def test_auto_routed_and_forced_requests_share_a_file(qwen25: Vocabulary) -> None:
@@ -168,22 +168,22 @@ def test_auto_routed_and_forced_requests_share_a_file(qwen25: Vocabulary) -> Non
         != key_material(plain, qwen25)
     small = Vocabulary([b"a", b"b", b"<eos>"], special_ids=[2], stop_ids=[2])
     assert key_material(plain, small) != key_material(plain, qwen25)
-    assert b'"engine": "xgrammar"' in key_material(plain, small)
+    assert b'"backend": "xgrammar"' in key_material(plain, small)
 
 
 def test_llguidance_grammars_stay_off_disk(qwen25: Vocabulary, tmp_path: Path) -> None:
-    eng = Engine(qwen25, backend="guidance", disk_cache_dir=tmp_path / "c")
-    eng.compile(GrammarSpec.json_schema(SCHEMA))
-    assert eng.flush_disk_cache(10)
-    assert _files(tmp_path / "c") == [] and eng.stats.disk_writes == 0
-    assert eng.stats.disk_misses == 0  # not even looked up
-    eng.close()
+    compiler = Compiler(qwen25, backend="guidance", disk_cache_dir=tmp_path / "c")
+    compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    assert compiler.flush_disk_cache(10)
+    assert _files(tmp_path / "c") == [] and compiler.stats.disk_writes == 0
+    assert compiler.stats.disk_misses == 0  # not even looked up
+    compiler.close()
 
 
 def test_off_by_default(qwen25: Vocabulary) -> None:
-    eng = Engine(qwen25, backend="xgrammar")
-    assert eng.disk_cache is None and eng.flush_disk_cache(0)
-    eng.close()
+    compiler = Compiler(qwen25, backend="xgrammar")
+    assert compiler.disk_cache is None and compiler.flush_disk_cache(0)
+    compiler.close()
 
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ CORRUPTIONS = {"truncated": _truncate, "flipped-byte": _flip, "wrong-magic": _ma
                "header-only": _header_only, "trailing-bytes": _trailing}
 
 
-@pytest.mark.parametrize("case", [*CORRUPTIONS, "directory", "engine-refuses-payload"])
+@pytest.mark.parametrize("case", [*CORRUPTIONS, "directory", "backend-refuses-payload"])
 def test_bad_file_is_removed_warned_and_recompiled(
         case: str, qwen25: Vocabulary, seeded: tuple[Path, Path, Path], tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -246,7 +246,7 @@ def test_bad_file_is_removed_warned_and_recompiled(
         path.unlink()
         path.mkdir()
         (path / "inside").write_text("x")
-    elif case == "engine-refuses-payload":  # header, key and checksum right; payload not
+    elif case == "backend-refuses-payload":  # header, key and checksum right; payload not
         DiskCache(directory).put(key_material(_spec(), qwen25), b'{"not": "a grammar"}')
     else:
         path.write_bytes(CORRUPTIONS[case](good, other))
@@ -258,24 +258,24 @@ def test_bad_file_is_removed_warned_and_recompiled(
     assert any("unusable" in r.getMessage() and path.name in r.getMessage()
                for r in caplog.records)
 
-    # through the engine: a bad file is a miss and a recompile, and a good file comes back
+    # through the compiler: a bad file is a miss and a recompile, and a good file comes back
     if case == "directory":
         path.mkdir()
-    elif case == "engine-refuses-payload":
+    elif case == "backend-refuses-payload":
         DiskCache(directory).put(key_material(_spec(), qwen25), b'{"not": "a grammar"}')
     else:
         path.write_bytes(CORRUPTIONS[case](good, other))
-    eng = _engine(qwen25, directory)
-    grammar = eng.compile(_spec())
+    compiler = _compiler(qwen25, directory)
+    grammar = compiler.compile(_spec())
     assert not grammar.from_disk
-    assert eng.stats.disk_misses == 1 and eng.stats.compiles["xgrammar"] == 1
-    assert eng.flush_disk_cache(60)
-    eng.close()
+    assert compiler.stats.disk_misses == 1 and compiler.stats.compiles["xgrammar"] == 1
+    assert compiler.flush_disk_cache(60)
+    compiler.close()
     assert path.is_file()
-    fresh = _engine(qwen25, directory)
+    fresh = _compiler(qwen25, directory)
     again = fresh.compile(_spec())
     assert again.from_disk
-    assert _walk_masks_equal(qwen25, again.compiled, grammar.compiled, INSTANCE) > 10
+    assert _walk_masks_equal(qwen25, again.backend_grammar, grammar.backend_grammar, INSTANCE) > 10
     fresh.close()
 
 
@@ -312,15 +312,15 @@ def test_raw_file_layout(tmp_path: Path) -> None:
 # -------------------------------------------------------------------- permissions
 def test_private_files_and_directory(qwen25: Vocabulary, tmp_path: Path) -> None:
     directory = tmp_path / "a" / "b" / "cache"
-    eng = _engine(qwen25, directory)
-    assert eng.disk_cache is not None
-    eng.compile(_spec(OTHER))
-    assert eng.flush_disk_cache(60)
+    compiler = _compiler(qwen25, directory)
+    assert compiler.disk_cache is not None
+    compiler.compile(_spec(OTHER))
+    assert compiler.flush_disk_cache(60)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     (path,) = _files(directory)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in directory.iterdir() if p.name.startswith(".tmp")] == []
-    eng.close()
+    compiler.close()
 
 
 def test_files_are_0600_whatever_the_umask(tmp_path: Path) -> None:
@@ -341,12 +341,12 @@ def test_refuses_a_shared_writable_directory(mode: int, qwen25: Vocabulary, tmp_
     directory.mkdir()
     directory.chmod(mode)
     with caplog.at_level(logging.WARNING, logger="grammask"):
-        eng = Engine(qwen25, backend="xgrammar", disk_cache_dir=directory)
-    assert eng.disk_cache is None
+        compiler = Compiler(qwen25, backend="xgrammar", disk_cache_dir=directory)
+    assert compiler.disk_cache is None
     assert any("disk cache disabled" in r.getMessage() for r in caplog.records)
-    eng.compile(_spec(OTHER))  # still works, without the disk
-    assert eng.flush_disk_cache(1) and list(directory.iterdir()) == []
-    eng.close()
+    compiler.compile(_spec(OTHER))  # still works, without the disk
+    assert compiler.flush_disk_cache(1) and list(directory.iterdir()) == []
+    compiler.close()
 
 
 def test_refuses_a_directory_of_another_user(tmp_path: Path,
@@ -385,23 +385,23 @@ def test_evicts_least_recently_used_under_the_bound(tmp_path: Path) -> None:
     assert cache.usage()[1] <= 10_000
 
 
-def test_engine_keeps_the_directory_under_its_bound(qwen25: Vocabulary, tmp_path: Path
+def test_compiler_keeps_the_directory_under_its_bound(qwen25: Vocabulary, tmp_path: Path
                                                     ) -> None:
     directory = tmp_path / "c"
-    probe = _engine(qwen25, directory)
+    probe = _compiler(qwen25, directory)
     probe.compile(_spec(OTHER))
     probe.flush_disk_cache(60)
     one = _files(directory)[0].stat().st_size
     probe.close()
     shutil.rmtree(directory)
-    eng = _engine(qwen25, directory, disk_cache_bytes=int(one * 2.5))
+    compiler = _compiler(qwen25, directory, disk_cache_bytes=int(one * 2.5))
     for n in range(4):
-        eng.compile(_spec({"type": "object", "properties": {f"f{n}": {"type": "integer"}},
+        compiler.compile(_spec({"type": "object", "properties": {f"f{n}": {"type": "integer"}},
                            "required": [f"f{n}"]}))
-        eng.flush_disk_cache(60)
-    files, used = eng.disk_cache.usage()  # type: ignore[union-attr]
+        compiler.flush_disk_cache(60)
+    files, used = compiler.disk_cache.usage()  # type: ignore[union-attr]
     assert used <= one * 2.5 and 1 <= files <= 2
-    eng.close()
+    compiler.close()
 
 
 def test_stale_temporary_files_are_swept(tmp_path: Path) -> None:
@@ -488,12 +488,12 @@ print("ok")
     assert all(s is None or s == payload for s in seen)
     assert len(_files(directory)) == 1
     assert [p for p in directory.iterdir() if p.name.startswith(".tmp")] == []
-    eng = _engine(qwen25, directory)
-    grammar = eng.compile(_spec())
+    compiler = _compiler(qwen25, directory)
+    grammar = compiler.compile(_spec())
     assert grammar.from_disk
     fresh = get_backend("xgrammar").compile(_spec(), qwen25)
-    _walk_masks_equal(qwen25, grammar.compiled, fresh, INSTANCE)
-    eng.close()
+    _walk_masks_equal(qwen25, grammar.backend_grammar, fresh, INSTANCE)
+    compiler.close()
 
 
 def test_grammars_too_large_to_serialize_are_not_written(qwen25: Vocabulary,

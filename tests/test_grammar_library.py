@@ -2,12 +2,12 @@
 
 Three readings of every sample, none of which is grammask's own code:
 1. an independent oracle: ``lark`` (Earley) on the Lark grammar, or on this package's own
-   GBNF-to-Lark translation for GBNF (``harness.gbnf``, shares no code with either engine);
+   GBNF-to-Lark translation for GBNF (``harness.gbnf``, shares no code with either backend);
 2. xgrammar and 3. llguidance, each forced, walking the real Qwen2.5 tokenization of the
    sample with a matcher: a valid sample is accepted token by token and then a stop token is
    accepted; an invalid one is refused somewhere (a token, or the stop token at its end).
 
-Both engines take both syntaxes (xgrammar parses Lark with ``compile_lark``, llguidance
+Both backends take both syntaxes (xgrammar parses Lark with ``compile_lark``, llguidance
 translates GBNF with its ``gbnf_to_lark``), so every grammar is served by both.
 """
 
@@ -22,7 +22,7 @@ from importlib import resources
 
 import pytest
 
-from grammask import Engine, GrammarSpec, InvalidSpecError, Vocabulary, library
+from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, library
 from grammask.backends import Matcher
 from grammask.harness.oracles import LarkOracle
 from grammask.spec import BackendName
@@ -127,13 +127,13 @@ def test_oracle_agrees_with_the_samples(name: str) -> None:
     assert accepted == [], f"invalid samples the lark oracle accepts: {accepted}"
 
 
-# ----------------------------------------------------------------------------- the engines
+# ----------------------------------------------------------------------------- the backends
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", NAMES)
-def test_engine_walks_the_samples(engine: Engine, qwen25: Vocabulary, name: str,
+def test_backends_walk_the_samples(compiler: Compiler, qwen25: Vocabulary, name: str,
                                   backend: BackendName) -> None:
     grammar = library.load(name)
-    compiled = engine.compile(library.spec(name).with_backend(backend))
+    compiled = compiler.compile(library.spec(name).with_backend(backend))
     assert compiled.backend == backend
     refused = {s: r for s in grammar.valid
                if (r := walk(compiled.matcher(), qwen25, s)) != "ok"}
@@ -144,7 +144,7 @@ def test_engine_walks_the_samples(engine: Engine, qwen25: Vocabulary, name: str,
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["tool-call", "tool-calls"])
-def test_tool_call_tags_are_text_not_special_tokens(engine: Engine, qwen25: Vocabulary,
+def test_tool_call_tags_are_text_not_special_tokens(compiler: Compiler, qwen25: Vocabulary,
                                                     name: str, backend: BackendName) -> None:
     """Qwen2.5 has one special token for ``<tool_call>``; grammask's vocabularies leave
     special tokens out of every grammar, so the tag must be spelled in text tokens: a model
@@ -152,7 +152,7 @@ def test_tool_call_tags_are_text_not_special_tokens(engine: Engine, qwen25: Voca
     tag_id = next(i for i, tok in enumerate(qwen25.tokens)
                   if tok == b"<tool_call>" and i in qwen25.special_ids)
     assert tag_id not in qwen25.encode("<tool_call>")  # plain text never yields it
-    compiled = engine.compile(library.spec(name).with_backend(backend))
+    compiled = compiler.compile(library.spec(name).with_backend(backend))
     assert not compiled.matcher().accept(tag_id)
     assert compiled.matcher().accept(qwen25.encode("<tool_call>")[0])
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from grammask import Engine, GrammarSpec, Vocabulary
+from grammask import Compiler, GrammarSpec, Vocabulary
 from grammask.backends import Matcher
 from grammask.harness import cli as check_cli
 from grammask.harness.check import CheckConfig, Checker, Emit, Row, complete_judge
@@ -155,7 +155,7 @@ def test_lark_oracle_reads_llguidance_dialect(corpus: Path) -> None:
 
 # ----------------------------------------------------------------------- broken matchers
 class LeakyMatcher:
-    """Allows (mask and accept alike) one extra token at the first step, as a buggy engine
+    """Allows (mask and accept alike) one extra token at the first step, as a buggy backend
     might: the output then carries the token's bytes the grammar never allowed."""
 
     def __init__(self, inner: Matcher, leak: int, started: bool = False,
@@ -229,10 +229,10 @@ class _WrappedCompiled:
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_audit_finds_no_mismatch_on_a_correct_regex_mask(qwen25: Vocabulary, engine: Engine,
+def test_audit_finds_no_mismatch_on_a_correct_regex_mask(qwen25: Vocabulary, compiler: Compiler,
                                                          backend: str) -> None:
     pattern = r"(ab|c[0-9]{1,3})+é?"
-    grammar = engine.compile(GrammarSpec.regex(pattern, backend=backend))  # type: ignore[arg-type]
+    grammar = compiler.compile(GrammarSpec.regex(pattern, backend=backend))  # type: ignore[arg-type]
     table, reader, report = token_table(qwen25), MaskReader(qwen25.vocab_size), AuditReport()
     walk = random_walk(grammar.matcher(), table, reader, np.random.default_rng(0),
                        max_tokens=20, free_steps=6, audit_steps={0, 1, 2, 3, 5}, audit_tokens=400,
@@ -242,9 +242,9 @@ def test_audit_finds_no_mismatch_on_a_correct_regex_mask(qwen25: Vocabulary, eng
     assert report.mismatches == 0 and report.oracle_under == 0 and report.oracle_over == 0
 
 
-def test_audit_catches_a_flipped_bit(qwen25: Vocabulary, engine: Engine) -> None:
+def test_audit_catches_a_flipped_bit(qwen25: Vocabulary, compiler: Compiler) -> None:
     pattern = "[0-9]+"
-    grammar = engine.compile(GrammarSpec.regex(pattern, backend="xgrammar"))
+    grammar = compiler.compile(GrammarSpec.regex(pattern, backend="xgrammar"))
     leak = qwen25.token_id("x")
     broken = FlippedBitMatcher(grammar.matcher(), leak)
     report = AuditReport()
@@ -262,10 +262,10 @@ def test_checker_catches_a_consistently_broken_json_mask(checker: Checker) -> No
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     item = Item("broken", "hand", "json_schema", schema, instances=(
         Instance(True, data={"n": 1}), Instance(False, data={"n": "1"})))
-    grammar = checker.engine.compile(GrammarSpec.json_schema(schema, backend="guidance"))
+    grammar = checker.compiler.compile(GrammarSpec.json_schema(schema, backend="guidance"))
     leak = checker.vocab.token_id("x")
-    broken = dataclasses.replace(grammar, compiled=_WrappedCompiled(
-        grammar.compiled, lambda m: LeakyMatcher(m, leak)))
+    broken = dataclasses.replace(grammar, backend_grammar=_WrappedCompiled(
+        grammar.backend_grammar, lambda m: LeakyMatcher(m, leak)))
     oracle = checker.oracle_for(item)
     row = Row(item.subset, item.id, item.kind, "broken")
     checker.check_grammar(row, item, broken, oracle)
@@ -286,7 +286,7 @@ def test_instances_forms_and_gap_classification(checker: Checker) -> None:
     item = Item("hand", "hand", "json_schema", schema, instances=(
         Instance(True, data={"name": "Zoë", "tags": ["a"]}),
         Instance(True, data={"name": "a", "extra": 1}),  # undeclared key, objects closed
-        Instance(True, data={"tags": ["b"], "name": "c"}),  # engines fix the key order
+        Instance(True, data={"tags": ["b"], "name": "c"}),  # backends fix the key order
         Instance(False, data={"name": 5}),
         Instance(False, data={"tags": ["a", "a"]}),  # uniqueItems: xgrammar's declared gap
     ))
@@ -301,7 +301,7 @@ def test_instances_forms_and_gap_classification(checker: Checker) -> None:
 
 
 def test_auto_reuses_the_forced_row_of_the_same_grammar(checker: Checker) -> None:
-    """Auto routed to an engine with the same mode and gaps compiles the very grammar the
+    """Auto routed to a backend with the same mode and gaps compiles the very grammar the
     forced row checked: the row is copied (and says so); a different mode is checked anew."""
     same = Item("same", "hand", "json_schema", {"type": "object", "properties": {
         "s": {"type": "string"}}, "required": ["s"]}, instances=(
@@ -329,7 +329,7 @@ def test_auto_reuses_the_forced_row_of_the_same_grammar(checker: Checker) -> Non
     ("choice", ["yes", "no", "maybe"]),
     ("regex", r"[a-c]{2,5}-\d"),
 ])
-def test_prefix_oracles_agree_with_both_engines(checker: Checker, kind: str,
+def test_prefix_oracles_agree_with_both_backends(checker: Checker, kind: str,
                                                 source: Any) -> None:
     item = Item(f"{kind}-case", "hand", kind, source)  # type: ignore[arg-type]
     rows: list[dict[str, Any]] = []
@@ -354,11 +354,11 @@ def test_grammar_samples_parse_with_lark(checker: Checker, corpus: Path) -> None
 
 
 def test_differential_resolves_a_regex_dialect_difference(qwen25: Vocabulary,
-                                                          engine: Engine) -> None:
+                                                          compiler: Compiler) -> None:
     """xgrammar reads ``\\d`` as ASCII, llguidance as Unicode: the masks differ on non-ASCII
     digits, and the resolution (Python ``regex``, Unicode) blames xgrammar's narrower mask."""
-    xg = engine.compile(GrammarSpec.regex(r"\d", backend="xgrammar"))
-    ll = engine.compile(GrammarSpec.regex(r"\d", backend="guidance"))
+    xg = compiler.compile(GrammarSpec.regex(r"\d", backend="xgrammar"))
+    ll = compiler.compile(GrammarSpec.regex(r"\d", backend="guidance"))
     oracle = RegexOracle(r"\d")
     report = DiffReport()
     differential(ll.matcher(), xg.matcher(), ("guidance", "xgrammar"), ((), ()),

@@ -11,9 +11,17 @@ import threading
 import pytest
 import torch
 
-from grammask import Engine, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
 from grammask.backends import Matcher
-from grammask.masks import Filler, FillWorker, MaskBuffers, apply_bitmask, stop_only_row
+from grammask.masks import (
+    Filler,
+    FillWorker,
+    MaskBuffers,
+    apply_bitmask,
+    plan_cpu_apply,
+    stop_only_row,
+)
+from grammask.processor import BatchProcessor
 
 from .helpers import feed
 
@@ -136,12 +144,12 @@ def test_stop_only_row(qwen25: Vocabulary) -> None:
 
 
 @pytest.fixture(scope="module")
-def advanced(engine: Engine, qwen25: Vocabulary) -> list[Matcher]:
-    """Matchers of both engines at many different states (one terminated per engine)."""
+def advanced(compiler: Compiler, qwen25: Vocabulary) -> list[Matcher]:
+    """Matchers of both backends at many different states (one terminated per backend)."""
     matchers = []
     ids = qwen25.encode(INSTANCE)
     for backend in ("xgrammar", "guidance"):
-        grammar = engine.compile(GrammarSpec.json_schema(SCHEMA, any_whitespace=False,
+        grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA, any_whitespace=False,
                                                          backend=backend))
         for cut in range(0, len(ids) + 1, 2):
             m = grammar.matcher()
@@ -188,9 +196,9 @@ def test_worker_runs_jobs_in_order_on_its_own_thread() -> None:
         worker.submit(lambda: 1)
 
 
-def test_helpers_agree(engine: Engine, qwen25: Vocabulary) -> None:
+def test_helpers_agree(compiler: Compiler, qwen25: Vocabulary) -> None:
     """The reference unpacker used here reads masks the way the matchers write them."""
-    m = engine.compile(GrammarSpec.regex("ab")).matcher()
+    m = compiler.compile(GrammarSpec.regex("ab")).matcher()
     assert feed(m, qwen25, "a")
     bm = allocate_bitmask(1, qwen25.vocab_size)
     m.fill(bm, 0)
@@ -201,7 +209,7 @@ def test_helpers_agree(engine: Engine, qwen25: Vocabulary) -> None:
 @pytest.mark.parametrize("bad", ["uint8", "narrow", "row"])
 def test_batch_fill_keeps_the_fill_contract(advanced: list[Matcher], qwen25: Vocabulary,
                                             bad: str) -> None:
-    """The engines' batch fills write through raw pointers too: a bitmask or row outside the
+    """The backends' batch fills write through raw pointers too: a bitmask or row outside the
     contract is a ValueError before any write, as for ``Matcher.fill``."""
     words = (qwen25.vocab_size + 31) // 32
     bitmask = (torch.zeros(len(advanced), words * 4, dtype=torch.uint8) if bad == "uint8"
@@ -212,3 +220,88 @@ def test_batch_fill_keeps_the_fill_contract(advanced: list[Matcher], qwen25: Voc
     with pytest.raises(ValueError, match="fill"):
         Filler(parallel_min=1).fill(rows, bitmask)
     assert torch.equal(bitmask, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("width", "vocab"), [(320, 320), (352, 320), (300, 320)])
+@pytest.mark.parametrize("kind", ["random", "sparse", "mixed"])
+def test_planned_apply_matches_reference(dtype: torch.dtype, width: int, vocab: int,
+                                         kind: str) -> None:
+    """A plan made ahead (as the fill thread does) masks exactly like the reference, NaN and
+    inf logits included (the plan writes -inf's bit pattern and restores saved bits)."""
+    gen = torch.Generator().manual_seed(width + vocab)
+    storage = torch.randn(5, width + 8, generator=gen).to(dtype)
+    storage[:, ::7] = float("nan")
+    storage[:, 3::11] = float("inf")
+    logits = storage[1:, 4:4 + width]  # rows strided apart
+    bitmask = make_bitmask(kind, 4, (vocab + 31) // 32, gen)
+    rows = [0, 2, 3]
+    plan = plan_cpu_apply(bitmask, rows, vocab_size=vocab, width=width,
+                          stride=logits.stride(0))
+    expected = reference_apply(logits, bitmask, vocab, rows)
+    apply_bitmask(logits, bitmask, vocab_size=vocab, indices=rows, plan=plan)
+    assert torch.equal(logits.isnan(), expected.isnan())
+    assert torch.equal(logits.nan_to_num(0.5), expected.nan_to_num(0.5))
+
+
+def test_a_plan_for_other_rows_or_layout_is_not_used() -> None:
+    gen = torch.Generator().manual_seed(5)
+    bitmask = make_bitmask("mixed", 4, 10, gen)
+    plan = plan_cpu_apply(bitmask, [0, 1], vocab_size=320, width=320, stride=320)
+    for logits, rows in ((torch.randn(4, 320, generator=gen), [0, 1, 2]),
+                         (torch.randn(4, 336, generator=gen), [0, 1])):
+        expected = reference_apply(logits, bitmask, 320, rows)
+        apply_bitmask(logits, bitmask, vocab_size=320, indices=rows, plan=plan)
+        assert torch.equal(logits, expected)
+
+
+def test_worker_tickets_return_results_and_errors() -> None:
+    worker = FillWorker()
+    tickets = [worker.run(lambda i=i: i * 2) for i in range(10)]
+    assert [t.result(timeout=10) for t in tickets] == [i * 2 for i in range(10)]
+    assert all(t.done() for t in tickets)
+
+    def boom() -> None:
+        raise RuntimeError("job failed")
+
+    failed = worker.run(boom)
+    with pytest.raises(RuntimeError, match="job failed"):
+        failed.result(timeout=10)
+    with pytest.raises(RuntimeError, match="job failed"):  # raises again, like a Future
+        failed.result()
+    assert worker.run(lambda: 5).result(timeout=10) == 5
+    worker.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.run(lambda: 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
+        compiler: Compiler, qwen25: Vocabulary, dtype: torch.dtype) -> None:
+    """From the second step the fill job plans the CPU apply for the last logits' layout;
+    the masked logits are those of an unplanned apply of the same bitmask, step by step, and
+    a layout change (wider logits) falls back to an inline plan."""
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    tokens = qwen25.encode(INSTANCE)
+    gen = torch.Generator().manual_seed(1)
+    with BatchProcessor(compiler, max_batch=3, think_end=None) as proc:
+        for row in (0, 2):
+            proc.add(row, grammar.spec, grammar=grammar)
+        planned = 0
+        for step, tok in enumerate(tokens[:8]):
+            width = qwen25.vocab_size + (64 if step == 5 else 0)
+            logits = torch.randn(3, width, generator=gen).to(dtype)
+            proc.step()
+            bitmask, rows, plan = proc._wait(None)
+            planned += plan is not None
+            want = logits.clone()
+            apply_bitmask(want, bitmask, vocab_size=qwen25.vocab_size, indices=rows)
+            got = logits.clone()
+            apply_bitmask(got, bitmask, vocab_size=qwen25.vocab_size, indices=rows, plan=plan)
+            proc._cpu_layout = (got.shape[1], got.stride(0))  # as apply() records it
+            assert rows == [0, 2]
+            assert torch.equal(got, want)
+            for row in rows:
+                proc.advance(row, [tok])
+        assert planned == 7  # every step after the first
+        assert proc.errors == {}

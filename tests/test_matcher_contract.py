@@ -1,4 +1,4 @@
-"""The matcher contract (``grammask.backends.base``), row by row, on both engines.
+"""The matcher contract (``grammask.backends.base``), row by row, on both backends.
 
 Every misuse must leave the matcher as it was: each test records the state (mask, accepted
 count, termination) before the misuse, checks it after, and then finishes a valid output.
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from grammask import Engine, GrammarSpec, UnsupportedError, Vocabulary, allocate_bitmask
+from grammask import Compiler, GrammarSpec, UnsupportedError, Vocabulary, allocate_bitmask
 from grammask.backends.guidance import GuidanceMatcher
 from grammask.backends.xgrammar import XGrammarMatcher
 from grammask.masks import Filler
@@ -25,15 +25,15 @@ PATTERN = "abc|abd"  # "ab" then one of two endings; complete (but not stopped) 
 
 
 @pytest.fixture(scope="module")
-def eng(qwen25: Vocabulary) -> Engine:
-    return Engine(qwen25, timeout_s=60)
+def compiler(qwen25: Vocabulary) -> Compiler:
+    return Compiler(qwen25, timeout_s=60)
 
 
 AdapterMatcher = XGrammarMatcher | GuidanceMatcher
 
 
-def _matcher(eng: Engine, backend: BackendName) -> AdapterMatcher:
-    m = eng.compile(GrammarSpec.regex(PATTERN, backend=backend)).matcher()
+def _matcher(compiler: Compiler, backend: BackendName) -> AdapterMatcher:
+    m = compiler.compile(GrammarSpec.regex(PATTERN, backend=backend)).matcher()
     assert isinstance(m, XGrammarMatcher | GuidanceMatcher)
     return m
 
@@ -49,8 +49,8 @@ def _finishes(m: AdapterMatcher, vocab: Vocabulary, rest: str) -> bool:
             and not m.accept(vocab.encode("a")[0]))
 
 
-def _after_ab(eng: Engine, vocab: Vocabulary, backend: BackendName) -> AdapterMatcher:
-    m = _matcher(eng, backend)
+def _after_ab(compiler: Compiler, vocab: Vocabulary, backend: BackendName) -> AdapterMatcher:
+    m = _matcher(compiler, backend)
     assert feed(m, vocab, "a") and feed(m, vocab, "b")  # two tokens, one at a time
     assert m.accepted() == 2
     return m
@@ -64,10 +64,10 @@ def _bad_ids(vocab: Vocabulary) -> list[object]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_accept_of_a_non_token_is_false_and_changes_nothing(eng: Engine, qwen25: Vocabulary,
+def test_accept_of_a_non_token_is_false_and_changes_nothing(compiler: Compiler, qwen25: Vocabulary,
                                                             backend: BackendName) -> None:
     for bad in _bad_ids(qwen25):
-        m = _after_ab(eng, qwen25, backend)
+        m = _after_ab(compiler, qwen25, backend)
         before = _state(m, qwen25)
         assert m.accept(bad) is False, bad  # type: ignore[arg-type]
         assert _state(m, qwen25) == before, bad
@@ -75,11 +75,11 @@ def test_accept_of_a_non_token_is_false_and_changes_nothing(eng: Engine, qwen25:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_accept_takes_numpy_and_torch_integers(eng: Engine, qwen25: Vocabulary,
+def test_accept_takes_numpy_and_torch_integers(compiler: Compiler, qwen25: Vocabulary,
                                                backend: BackendName) -> None:
     import numpy as np
 
-    m = _matcher(eng, backend)
+    m = _matcher(compiler, backend)
     a, b = qwen25.encode("a")[0], qwen25.encode("b")[0]
     assert m.accept(np.int64(a))  # type: ignore[arg-type]
     assert m.accept(torch.tensor(b))  # type: ignore[arg-type]
@@ -90,8 +90,8 @@ def test_accept_takes_numpy_and_torch_integers(eng: Engine, qwen25: Vocabulary,
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("count", [3, 100, -1, -5, 1.0, "1", None])
 def test_bad_rollback_is_a_value_error_and_changes_nothing(
-        eng: Engine, qwen25: Vocabulary, backend: BackendName, count: object) -> None:
-    m = _after_ab(eng, qwen25, backend)
+        compiler: Compiler, qwen25: Vocabulary, backend: BackendName, count: object) -> None:
+    m = _after_ab(compiler, qwen25, backend)
     before = _state(m, qwen25)
     with pytest.raises(ValueError, match="rollback"):
         m.rollback(count)  # type: ignore[arg-type]
@@ -101,9 +101,9 @@ def test_bad_rollback_is_a_value_error_and_changes_nothing(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rollback_past_the_stop_tokens_is_bounded_too(eng: Engine, qwen25: Vocabulary,
+def test_rollback_past_the_stop_tokens_is_bounded_too(compiler: Compiler, qwen25: Vocabulary,
                                                       backend: BackendName) -> None:
-    m = _after_ab(eng, qwen25, backend)
+    m = _after_ab(compiler, qwen25, backend)
     assert feed(m, qwen25, "c") and m.accept(qwen25.stop_ids[0]) and m.accept(qwen25.stop_ids[1])
     accepted = m.accepted()
     with pytest.raises(ValueError):
@@ -140,10 +140,10 @@ def _bad_masks(vocab: Vocabulary) -> dict[str, tuple[torch.Tensor, int]]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", BAD_MASKS)
-def test_bad_fill_is_a_value_error_before_any_write(eng: Engine, qwen25: Vocabulary,
+def test_bad_fill_is_a_value_error_before_any_write(compiler: Compiler, qwen25: Vocabulary,
                                                     backend: BackendName, case: str) -> None:
     for fresh in (True, False):  # llguidance copies its first mask; later fills compute
-        m = _matcher(eng, backend) if fresh else _after_ab(eng, qwen25, backend)
+        m = _matcher(compiler, backend) if fresh else _after_ab(compiler, qwen25, backend)
         before = _state(m, qwen25)
         bitmask, row = _bad_masks(qwen25)[case]
         snapshot = bitmask.clone()
@@ -155,8 +155,9 @@ def test_bad_fill_is_a_value_error_before_any_write(eng: Engine, qwen25: Vocabul
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fill_writes_only_its_row(eng: Engine, qwen25: Vocabulary, backend: BackendName) -> None:
-    m = _after_ab(eng, qwen25, backend)
+def test_fill_writes_only_its_row(compiler: Compiler, qwen25: Vocabulary,
+                                  backend: BackendName) -> None:
+    m = _after_ab(compiler, qwen25, backend)
     bitmask = allocate_bitmask(3, qwen25.vocab_size)
     m.fill(bitmask, 1)
     assert bool((bitmask[0] == -1).all()) and bool((bitmask[2] == -1).all())
@@ -165,10 +166,10 @@ def test_fill_writes_only_its_row(eng: Engine, qwen25: Vocabulary, backend: Back
 
 # ---------------------------------------------------------------------------- is_terminated
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_terminated_only_after_a_stop_token(eng: Engine, qwen25: Vocabulary,
+def test_terminated_only_after_a_stop_token(compiler: Compiler, qwen25: Vocabulary,
                                             backend: BackendName) -> None:
     """``abc`` is complete: llguidance calls that stopped, the contract does not."""
-    m = _matcher(eng, backend)
+    m = _matcher(compiler, backend)
     assert not m.is_terminated()
     assert feed(m, qwen25, "abc")
     assert not m.is_terminated() and m.can_terminate()
@@ -186,9 +187,9 @@ def test_terminated_only_after_a_stop_token(eng: Engine, qwen25: Vocabulary,
 # ---------------------------------------------------------------------------- fork
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("prefix", ["", "a", "ab", "abc", "abc<stop>"])
-def test_fork_is_identical_and_independent(eng: Engine, qwen25: Vocabulary,
+def test_fork_is_identical_and_independent(compiler: Compiler, qwen25: Vocabulary,
                                            backend: BackendName, prefix: str) -> None:
-    m = _matcher(eng, backend)
+    m = _matcher(compiler, backend)
     assert feed(m, qwen25, prefix.replace("<stop>", ""))
     if prefix.endswith("<stop>"):
         assert m.accept(qwen25.stop_ids[0])
@@ -219,18 +220,18 @@ EMPTY: list[Callable[[], GrammarSpec]] = [
 
 @pytest.mark.parametrize("backend", [*BACKENDS, None])
 @pytest.mark.parametrize("make", EMPTY, ids=["gbnf", "lark", "ref-root", "ref-cycle"])
-def test_empty_language_is_refused_at_compile(eng: Engine, backend: BackendName | None,
+def test_empty_language_is_refused_at_compile(compiler: Compiler, backend: BackendName | None,
                                               make: Callable[[], GrammarSpec]) -> None:
     spec = make().with_backend(backend)
     with pytest.raises(UnsupportedError, match="nothing can be generated") as info:
-        eng.compile(spec)
+        compiler.compile(spec)
     assert "siblings" not in str(info.value)
 
 
 # ---------------------------------------------------------------------------- batch fill
-def test_batch_fill_still_drives_engine_matchers(eng: Engine, qwen25: Vocabulary) -> None:
-    """``Filler`` fills through ``engine_matcher``: same rows as the adapters' own fills."""
-    rows = [(_after_ab(eng, qwen25, b) if i % 2 else _matcher(eng, b), i)
+def test_batch_fill_still_drives_native_matchers(compiler: Compiler, qwen25: Vocabulary) -> None:
+    """``Filler`` fills through ``native``: same rows as the adapters' own fills."""
+    rows = [(_after_ab(compiler, qwen25, b) if i % 2 else _matcher(compiler, b), i)
             for i, b in enumerate(BACKENDS * 2)]
     batch = allocate_bitmask(len(rows), qwen25.vocab_size)
     Filler(parallel_min=1, threads=1).fill(rows, batch)
@@ -238,7 +239,7 @@ def test_batch_fill_still_drives_engine_matchers(eng: Engine, qwen25: Vocabulary
         assert torch.equal(batch[i], mask_of(m, qwen25)), i
 
 
-# ------------------------------------------------------------ adapters vs the raw engines
+# ------------------------------------------------------------ adapters vs the raw backends
 RAW_SPECS = [
     GrammarSpec.json_schema({"type": "object", "properties": {
         "s": {"type": "string"}, "n": {"type": "integer"},
@@ -250,16 +251,16 @@ RAW_SPECS = [
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", RAW_SPECS, ids=["json", "regex", "choice"])
-def test_adapter_masks_equal_the_raw_engines(eng: Engine, qwen25: Vocabulary,
+def test_adapter_masks_equal_the_raw_backends(compiler: Compiler, qwen25: Vocabulary,
                                              backend: BackendName, spec: GrammarSpec) -> None:
-    """The adapter's mask at every step of seeded random walks equals the raw engine's with
+    """The adapter's mask at every step of seeded random walks equals the raw backend's with
     the documented rules applied by the test (``helpers.RawReference``): inside a JSON string
-    the raw engine allows special tokens' text and the padding ids are its own, so blanking,
+    the raw backend allows special tokens' text and the padding ids are its own, so blanking,
     padding and stop handling are all on the adapter. Special and padding ids are offered
     at every step and must be refused by both."""
     import random
 
-    grammar = eng.compile(spec.with_backend(backend))
+    grammar = compiler.compile(spec.with_backend(backend))
     specials = sorted(set(qwen25.special_ids) - set(qwen25.stop_ids))[:3]
     rng = random.Random(7)
     for walk in range(2):

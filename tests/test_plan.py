@@ -12,7 +12,7 @@ import pytest
 
 import grammask.compiler as compiler_module
 import grammask.router as router_module
-from grammask import Engine, GrammarSpec
+from grammask import Compiler, GrammarSpec
 from grammask.backends import get_backend
 from grammask.errors import CompileTimeoutError, UnsupportedError
 from grammask.router import ALL_FAILURES, FIRST_BUDGET, NOT_TIMING, Attempt, plan
@@ -132,29 +132,29 @@ def test_a_compile_asks_the_router_once_and_runs_its_plan(
         raise UnsupportedError("refused by the test")
 
     monkeypatch.setattr(refusing, "compile", refuse)
-    engine = Engine(qwen25, prefer="xgrammar")
-    grammar = engine.compile(GrammarSpec.json_schema(NO_TEXT))
+    compiler = Compiler(qwen25, prefer="xgrammar")
+    grammar = compiler.compile(GrammarSpec.json_schema(NO_TEXT))
     assert len(calls) == 1
     assert grammar.backend == "guidance" and grammar.fallback_from == "xgrammar"
     assert "refused by the test" in grammar.reason
 
 
-def test_rank_invariant_engines_do_not_fall_back_on_timing(
+def test_rank_invariant_compilers_do_not_fall_back_on_timing(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stalled first backend: a single-rank engine moves to the fallback within the budget;
+    """A stalled first backend: a single-rank compiler moves to the fallback within the budget;
     a rank-invariant one waits for the routed backend, so every rank ends alike."""
     gate = _Gate(monkeypatch, "xgrammar")
     fallback = _Gate(monkeypatch, "guidance")
     fallback.release.set()
     spec = GrammarSpec.json_schema(NO_TEXT)
     try:
-        solo = Engine(qwen25, timeout_s=1.0)
+        solo = Compiler(qwen25, timeout_s=1.0)
         assert solo.route(spec).backend == "xgrammar"
         assert solo.compile(spec).backend == "guidance" and fallback.calls == 1
-        ranked = Engine(qwen25, timeout_s=1.0, rank_invariant=True)
+        ranked = Compiler(qwen25, timeout_s=1.0, rank_invariant=True)
         with pytest.raises(CompileTimeoutError):
             ranked.compile(GrammarSpec.json_schema({**NO_TEXT, "title": "another key"}))
-        assert fallback.calls == 1  # the rank-invariant engine never tried llguidance
+        assert fallback.calls == 1  # the rank-invariant compiler never tried llguidance
     finally:
         gate.release.set()
 
@@ -162,17 +162,17 @@ def test_rank_invariant_engines_do_not_fall_back_on_timing(
 def test_check_walks_the_plan(qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission refuses exactly what no attempt could serve: when the routed backend's check
     refuses, the next attempt of the plan that passes is the answer."""
-    engine = Engine(qwen25, backend="auto")
+    compiler = Compiler(qwen25, backend="auto")
     spec = GrammarSpec.json_schema(FREE_TEXT)
-    assert engine.check(spec) == engine.plan(spec).attempts[0]
+    assert compiler.check(spec) == compiler.plan(spec).attempts[0]
 
     def refuse(spec: GrammarSpec, *, lenient: bool = False) -> None:
         raise UnsupportedError("refused by the test")
 
     monkeypatch.setattr(get_backend("guidance"), "check", refuse)
-    assert engine.check(spec).backend == "xgrammar"
+    assert compiler.check(spec).backend == "xgrammar"
     with pytest.raises(UnsupportedError, match="refused by the test"):
-        engine.check(GrammarSpec.json_schema(FREE_TEXT, backend="guidance"))
+        compiler.check(GrammarSpec.json_schema(FREE_TEXT, backend="guidance"))
 
 
 def test_reasons_name_keywords_and_backends_never_timings() -> None:

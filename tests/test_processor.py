@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from grammask import Engine, Grammar, GrammarError, GrammarSpec, Vocabulary
+from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary
 from grammask.backends import Matcher
 from grammask.masks import Filler
 from grammask.processor import BatchProcessor
@@ -32,12 +32,12 @@ SPECS = [
 ]
 
 
-def failed_compile(engine: Engine, spec: GrammarSpec) -> Future[Grammar]:
-    """A done future holding the engine's real error for ``spec`` (so a row's compile error
+def failed_compile(compiler: Compiler, spec: GrammarSpec) -> Future[Grammar]:
+    """A done future holding the backend's real error for ``spec`` (so a row's compile error
     never races a short ``wait_s``)."""
     out: Future[Grammar] = Future()
     with pytest.raises(GrammarError) as info:
-        engine.compile(spec)
+        compiler.compile(spec)
     out.set_exception(info.value)
     return out
 
@@ -47,7 +47,7 @@ def allowed(logits_row: torch.Tensor) -> torch.Tensor:
 
 
 def ref_allowed(ref: RawReference, vocab: Vocabulary) -> torch.Tensor:
-    """The expected mask, from the raw engine (tests/helpers.py ``RawReference``), never from
+    """The expected mask, from the raw backend (tests/helpers.py ``RawReference``), never from
     the adapter under test."""
     assert ref.vocab is vocab
     return ref.allowed()
@@ -65,15 +65,15 @@ def only(logits_row: torch.Tensor) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def grammars(engine: Engine) -> list[Grammar]:
-    return [engine.compile(s) for s in SPECS]
+def grammars(compiler: Compiler) -> list[Grammar]:
+    return [compiler.compile(s) for s in SPECS]
 
 
-def test_masks_follow_the_grammar_and_force_eos(engine: Engine, qwen25: Vocabulary) -> None:
+def test_masks_follow_the_grammar_and_force_eos(compiler: Compiler, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
-    ref = RawReference.of(engine.compile(spec), qwen25)
+    ref = RawReference.of(compiler.compile(spec), qwen25)
     out: list[int] = []
-    with BatchProcessor(engine, max_batch=3, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=3, **PATIENT) as proc:
         proc.add(1, spec, prompt_ids=[1, 2, 3], output_ids=out)
         for tid in qwen25.encode(INSTANCE):
             logits = run_step(proc, 3, qwen25)
@@ -96,11 +96,11 @@ def test_masks_follow_the_grammar_and_force_eos(engine: Engine, qwen25: Vocabula
 
 
 def test_several_tokens_per_step_and_unconstrained_rows_untouched(
-        engine: Engine, qwen25: Vocabulary) -> None:
+        compiler: Compiler, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
-    ref = RawReference.of(engine.compile(spec), qwen25)
-    with BatchProcessor(engine, max_batch=4, **PATIENT) as proc:
+    ref = RawReference.of(compiler.compile(spec), qwen25)
+    with BatchProcessor(compiler, max_batch=4, **PATIENT) as proc:
         proc.add(2, spec)
         proc.add(3, None)
         noise = torch.randn(4, qwen25.vocab_size)
@@ -116,12 +116,12 @@ def test_several_tokens_per_step_and_unconstrained_rows_untouched(
         assert proc.rows == [2]
 
 
-def test_placeholders_are_read_when_resolved(engine: Engine, qwen25: Vocabulary) -> None:
+def test_placeholders_are_read_when_resolved(compiler: Compiler, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
-    ref = RawReference.of(engine.compile(spec), qwen25)
+    ref = RawReference.of(compiler.compile(spec), qwen25)
     live: list[int] = []
-    with BatchProcessor(engine, max_batch=2, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
         proc.add(0, spec, output_ids=live)
         run_step(proc, 2, qwen25)
         live.extend([ids[0], -1])  # async scheduling: the last token is not known yet
@@ -139,12 +139,12 @@ def test_placeholders_are_read_when_resolved(engine: Engine, qwen25: Vocabulary)
         assert only(logits[0]) == sorted(qwen25.stop_ids)
 
 
-def test_rollback_explicit_and_by_shrinking_list(engine: Engine, qwen25: Vocabulary) -> None:
+def test_rollback_explicit_and_by_shrinking_list(compiler: Compiler, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
-    g = engine.compile(spec)
+    g = compiler.compile(spec)
     live: list[int] = []
-    with BatchProcessor(engine, max_batch=2, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
         proc.add(0, spec)
         proc.add(1, spec, output_ids=live)
         proc.advance(0, ids[:6])
@@ -161,16 +161,16 @@ def test_rollback_explicit_and_by_shrinking_list(engine: Engine, qwen25: Vocabul
         assert proc.info(0).constrained_tokens == 4 == proc.info(1).constrained_tokens
 
 
-def test_row_errors_are_isolated(engine: Engine, qwen25: Vocabulary) -> None:
+def test_row_errors_are_isolated(compiler: Compiler, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
-    g = engine.compile(spec)
+    g = compiler.compile(spec)
     never: Future[Grammar] = Future()  # a compile that does not finish in time
     bad = GrammarSpec.regex("(unclosed")
-    with BatchProcessor(engine, max_batch=6, wait_s=0.05) as proc:
+    with BatchProcessor(compiler, max_batch=6, wait_s=0.05) as proc:
         for row in (0, 2, 4):
             proc.add(row, spec)  # a cache hit: ready at once
-        proc.add(1, bad, grammar=failed_compile(engine, bad))  # failed before the first mask
+        proc.add(1, bad, grammar=failed_compile(compiler, bad))  # failed before the first mask
         proc.add(3, spec.with_backend("guidance"), grammar=never)  # forced: no hedge
         proc.add(5, spec, grammar=g)
         proc.advance(0, ids[:2])
@@ -185,7 +185,7 @@ def test_row_errors_are_isolated(engine: Engine, qwen25: Vocabulary) -> None:
             assert torch.equal(allowed(logits[row]), ref_allowed(ref, qwen25))
         errors = proc.errors
         assert set(errors) == {1, 2, 3}
-        # the compile error itself (its engine message), not a late compile's "not compiled
+        # the compile error itself (its backend message), not a late compile's "not compiled
         # within wait_s" (which also contains "compile")
         assert "failed to compile" in errors[1] and "unclosed" in errors[1].lower()
         assert "wait_s" not in errors[1] and "wait_s" not in errors[2]
@@ -204,35 +204,35 @@ XGR_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
               "required": ["n", "ok"]}
 
 
-def test_a_late_schema_is_served_by_the_hedge(engine: Engine, qwen25: Vocabulary) -> None:
+def test_a_late_schema_is_served_by_the_hedge(compiler: Compiler, qwen25: Vocabulary) -> None:
     """The routed (xgrammar) compile never finishes -- a Future stands in for a stalled
     native compile, which cannot be produced on demand -- so after ``hedge_s`` llguidance
     compiles the schema and serves the row; the batch never waits ``wait_s``."""
     spec = GrammarSpec.json_schema(XGR_SCHEMA, any_whitespace=False)
-    assert engine.route(spec).backend == "xgrammar"
+    assert compiler.route(spec).backend == "xgrammar"
     stalled: Future[Grammar] = Future()
-    with BatchProcessor(engine, max_batch=2, wait_s=30, hedge_s=0.01) as proc:
+    with BatchProcessor(compiler, max_batch=2, wait_s=30, hedge_s=0.01) as proc:
         proc.add(0, spec, grammar=stalled)
         proc.add(1, GrammarSpec.choice(["a", "b"]))
         logits = run_step(proc, 2, qwen25)
         info = proc.info(0)
         assert info.status == "active" and info.backend == "guidance", info
-        ref = RawReference.of(engine.compile(spec.with_backend("guidance")), qwen25)
+        ref = RawReference.of(compiler.compile(spec.with_backend("guidance")), qwen25)
         assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
         assert proc.status(1) == "active"
     assert not stalled.done()  # the routed compile was left alone (it would fill the cache)
 
 
-def test_no_hedge_where_the_other_engine_may_not_serve(engine: Engine,
+def test_no_hedge_where_the_other_backend_may_not_serve(compiler: Compiler,
                                                       qwen25: Vocabulary) -> None:
-    """Strict about a gap llguidance has, or forced onto one engine: the row waits out
+    """Strict about a gap llguidance has, or forced onto one backend: the row waits out
     ``wait_s`` alone and fails; the other rows are masked."""
     strict = GrammarSpec.json_schema({"type": "object", "properties": {
         "k": {"type": "integer"}}, "propertyNames": {"enum": ["k", "j"]}}, strict=True)
-    assert engine.route(strict).backend == "xgrammar"
+    assert compiler.route(strict).backend == "xgrammar"
     forced = GrammarSpec.json_schema(XGR_SCHEMA, backend="xgrammar")
-    ready = engine.compile(GrammarSpec.choice(["a", "b"]))  # row 2 never waits on a compile
-    with BatchProcessor(engine, max_batch=3, wait_s=0.2, hedge_s=0.0) as proc:
+    ready = compiler.compile(GrammarSpec.choice(["a", "b"]))  # row 2 never waits on a compile
+    with BatchProcessor(compiler, max_batch=3, wait_s=0.2, hedge_s=0.0) as proc:
         proc.add(0, strict, grammar=Future())
         proc.add(1, forced, grammar=Future())
         proc.add(2, ready.spec, grammar=ready)
@@ -245,18 +245,18 @@ def test_no_hedge_where_the_other_engine_may_not_serve(engine: Engine,
 
 class _BrokenGrammar(Grammar):
     """Fault injection: a compiled grammar whose ``matcher()`` raises (stands in for an
-    engine bug at attach time, which real grammars do not produce on demand)."""
+    backend bug at attach time, which real grammars do not produce on demand)."""
 
     def matcher(self) -> Matcher:
-        raise RuntimeError("engine exploded")
+        raise RuntimeError("backend exploded")
 
 
 def test_a_failure_while_attaching_one_row_fails_only_that_row(
-        engine: Engine, qwen25: Vocabulary) -> None:
-    good = engine.compile(GrammarSpec.choice(["alpha", "beta"]))
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    good = compiler.compile(GrammarSpec.choice(["alpha", "beta"]))
     broken = _BrokenGrammar(good.spec, good.backend, good.reason, good.unenforced,
-                            good.compile_ms, good.compiled)
-    with BatchProcessor(engine, max_batch=3, **PATIENT) as proc:
+                            good.compile_ms, good.backend_grammar)
+    with BatchProcessor(compiler, max_batch=3, **PATIENT) as proc:
         proc.add(0, good.spec, grammar=broken)
         proc.add(1, good.spec, grammar=good)
         from grammask.request import ConstraintRequest
@@ -270,10 +270,10 @@ def test_a_failure_while_attaching_one_row_fails_only_that_row(
 
 
 def test_step_on_some_rows_fills_the_rest_when_they_are_needed(
-        engine: Engine, qwen25: Vocabulary, grammars: list[Grammar]) -> None:
+        compiler: Compiler, qwen25: Vocabulary, grammars: list[Grammar]) -> None:
     """``step(rows)`` fills only the rows a host expects to sample; ``wait_masks(rows)``
     fills any it missed, from their unread tokens."""
-    with BatchProcessor(engine, max_batch=3, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=3, **PATIENT) as proc:
         outs: list[list[int]] = [[], [], []]
         for row in range(3):
             proc.add(row, SPECS[3], output_ids=outs[row], grammar=grammars[3])
@@ -293,8 +293,8 @@ def test_step_on_some_rows_fills_the_rest_when_they_are_needed(
         assert torch.equal(allowed(logits[1]), raw_reference(grammars[3], qwen25))
 
 
-def test_free_policy_leaves_errored_rows_unmasked(engine: Engine, qwen25: Vocabulary) -> None:
-    with BatchProcessor(engine, max_batch=2, on_error="free", **PATIENT) as proc:
+def test_free_policy_leaves_errored_rows_unmasked(compiler: Compiler, qwen25: Vocabulary) -> None:
+    with BatchProcessor(compiler, max_batch=2, on_error="free", **PATIENT) as proc:
         proc.add(0, GrammarSpec.regex("(unclosed"))
         proc.add(1, GrammarSpec.regex("[0-9]+"))
         logits = run_step(proc, 2, qwen25)
@@ -302,18 +302,18 @@ def test_free_policy_leaves_errored_rows_unmasked(engine: Engine, qwen25: Vocabu
         assert not allowed(logits[1]).all()
 
 
-def test_grammar_compiled_meanwhile_is_used(engine: Engine, qwen25: Vocabulary) -> None:
+def test_grammar_compiled_meanwhile_is_used(compiler: Compiler, qwen25: Vocabulary) -> None:
     """A compile that finishes within wait_s: the step waits for it (bounded), no error."""
     spec = GrammarSpec.regex("[a-f]{2,9}z")
     pending: Future[Grammar] = Future()
-    with BatchProcessor(engine, max_batch=1, wait_s=60) as proc:
+    with BatchProcessor(compiler, max_batch=1, wait_s=60) as proc:
         proc.add(0, spec, grammar=pending)
         proc.step()
-        threading.Thread(target=lambda: pending.set_result(engine.compile(spec))).start()
+        threading.Thread(target=lambda: pending.set_result(compiler.compile(spec))).start()
         logits = torch.zeros(1, qwen25.vocab_size)
         proc.apply(logits)
         assert proc.status(0) == "active"
-        ref = RawReference.of(engine.compile(spec), qwen25)
+        ref = RawReference.of(compiler.compile(spec), qwen25)
         assert torch.equal(allowed(logits[0]), ref_allowed(ref, qwen25))
 
 
@@ -323,7 +323,7 @@ def ref_words(ref: RawReference, vocab: Vocabulary) -> torch.Tensor:
 
 
 def test_churn_against_reference_matchers(grammars: list[Grammar], qwen25: Vocabulary,
-                                          engine: Engine) -> None:
+                                          compiler: Compiler) -> None:
     """1,000 steps of add/remove/move/swap/rollback and 1-3 tokens per step; every mask of
     every row must equal its own reference matcher's, bit for bit (every 100th step through
     ``apply`` on full logits, else by comparing the bitmask words)."""
@@ -344,7 +344,7 @@ def test_churn_against_reference_matchers(grammars: list[Grammar], qwen25: Vocab
         bits = [b for b in range(32) if (int(words[w]) >> b) & 1]
         return w * 32 + rng.choice(bits)
 
-    with BatchProcessor(engine, max_batch=batch, think_end=None, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=batch, think_end=None, **PATIENT) as proc:
         for step in range(1000):
             op = rng.random()
             free = [r for r in range(batch) if r not in refs]
@@ -432,12 +432,12 @@ class SpyFiller(Filler):
         self.done.set()
 
 
-def test_fill_runs_on_the_worker_during_the_forward(engine: Engine, qwen25: Vocabulary) -> None:
+def test_fill_runs_on_the_worker_during_the_forward(compiler: Compiler, qwen25: Vocabulary) -> None:
     spy = SpyFiller()
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
-    ref = RawReference.of(engine.compile(spec), qwen25)
+    ref = RawReference.of(compiler.compile(spec), qwen25)
     a = torch.randn(256, 256)
-    with BatchProcessor(engine, max_batch=4, filler=spy, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=4, filler=spy, **PATIENT) as proc:
         for row in range(4):
             proc.add(row, spec)
         proc.step()  # returns while the fill job waits for the host to be busy
@@ -454,8 +454,8 @@ def test_fill_runs_on_the_worker_during_the_forward(engine: Engine, qwen25: Voca
         assert torch.equal(allowed(logits[3]), ref_allowed(ref, qwen25))
 
 
-def test_host_mistakes_raise(engine: Engine) -> None:
-    with BatchProcessor(engine, max_batch=2, **PATIENT) as proc:
+def test_host_mistakes_raise(compiler: Compiler) -> None:
+    with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
         with pytest.raises(IndexError):
             proc.add(2, GrammarSpec.regex("a"))
         with pytest.raises(TypeError):
@@ -468,14 +468,14 @@ def test_host_mistakes_raise(engine: Engine) -> None:
             proc.apply(torch.zeros(0, 8))
 
 
-def test_metrics_count_errors_waits_and_fills(engine: Engine, qwen25: Vocabulary) -> None:
+def test_metrics_count_errors_waits_and_fills(compiler: Compiler, qwen25: Vocabulary) -> None:
     from grammask import metrics
 
     bad = GrammarSpec.regex("(unclosed")
-    failed = failed_compile(engine, bad)
-    ready = engine.compile(GrammarSpec.choice(["a", "b"]))
+    failed = failed_compile(compiler, bad)
+    ready = compiler.compile(GrammarSpec.choice(["a", "b"]))
     before = metrics.snapshot()
-    with BatchProcessor(engine, max_batch=3, wait_s=0.05) as proc:
+    with BatchProcessor(compiler, max_batch=3, wait_s=0.05) as proc:
         # outcomes known before the step (no real compile races the 50 ms wait_s)
         proc.add(0, bad, grammar=failed)
         proc.add(1, GrammarSpec.choice(["a", "b"], backend="xgrammar"), grammar=Future())

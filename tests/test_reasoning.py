@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grammask import (
+    Compiler,
     ConstraintRequest,
-    Engine,
     GrammarSpec,
     Vocabulary,
     allocate_bitmask,
@@ -46,10 +46,10 @@ def marker(qwen36: Vocabulary) -> ThinkMarker:
 
 
 @pytest.fixture(scope="module")
-def engine36(qwen36: Vocabulary) -> Iterator[Engine]:
-    eng = Engine(qwen36, timeout_s=60, backend="guidance")
-    yield eng
-    eng.close()
+def compiler36(qwen36: Vocabulary) -> Iterator[Compiler]:
+    compiler = Compiler(qwen36, timeout_s=60, backend="guidance")
+    yield compiler
+    compiler.close()
 
 
 def test_default_marker_is_the_single_token(qwen36: Vocabulary, marker: ThinkMarker) -> None:
@@ -154,12 +154,12 @@ def fill(proc: BatchProcessor) -> tuple[torch.Tensor, list[int]]:
     return proc.wait_masks()
 
 
-def test_processor_with_thinking_rows(engine36: Engine, qwen36: Vocabulary) -> None:
+def test_processor_with_thinking_rows(compiler36: Compiler, qwen36: Vocabulary) -> None:
     open_prompt = user_turn(qwen36) + chat(qwen36, IM_START, "assistant\n", THINK, "\n")
     closed_prompt = open_prompt + chat(qwen36, "\n", END_THINK, "\n\n")
-    ref = engine36.compile(SPEC).matcher()
+    ref = compiler36.compile(SPEC).matcher()
     answer = qwen36.encode('{"a":7')
-    with BatchProcessor(engine36, max_batch=4, **PATIENT) as proc:
+    with BatchProcessor(compiler36, max_batch=4, **PATIENT) as proc:
         proc.add(0, SPEC, open_prompt)  # thinking
         proc.add(1, SPEC, closed_prompt)  # thinking disabled by the template
         proc.add(2, ConstraintRequest(SPEC, thinking=False), open_prompt)  # per-request switch
@@ -191,14 +191,14 @@ def test_processor_with_thinking_rows(engine36: Engine, qwen36: Vocabulary) -> N
         assert proc.errors == {}
 
 
-def test_a_byte_marker_must_end_at_a_token_boundary(engine36: Engine,
+def test_a_byte_marker_must_end_at_a_token_boundary(compiler36: Compiler,
                                                     qwen36: Vocabulary) -> None:
     """Bytes after the marker inside the marker's last token (``>{``) would reach the output
     without the grammar seeing them: while thinking, such tokens are refused; a host that
     samples one anyway gets that row failed, never text outside the grammar."""
     request = ConstraintRequest(SPEC, think_end="</reasoning>")
     closing = qwen36.token_id(">{")
-    with BatchProcessor(engine36, max_batch=2, **PATIENT) as proc:
+    with BatchProcessor(compiler36, max_batch=2, **PATIENT) as proc:
         proc.add(0, request)
         proc.add(1, request)
         for row in (0, 1):
@@ -213,7 +213,7 @@ def test_a_byte_marker_must_end_at_a_token_boundary(engine36: Engine,
         proc.advance(0, [qwen36.token_id(">")])  # ends exactly at the boundary
         proc.advance(1, [closing])  # ignores the mask
         bitmask, rows = fill(proc)
-        ref = engine36.compile(SPEC).matcher()
+        ref = compiler36.compile(SPEC).matcher()
         assert proc.status(0) == "active" and torch.equal(bitmask[0], mask_words(ref, qwen36))
         assert proc.status(1) == "error" and "inside a token" in (proc.error(1) or "")
         # an open gate whose output ends with none of the marker is not masked at all

@@ -1,4 +1,4 @@
-"""The routing table, keyword by keyword, checked end to end on the real engines.
+"""The routing table, keyword by keyword, checked end to end on the real backends.
 
 For every row: the route (backend, what is unenforced), and that the routed grammar accepts a
 valid instance and -- when nothing is listed as unenforced -- rejects the invalid one.
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from grammask import (
-    Engine,
+    Compiler,
     GrammarError,
     GrammarSpec,
     InvalidSchemaError,
@@ -77,7 +77,7 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
     ("format-xgrammar-only", {"type": "string", "format": "json-pointer"}, "xgrammar", "",
      "/a/b", "abc"),
     ("format-neither", {"type": "string", "format": "iri"}, "guidance",
-     "format (neither engine)", "http://x.org/a", 5),
+     "format (neither backend)", "http://x.org/a", 5),
     # llguidance refuses look-around even leniently; xgrammar ignores it: said, not silent
     ("ref-root", {"type": "object", "properties": {"x": {"$ref": "#"}}}, "guidance", "",
      {"x": {}}, {"x": 1}),
@@ -87,8 +87,8 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def eng(qwen25: Vocabulary) -> Engine:
-    return Engine(qwen25, timeout_s=60)
+def compiler(qwen25: Vocabulary) -> Compiler:
+    return Compiler(qwen25, timeout_s=60)
 
 
 def _complete(grammar: Any, vocab: Vocabulary, value: Any) -> bool:
@@ -98,9 +98,9 @@ def _complete(grammar: Any, vocab: Vocabulary, value: Any) -> bool:
 
 @pytest.mark.parametrize(("name", "schema", "backend", "gap", "valid", "invalid"), TABLE,
                          ids=[row[0] for row in TABLE])
-def test_routing_table(eng: Engine, qwen25: Vocabulary, name: str, schema: Any, backend: str,
+def test_routing_table(compiler: Compiler, qwen25: Vocabulary, name: str, schema: Any, backend: str,
                        gap: str, valid: Any, invalid: Any) -> None:
-    grammar = eng.compile(GrammarSpec.json_schema(schema))
+    grammar = compiler.compile(GrammarSpec.json_schema(schema))
     assert grammar.backend == backend, grammar.reason
     assert grammar.reason
     listed = " ".join(grammar.unenforced)
@@ -113,74 +113,74 @@ def test_routing_table(eng: Engine, qwen25: Vocabulary, name: str, schema: Any, 
         assert not _complete(grammar, qwen25, invalid), f"{name}: invalid instance accepted"
 
 
-def test_overlapping_oneof_is_served_leniently_and_says_so(eng: Engine) -> None:
-    grammar = eng.compile(GrammarSpec.json_schema(
+def test_overlapping_oneof_is_served_leniently_and_says_so(compiler: Compiler) -> None:
+    grammar = compiler.compile(GrammarSpec.json_schema(
         {"oneOf": [{"type": "integer"}, {"type": "number"}]}))
     assert grammar.backend == "guidance" and grammar.fallback_from == "guidance"
     assert grammar.unenforced
 
 
-def test_strict_mode_refuses_with_pointer(eng: Engine) -> None:
+def test_strict_mode_refuses_with_pointer(compiler: Compiler) -> None:
     schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
     with pytest.raises(UnsupportedError, match="uniqueItems") as info:
-        eng.compile(GrammarSpec.json_schema(schema, strict=True))
+        compiler.compile(GrammarSpec.json_schema(schema, strict=True))
     assert info.value.where == "/properties/tags"
     with pytest.raises(UnsupportedError):
-        eng.check(GrammarSpec.json_schema(schema, strict=True))
+        compiler.check(GrammarSpec.json_schema(schema, strict=True))
 
 
-def test_remote_ref_is_a_clear_error(eng: Engine) -> None:
+def test_remote_ref_is_a_clear_error(compiler: Compiler) -> None:
     schema = {"type": "object", "properties": {"x": {"$ref": "http://example.com/s.json"}}}
     with pytest.raises(GrammarError, match="never fetches") as info:
-        eng.compile(GrammarSpec.json_schema(schema))
+        compiler.compile(GrammarSpec.json_schema(schema))
     assert info.value.where == "/properties/x"
     with pytest.raises(GrammarError, match="never fetches"):
-        eng.check(GrammarSpec.json_schema(schema))
+        compiler.check(GrammarSpec.json_schema(schema))
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_closed_objects_by_default_open_on_request(eng: Engine, qwen25: Vocabulary,
+def test_closed_objects_by_default_open_on_request(compiler: Compiler, qwen25: Vocabulary,
                                                    backend: str) -> None:
-    closed = eng.compile(GrammarSpec.json_schema(OBJ_AB, backend=backend))  # type: ignore[arg-type]
-    opened = eng.compile(GrammarSpec.json_schema(OBJ_AB, extra_properties=True,
+    closed = compiler.compile(GrammarSpec.json_schema(OBJ_AB, backend=backend))  # type: ignore[arg-type]
+    opened = compiler.compile(GrammarSpec.json_schema(OBJ_AB, extra_properties=True,
                                                  backend=backend))  # type: ignore[arg-type]
     assert not _complete(closed, qwen25, {"a": 1, "zz": 2})
     assert _complete(opened, qwen25, {"a": 1, "zz": 2})
 
 
-def test_xgrammar_free_form_containers_stay_free(eng: Engine, qwen25: Vocabulary) -> None:
+def test_xgrammar_free_form_containers_stay_free(compiler: Compiler, qwen25: Vocabulary) -> None:
     """xgrammar's strict mode alone would allow only {} here (measured); we spell it out.
     It still ignores ``required`` names it has no property for, which routing knows."""
     schema = {"type": "object", "required": ["a"], "maxProperties": 2}
-    grammar = eng.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
+    grammar = compiler.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
     assert _complete(grammar, qwen25, {"a": [1]})
     assert "required (undeclared names)" in grammar.unenforced
-    auto = eng.compile(GrammarSpec.json_schema(schema))
+    auto = compiler.compile(GrammarSpec.json_schema(schema))
     assert auto.backend == "guidance" and not auto.unenforced
     assert _complete(auto, qwen25, {"a": [1]}) and not _complete(auto, qwen25, {})
 
 
-def test_pattern_search_semantics_on_xgrammar(eng: Engine, qwen25: Vocabulary) -> None:
-    grammar = eng.compile(GrammarSpec.json_schema({"type": "string", "pattern": "abc"},
+def test_pattern_search_semantics_on_xgrammar(compiler: Compiler, qwen25: Vocabulary) -> None:
+    grammar = compiler.compile(GrammarSpec.json_schema({"type": "string", "pattern": "abc"},
                                                   backend="xgrammar"))
     assert _complete(grammar, qwen25, "xxabcyy") and not _complete(grammar, qwen25, "xxab")
 
 
-def test_guidance_refusal_falls_back_to_xgrammar(eng: Engine, qwen25: Vocabulary) -> None:
+def test_guidance_refusal_falls_back_to_xgrammar(compiler: Compiler, qwen25: Vocabulary) -> None:
     """llguidance cannot decide whether this pattern is empty; xgrammar serves it."""
     schema = {"type": "object", "patternProperties": {"^a": {"type": "integer"},
                                                       "^ab": {"type": "string"}},
               "additionalProperties": False}
-    grammar = eng.compile(GrammarSpec.json_schema(schema))
+    grammar = compiler.compile(GrammarSpec.json_schema(schema))
     assert grammar.fallback_from == "guidance" and grammar.backend == "xgrammar"
     assert _complete(grammar, qwen25, {"a1": 1})
 
 
-def test_xgrammar_refusal_falls_back(eng: Engine, qwen25: Vocabulary) -> None:
+def test_xgrammar_refusal_falls_back(compiler: Compiler, qwen25: Vocabulary) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": False}}
     with pytest.raises(GrammarError, match="xgrammar"):
-        eng.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
-    pref = Engine(qwen25, prefer="xgrammar")
+        compiler.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
+    pref = Compiler(qwen25, prefer="xgrammar")
     grammar = pref.compile(GrammarSpec.json_schema(schema))
     assert grammar.backend == "guidance" and grammar.fallback_from == "xgrammar"
     assert pref.stats.fallbacks == 1
@@ -205,23 +205,23 @@ def test_other_kinds_route(spec: GrammarSpec, backend: str) -> None:
 def test_preference_is_configurable(qwen25: Vocabulary) -> None:
     text = GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string"}}})
     assert route(text).backend == "guidance" and "/properties/s" in route(text).reason
-    assert Engine(qwen25, prefer="xgrammar").route(text).backend == "xgrammar"
+    assert Compiler(qwen25, prefer="xgrammar").route(text).backend == "xgrammar"
     numbers = GrammarSpec.json_schema(OBJ_AB)
     assert route(numbers).backend == "xgrammar"
-    assert Engine(qwen25, prefer="guidance").route(numbers).backend == "guidance"
+    assert Compiler(qwen25, prefer="guidance").route(numbers).backend == "guidance"
 
 
-def test_length_bounded_strings_refuse_raw_control_characters(eng: Engine,
+def test_length_bounded_strings_refuse_raw_control_characters(compiler: Compiler,
                                                               qwen25: Vocabulary) -> None:
     """xgrammar 0.2.8 accepts a raw tab inside a string with minLength/maxLength (invalid
     JSON); the route avoids it, and the forced xgrammar grammar shows why."""
     schema = {"type": "string", "maxLength": 5}
     raw = '"a\tb"'
-    assert not accepts_complete(eng.compile(GrammarSpec.json_schema(schema)).matcher(),
+    assert not accepts_complete(compiler.compile(GrammarSpec.json_schema(schema)).matcher(),
                                 qwen25, raw)
-    forced = eng.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
+    forced = compiler.compile(GrammarSpec.json_schema(schema, backend="xgrammar"))
     assert "string minLength/maxLength" in " ".join(forced.unenforced)
-    assert accepts_complete(forced.matcher(), qwen25, raw)  # the engine bug, still there
+    assert accepts_complete(forced.matcher(), qwen25, raw)  # the backend bug, still there
 
 
 def test_inner_anchor_detection() -> None:
@@ -337,31 +337,31 @@ def test_search_pattern_reads_regex_structure(pattern: str, full_match: str) -> 
     ({"properties": []}, "/properties", "an object"),
 ])
 @pytest.mark.parametrize("backend", [None, "xgrammar", "guidance"])
-def test_invalid_keyword_values_name_the_pointer(eng: Engine, schema: Any, where: str,
+def test_invalid_keyword_values_name_the_pointer(compiler: Compiler, schema: Any, where: str,
                                                  fragment: str, backend: Any) -> None:
-    """Each used to compile on one engine (``minItems: -1`` on xgrammar) or fail without a
+    """Each used to compile on one backend (``minItems: -1`` on xgrammar) or fail without a
     location (``xgrammar: RuntimeError`` for a bound past a double)."""
     spec = GrammarSpec.json_schema(schema, backend=backend)
     with pytest.raises(InvalidSchemaError, match=fragment) as info:
-        eng.compile(spec)
+        compiler.compile(spec)
     assert info.value.where == where
     with pytest.raises(InvalidSchemaError):
-        eng.check(spec)
+        compiler.check(spec)
 
 
-def test_an_empty_range_under_not_is_not_an_error(eng: Engine, qwen25: Vocabulary) -> None:
+def test_an_empty_range_under_not_is_not_an_error(compiler: Compiler, qwen25: Vocabulary) -> None:
     """``not: {minLength: 5, maxLength: 3}`` is a (silly) way to say anything: valid."""
-    grammar = eng.compile(GrammarSpec.json_schema(
+    grammar = compiler.compile(GrammarSpec.json_schema(
         {"type": "integer", "not": {"minLength": 5, "maxLength": 3}}))
     assert _complete(grammar, qwen25, 7)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_engine_errors_are_located(eng: Engine, backend: Any) -> None:
-    """Valid schemas the engines cannot compile: the message names the keyword's pointer."""
+def test_backend_errors_are_located(compiler: Compiler, backend: Any) -> None:
+    """Valid schemas the backends cannot compile: the message names the keyword's pointer."""
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1e30}}}
     with pytest.raises(InvalidSchemaError) as info:
-        eng.compile(GrammarSpec.json_schema(schema, backend=backend))
+        compiler.compile(GrammarSpec.json_schema(schema, backend=backend))
     assert info.value.where == "/properties/n/minimum"
     assert "RuntimeError" not in str(info.value)
 
@@ -373,7 +373,7 @@ NUL_SCHEMA = json.loads('{"type": "object", "properties": {"path": {"type": "str
 
 @pytest.mark.parametrize("backend", [None, "xgrammar", "guidance"])
 @pytest.mark.parametrize("form", ["nul-char", "escape-text"])
-def test_a_nul_in_a_pattern_compiles_on_both_engines(eng: Engine, qwen25: Vocabulary,
+def test_a_nul_in_a_pattern_compiles_on_both_backends(compiler: Compiler, qwen25: Vocabulary,
                                                      backend: Any, form: str) -> None:
     """``[^\\u0000]`` (6 corpus schemas) was refused as "string contains a NUL character";
     xgrammar refuses a NUL in a regex, so it gets the ``\\x00`` escape instead."""
@@ -381,7 +381,7 @@ def test_a_nul_in_a_pattern_compiles_on_both_engines(eng: Engine, qwen25: Vocabu
     if form == "escape-text":
         schema["properties"]["path"]["pattern"] = "^/[^\\u0000]+$"
     assert "\x00" in NUL_SCHEMA["properties"]["path"]["pattern"]  # a real U+0000
-    grammar = eng.compile(GrammarSpec.json_schema(schema, backend=backend))
+    grammar = compiler.compile(GrammarSpec.json_schema(schema, backend=backend))
     assert not grammar.unenforced
     assert _complete(grammar, qwen25, {"path": "/usr/bin"})
     assert not _complete(grammar, qwen25, {"path": "/a\x00b"})
@@ -394,22 +394,23 @@ ONE_OF_KEYS = {"oneOf": [
     {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
 
 
-def test_overlapping_one_of_with_open_objects_is_listed(eng: Engine, qwen25: Vocabulary) -> None:
+def test_overlapping_one_of_with_open_objects_is_listed(compiler: Compiler,
+                                                       qwen25: Vocabulary) -> None:
     """Open objects let ``{"a": 1, "b": 2}`` match both branches; llguidance serves the oneOf
     as anyOf, so the gap is listed (and strict mode refuses)."""
     spec = GrammarSpec.json_schema(ONE_OF_KEYS, extra_properties=True)
     decision = route(spec)
     assert decision.backend == "guidance" and decision.lenient
     assert any("oneOf (overlapping branches)" in g for g in decision.unenforced)
-    grammar = eng.compile(spec)
+    grammar = compiler.compile(spec)
     assert any("oneOf" in g for g in grammar.unenforced)
     assert _complete(grammar, qwen25, {"a": 1, "b": 2})  # the listed gap
     for forced in ("guidance", "xgrammar"):
         assert any("oneOf" in g for g in route(spec.with_backend(forced)).unenforced)
     with pytest.raises(UnsupportedError, match="oneOf") as info:
-        eng.compile(GrammarSpec.json_schema(ONE_OF_KEYS, extra_properties=True, strict=True))
+        compiler.compile(GrammarSpec.json_schema(ONE_OF_KEYS, extra_properties=True, strict=True))
     assert info.value.where == "/"
-    closed = eng.compile(GrammarSpec.json_schema(ONE_OF_KEYS))  # closed: truly disjoint
+    closed = compiler.compile(GrammarSpec.json_schema(ONE_OF_KEYS))  # closed: truly disjoint
     assert not closed.unenforced and not _complete(closed, qwen25, {"a": 1, "b": 2})
 
 
@@ -445,12 +446,12 @@ def test_open_objects_route_to_guidance_with_a_factual_reason() -> None:
 
 
 # ------------------------------------------------------------------ empty languages
-def test_ref_cycle_is_an_empty_language_with_its_pointer(eng: Engine) -> None:
+def test_ref_cycle_is_an_empty_language_with_its_pointer(compiler: Compiler) -> None:
     schema = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
               "$ref": "#/$defs/a"}
     for backend in (None, "xgrammar", "guidance"):
         with pytest.raises(UnsupportedError, match="nothing can be generated") as info:
-            eng.compile(GrammarSpec.json_schema(schema, backend=backend))
+            compiler.compile(GrammarSpec.json_schema(schema, backend=backend))
         assert info.value.where == "/$defs/b/$ref"
     decision_features = route(GrammarSpec.json_schema(
         {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"})).features

@@ -1,6 +1,6 @@
 """Constrained random sampling over real schemas: every output must validate.
 
-273 maskbench schemas (13 per subset, all 21 subsets, fixed seed) are compiled by the Engine
+273 maskbench schemas (13 per subset, all 21 subsets, fixed seed) are compiled by the Compiler
 (auto routing) and sampled through one ``BatchProcessor`` with continuous batching (rows are
 added as others finish). The "model" picks a random allowed token each step: a random allowed
 mask word, then a random set bit in it. To make every output finish, it always takes a stop
@@ -8,8 +8,8 @@ token once the grammar allows one and is pulled toward closing what is open with
 probability growing with the length (see ``RandomModel``); every choice stays inside the mask.
 
 Whitespace is compact (``any_whitespace=False``). Outputs are checked with jsonschema's Draft
-2020-12 validator (``format`` is an annotation there, as in the engines' default) whenever
-the serving engine enforces every keyword (``grammar.unenforced`` empty): 100% must pass.
+2020-12 validator (``format`` is an annotation there, as in the backends' default) whenever
+the serving backend enforces every keyword (``grammar.unenforced`` empty): 100% must pass.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jsonschema
 import pytest
 import torch
 
-from grammask import CompileTimeoutError, Engine, Grammar, GrammarError, GrammarSpec, Vocabulary
+from grammask import Compiler, CompileTimeoutError, Grammar, GrammarError, GrammarSpec, Vocabulary
 from grammask.bitmask import bitmask_words
 from grammask.processor import BatchProcessor
 
@@ -155,12 +155,12 @@ class RandomModel:
         return w * 32 + self.rng.choice([b for b in range(32) if (value >> b) & 1])
 
 
-def run(engine: Engine, vocab: Vocabulary, samples: list[Sample]) -> None:
+def run(compiler: Compiler, vocab: Vocabulary, samples: list[Sample]) -> None:
     """Sample every compiled schema through one processor, rows recycled as they finish."""
     model = RandomModel(vocab, SEED)
     todo = [s for s in samples if s.grammar is not None]
     active: dict[int, Sample] = {}
-    with BatchProcessor(engine, max_batch=MAX_BATCH, think_end=None, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=MAX_BATCH, think_end=None, **PATIENT) as proc:
         while todo or active:
             for row in range(MAX_BATCH):
                 if row not in active and todo:
@@ -186,9 +186,9 @@ def run(engine: Engine, vocab: Vocabulary, samples: list[Sample]) -> None:
 @pytest.fixture(scope="module")
 def sampled(corpus: Path, qwen25: Vocabulary) -> Iterator[list[Sample]]:
     samples = pick_schemas(corpus)
-    engine = Engine(qwen25, timeout_s=20, max_workers=2)
+    compiler = Compiler(qwen25, timeout_s=20, max_workers=2)
     specs = [GrammarSpec.json_schema(s.schema, any_whitespace=False) for s in samples]
-    futures: list[Future[Grammar]] = [engine.compile_async(spec) for spec in specs]
+    futures: list[Future[Grammar]] = [compiler.compile_async(spec) for spec in specs]
     for sample, spec, future in zip(samples, specs, futures, strict=True):
         for _ in range(PATIENCE):
             try:
@@ -197,14 +197,14 @@ def sampled(corpus: Path, qwen25: Vocabulary) -> Iterator[list[Sample]]:
                 # the machine was slow, which says nothing about the schema: ask again (the
                 # abandoned compiles go on, a new request joins them or finds their result)
                 sample.timeouts += 1
-                future = engine.compile_async(spec)
+                future = compiler.compile_async(spec)
                 continue
             except GrammarError as exc:
                 sample.error = exc.message  # a refusal: the schema, not the clock
             break
-    run(engine, qwen25, samples)
+    run(compiler, qwen25, samples)
     yield samples
-    engine.close()
+    compiler.close()
 
 
 def test_corpus_outputs_validate(sampled: list[Sample], qwen25: Vocabulary) -> None:
@@ -245,4 +245,4 @@ def test_every_subset_is_represented(sampled: list[Sample]) -> None:
     # Handwritten and Synthesized exercise exotic keywords (not, uniqueItems, ...) on purpose
     assert len(validated) >= 19, sorted(subsets - validated)
     backends = {s.grammar.backend for s in sampled if s.grammar is not None}
-    assert backends == {"guidance", "xgrammar"}  # auto routing used both engines
+    assert backends == {"guidance", "xgrammar"}  # auto routing used both backends

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from grammask import (
-    Engine,
+    Compiler,
     GrammarSpec,
     InvalidGrammarError,
     InvalidSchemaError,
@@ -38,10 +38,10 @@ def test_a_cached_grammar_never_serves_another_property_order(qwen25: Vocabulary
     first = {"type": "object", "required": ["answer", "reasoning"], "properties": {
         "reasoning": {"type": "integer"}, "answer": {"type": "integer"}}}
     second = {**first, "properties": dict(reversed(first["properties"].items()))}
-    engine = Engine(qwen25)
+    compiler = Compiler(qwen25)
     for backend in ("xgrammar", "guidance"):
-        engine.compile(GrammarSpec.json_schema(first, backend=backend))
-        matcher = engine.compile(GrammarSpec.json_schema(second, backend=backend)).matcher()
+        compiler.compile(GrammarSpec.json_schema(first, backend=backend))
+        matcher = compiler.compile(GrammarSpec.json_schema(second, backend=backend)).matcher()
         assert all(matcher.accept(t) for t in qwen25.encode('{"answer": 1')), backend
 
 
@@ -196,7 +196,7 @@ def test_a_nul_inside_a_json_string_is_legal() -> None:
 ])
 def test_malformed_structural_tags_name_the_field(tag: dict[str, object], where: str,
                                                   fragment: str) -> None:
-    """They used to reach the engines and read ``'triggers'`` or ``'int' object is not
+    """They used to reach the backends and read ``'triggers'`` or ``'int' object is not
     iterable``."""
     with pytest.raises(InvalidGrammarError, match=fragment) as info:
         GrammarSpec.structural_tag(tag)

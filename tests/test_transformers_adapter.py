@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
 
-from grammask import Engine, GrammarSpec, Vocabulary
+from grammask import Compiler, GrammarSpec, Vocabulary
 from grammask.integrations.transformers import GrammarLogitsProcessor
 
 PERSON = {"type": "object", "properties": {
@@ -73,13 +73,13 @@ def check(outputs: list[list[int]], vocab: Vocabulary, copies: int) -> int:
     return checked
 
 
-def test_generate_sampling_then_greedy(model: Qwen2ForCausalLM, engine: Engine,
+def test_generate_sampling_then_greedy(model: Qwen2ForCausalLM, compiler: Compiler,
                                        qwen25: Vocabulary) -> None:
     """Sampling with two copies per prompt, then greedy with the same processor (a new
     generate call starts the rows afresh)."""
     specs = [None if s is None else GrammarSpec.json_schema(s, any_whitespace=False)
              for s in SCHEMAS]
-    proc = GrammarLogitsProcessor(engine, specs)
+    proc = GrammarLogitsProcessor(compiler, specs)
     sampled = generate(model, proc, qwen25, sample=True, copies=2)
     assert check(sampled, qwen25, 2) == 6
     assert proc.info(2).status == "unconstrained"  # rows 2, 3 are copies of the None spec

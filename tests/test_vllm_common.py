@@ -128,7 +128,7 @@ GOOD = [
     xargs({"json": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}),
     xargs({"json": {"type": "string", "format": "idn-email"}}),
 ]
-#: strict mode refuses what no engine enforces, at admission too
+#: strict mode refuses what no backend enforces, at admission too
 STRICT_GAP = xargs({"json": {"type": "array", "uniqueItems": True}}, strict=1)
 BAD = [
     ({"grammask": "{nope"}, "grammask", "not valid JSON"),
@@ -185,10 +185,10 @@ def test_bad_requests_are_a_400_naming_the_key(validators: dict[str, Any], extra
 
 
 def test_validation_never_compiles_for_the_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every engine compile in this process is counted at the backends (a snapshot of the
-    engines that happen to exist could be empty, and would miss an engine validation built):
-    validation compiles nothing, builds no engine, and the count is shown to work."""
-    from grammask import Engine, GrammarSpec, Vocabulary
+    """Every backend compile in this process is counted at the backends (a snapshot of the
+    compilers that happen to exist could be empty, and would miss a compiler validation built):
+    validation compiles nothing, builds no compiler, and the count is shown to work."""
+    from grammask import Compiler, GrammarSpec, Vocabulary
     from grammask.backends import get_backend
 
     compiles: list[tuple[str, int]] = []
@@ -201,17 +201,17 @@ def test_validation_never_compiles_for_the_tokenizer(monkeypatch: pytest.MonkeyP
             return _orig(spec, vocab, lenient=lenient)
 
         monkeypatch.setattr(backend, "compile", counted)
-    engines_before = set(vllm_common._ENGINES)
+    compilers_before = set(vllm_common._COMPILERS)
     for extra in GOOD:
         validate_sampling_params(SamplingParams(max_tokens=8, extra_args=extra))
-    assert compiles == [] and set(vllm_common._ENGINES) == engines_before
+    assert compiles == [] and set(vllm_common._COMPILERS) == compilers_before
     checker = vllm_common._checker("auto", "auto")
     assert len(checker.vocab.tokens) == 1 and checker.stats.compiles == {
         "xgrammar": 0, "guidance": 0}
     # the count sees a real compile (so an empty count means no compile, not a blind spy)
     tiny = Vocabulary([b"a", b"b", b"</s>"], special_ids=[2], stop_ids=[2],
                       encode=lambda text: [{"a": 0, "b": 1}[c] for c in text])
-    Engine(tiny, backend="guidance").compile(GrammarSpec.regex("ab"))
+    Compiler(tiny, backend="guidance").compile(GrammarSpec.regex("ab"))
     assert compiles == [("guidance", 3)]
 
 
@@ -258,7 +258,7 @@ def test_strict_mode_refuses_unenforced_keywords_at_admission(
 
 def test_disk_cache_setting_resolves_to_a_directory(tmp_path: Path) -> None:
     from grammask.diskcache import default_cache_dir
-    from grammask.integrations.vllm_engine import disk_cache_dir
+    from grammask.integrations.vllm_compiler import disk_cache_dir
 
     assert disk_cache_dir(load_settings(None, {})) == default_cache_dir()  # on by default
     assert disk_cache_dir(load_settings(None, {"GRAMMASK_DISK_CACHE": "off"})) is None

@@ -40,7 +40,7 @@ from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from grammask import Engine, GrammarSpec, Vocabulary
+from grammask import Compiler, GrammarSpec, Vocabulary
 from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
 
 from .helpers import RawReference
@@ -147,19 +147,19 @@ def runner() -> Any:
 
 
 @pytest.fixture(scope="module")
-def engine(runner: Any) -> Engine:
-    engine = runner().plugin.core.engine
-    assert engine is not None
-    return engine
+def compiler(runner: Any) -> Compiler:
+    compiler = runner().plugin.core.compiler
+    assert compiler is not None
+    return compiler
 
 
 @pytest.fixture(scope="module")
-def vocab(engine: Engine) -> Vocabulary:
-    return engine.vocab
+def vocab(compiler: Compiler) -> Vocabulary:
+    return compiler.vocab
 
 
 def test_entry_point_alone_masks_a_request_and_leaves_others_alone(
-        runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+        runner: Any, compiler: Compiler, vocab: Vocabulary) -> None:
     r = runner()
     assert len(ours(r.lps)) == 1  # found through the installed entry point only
     assert r.plugin in r.lps.non_argmax_invariant and not r.plugin.is_argmax_invariant()
@@ -167,7 +167,7 @@ def test_entry_point_alone_masks_a_request_and_leaves_others_alone(
     r.add("plain", None, chat_prompt(vocab, "hi"))
     r.add("json", xargs({"json": SCHEMA, "disable_any_whitespace": True}, thinking="off"),
           chat_prompt(vocab, "a json please"))
-    ref = RawReference.of(engine.compile(spec), engine.vocab)
+    ref = RawReference.of(compiler.compile(spec), compiler.vocab)
     noise = torch.randn(2, VOCAB)
     for tid in [*vocab.encode('{"n":12,"ok":true}'), IM_END]:
         r.schedule()
@@ -193,7 +193,7 @@ def test_start_up_log_names_version_and_settings(runner: Any,
     assert "wait_s=7.0" in line and "backend=auto" in line and "enabled=True" in line
 
 
-def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> None:
+def test_listed_twice_only_one_instance_acts(runner: Any, compiler: Compiler) -> None:
     r = runner(fqcn=True)
     both = ours(r.lps)
     assert len(both) == 2 and [p.core.active for p in both] == [False, True]
@@ -202,11 +202,11 @@ def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> Non
     logits = torch.zeros(1, VOCAB)
     assert both[0].apply(logits) is logits and allowed(logits[0]).all()  # inert: untouched
     assert both[0].core.proc_or_none is None  # and it never built a processor
-    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
     assert torch.equal(allowed(r.logits()[0]), ref_allowed(ref))
 
 
-def test_batch_changes_follow_rows(runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+def test_batch_changes_follow_rows(runner: Any, compiler: Compiler, vocab: Vocabulary) -> None:
     """remove + condense moves a row, an add reuses a freed row, swap exchanges two rows."""
     r = runner()
     regex, choice = CONSTRAINTS[2], CONSTRAINTS[3]
@@ -214,8 +214,8 @@ def test_batch_changes_follow_rows(runner: Any, engine: Engine, vocab: Vocabular
     r.add("r1", None, [2])
     r.add("r2", xargs(choice[0], thinking="off"), [3])
     r.schedule()
-    ref_regex = RawReference.of(engine.compile(regex[1]), engine.vocab)
-    ref_choice = RawReference.of(engine.compile(choice[1]), engine.vocab)
+    ref_regex = RawReference.of(compiler.compile(regex[1]), compiler.vocab)
+    ref_choice = RawReference.of(compiler.compile(choice[1]), compiler.vocab)
 
     def check(expected: dict[str, RawReference | None]) -> None:
         logits = r.logits()
@@ -236,23 +236,23 @@ def test_batch_changes_follow_rows(runner: Any, engine: Engine, vocab: Vocabular
     check({"r2": ref_choice, "r3": None})
 
 
-def test_resumed_request_replays_its_output(runner: Any, engine: Engine,
+def test_resumed_request_replays_its_output(runner: Any, compiler: Compiler,
                                             vocab: Vocabulary) -> None:
     r = runner()
     text = vocab.encode('{"n":4')
     r.add("again", xargs(CONSTRAINTS[0][0], thinking="off"), [1, 2], output=list(text))
     r.schedule()
-    ref = RawReference.of(engine.compile(CONSTRAINTS[0][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[0][1]), compiler.vocab)
     assert all(ref.accept(t) for t in text)
     assert torch.equal(allowed(r.logits()[0]), ref_allowed(ref))
 
 
-def test_async_placeholders_are_never_fed(runner: Any, engine: Engine,
+def test_async_placeholders_are_never_fed(runner: Any, compiler: Compiler,
                                           vocab: Vocabulary) -> None:
     r = runner(fqcn=True, use_async=True)
     spec_args, spec = CONSTRAINTS[0]
     r.add("a", xargs(spec_args, thinking="off"), [1])
-    ref = RawReference.of(engine.compile(spec), engine.vocab)
+    ref = RawReference.of(compiler.compile(spec), compiler.vocab)
     for tid in vocab.encode('{"n":7,"ok":false}'):
         r.schedule()  # update_state sees the trailing -1 of the previous step
         assert -1 not in r.states["a"].output_token_ids[:-1]
@@ -274,7 +274,7 @@ def test_async_scheduling_without_the_flag_is_refused_at_start() -> None:
 @pytest.mark.parametrize(("case", "gated"), [
     ("thinking", True), ("request_off", False), ("closed_in_prompt", False),
     ("settings_none", False), ("custom_marker", True)])
-def test_thinking_gate(runner: Any, engine: Engine, vocab: Vocabulary, case: str,
+def test_thinking_gate(runner: Any, compiler: Compiler, vocab: Vocabulary, case: str,
                        gated: bool) -> None:
     """Unmasked while thinking; masked from the token after the end marker."""
     config: dict[str, Any] = {}
@@ -288,7 +288,7 @@ def test_thinking_gate(runner: Any, engine: Engine, vocab: Vocabulary, case: str
         flat["think_end"] = "DONE:"
     r = runner(**config)
     r.add("t", xargs(CONSTRAINTS[3][0], **flat), chat_prompt(vocab, "pick", closed_thinking=closed))
-    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
     thoughts = (vocab.encode("hmm DONE") + vocab.encode(":") if case == "custom_marker"
                 else [*vocab.encode("hmm ok"), END_THINK]) if gated else []
     masked_at = None
@@ -313,14 +313,14 @@ def test_thinking_gate(runner: Any, engine: Engine, vocab: Vocabulary, case: str
 
 
 def test_a_bad_request_past_validation_only_stops_its_own_row(
-        runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+        runner: Any, compiler: Compiler, vocab: Vocabulary) -> None:
     r = runner()
     r.add("bad", {"grammask": "{not json"}, [1])
     r.add("good", xargs(CONSTRAINTS[3][0], thinking="off"), [1])
     r.schedule()
     logits = r.logits()
     assert sorted(allowed(logits[0]).nonzero().flatten().tolist()) == sorted(vocab.stop_ids)
-    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
     assert torch.equal(allowed(logits[1]), ref_allowed(ref))
     proc = r.plugin.core.processor()
     assert proc.status(0) == "error" and proc.status(1) == "active"
@@ -335,7 +335,7 @@ def test_disabled_plugin_is_inert(runner: Any) -> None:
 
 
 @pytest.mark.parametrize("parallel_min", [2, 64], ids=["batch-fill", "row-fill"])
-def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, vocab: Vocabulary,
+def test_masks_under_the_runners_inference_mode(runner: Any, compiler: Compiler, vocab: Vocabulary,
                                                 parallel_min: int) -> None:
     """vLLM's ``execute_model`` runs under ``torch.inference_mode()``: the processor (and its
     buffers) is first built there, while the fill thread runs outside it. Every fill path
@@ -343,8 +343,8 @@ def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, voc
     an errored request) must still write its masks (a real server once served most requests
     empty: "Inplace update to inference tensor outside InferenceMode")."""
     r = runner(max_num_seqs=12, additional_config={"grammask": {"parallel_min": parallel_min}})
-    rows = [*CONSTRAINTS, *CONSTRAINTS]  # two rows of each engine: batch fills from 2 rows
-    refs = [RawReference.of(engine.compile(spec), engine.vocab) for _, spec in rows]
+    rows = [*CONSTRAINTS, *CONSTRAINTS]  # two rows of each backend: batch fills from 2 rows
+    refs = [RawReference.of(compiler.compile(spec), compiler.vocab) for _, spec in rows]
     with torch.inference_mode():
         for i, (args, _) in enumerate(rows):
             r.add(f"r{i}", xargs(args, thinking="off"), [1, 2])
@@ -378,12 +378,12 @@ class _Req:
     gate_open: bool = True  # thinking not ended yet
 
 
-def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engine,
+def test_random_batch_churn_matches_reference_matchers(runner: Any, compiler: Compiler,
                                                        vocab: Vocabulary) -> None:
     """100 random sequences of adds, removals, resumes, swaps and decode steps (half of them
     under async scheduling): every row's mask equals its own reference matcher's."""
     rng = random.Random(1234)
-    grammars = [engine.compile(spec) for _, spec in CONSTRAINTS]
+    grammars = [compiler.compile(spec) for _, spec in CONSTRAINTS]
     stops = set(vocab.stop_ids)
     runners = [runner(fqcn=True), runner(fqcn=True, use_async=True)]
     counter = 0

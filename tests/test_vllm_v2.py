@@ -52,7 +52,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.states import RequestState
 
-from grammask import Engine, Vocabulary
+from grammask import Compiler, Vocabulary
 from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
 
 from .helpers import RawReference
@@ -169,15 +169,15 @@ def runner() -> Any:
 
 
 @pytest.fixture(scope="module")
-def engine(runner: Any) -> Engine:
-    engine = runner().plugin.core.engine
-    assert engine is not None
-    return engine
+def compiler(runner: Any) -> Compiler:
+    compiler = runner().plugin.core.compiler
+    assert compiler is not None
+    return compiler
 
 
 @pytest.fixture(scope="module")
-def vocab(engine: Engine) -> Vocabulary:
-    return engine.vocab
+def vocab(compiler: Compiler) -> Vocabulary:
+    return compiler.vocab
 
 
 def chat_prompt(vocab: Vocabulary, user: str) -> list[int]:
@@ -186,7 +186,7 @@ def chat_prompt(vocab: Vocabulary, user: str) -> list[int]:
 
 
 def test_entry_point_builds_one_instance_and_masks_in_batch_order(
-        runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+        runner: Any, compiler: Compiler, vocab: Vocabulary) -> None:
     r = runner()
     assert len(ours(r.procs)) == 1  # through the installed entry point
     spec_args, spec = CONSTRAINTS[0]
@@ -194,7 +194,7 @@ def test_entry_point_builds_one_instance_and_masks_in_batch_order(
     json_slot = r.add("json", xargs(spec_args, thinking="off"), chat_prompt(vocab, "json"))
     assert r.sampler.needs_logits_processing[json_slot]
     assert not r.sampler.needs_logits_processing[r.reqs["plain"].slot]
-    ref = RawReference.of(engine.compile(spec), engine.vocab)
+    ref = RawReference.of(compiler.compile(spec), compiler.vocab)
     noise = torch.randn(2, VOCAB)
     for step, tid in enumerate([*vocab.encode('{"n":5,"ok":true}'), IM_END]):
         order = ["json", "plain"] if step % 2 else ["plain", "json"]  # rows move every step
@@ -209,12 +209,12 @@ def test_entry_point_builds_one_instance_and_masks_in_batch_order(
 
 
 @pytest.mark.parametrize("parallel_min", [2, 64], ids=["batch-fill", "row-fill"])
-def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, vocab: Vocabulary,
+def test_masks_under_the_runners_inference_mode(runner: Any, compiler: Compiler, vocab: Vocabulary,
                                                 parallel_min: int) -> None:
     """The runner steps under ``torch.inference_mode()``; the helper and fill threads do
-    not. Every engine's fill path must still write its masks (see the V1 test)."""
+    not. Every backend's fill path must still write its masks (see the V1 test)."""
     r = runner(additional_config={"grammask": {"parallel_min": parallel_min}})
-    refs = [RawReference.of(engine.compile(spec), engine.vocab) for _, spec in CONSTRAINTS]
+    refs = [RawReference.of(compiler.compile(spec), compiler.vocab) for _, spec in CONSTRAINTS]
     order = [f"r{i}" for i in range(len(CONSTRAINTS))]
     with torch.inference_mode():
         for rid, (args, _) in zip(order, CONSTRAINTS, strict=True):
@@ -231,7 +231,7 @@ def test_masks_under_the_runners_inference_mode(runner: Any, engine: Engine, voc
     assert r.plugin.core.processor().errors == {}
 
 
-def test_finished_requests_are_not_filled(runner: Any, engine: Engine,
+def test_finished_requests_are_not_filled(runner: Any, compiler: Compiler,
                                           vocab: Vocabulary) -> None:
     """V2 has no removal hook: a finished request's slot stays tracked until reused. Its
     mask must not be filled on and on meanwhile (at most once more, the step after)."""
@@ -250,17 +250,17 @@ def test_finished_requests_are_not_filled(runner: Any, engine: Engine,
     assert proc.rows_filled - filled <= 1
 
 
-def test_listed_twice_only_one_instance_acts(runner: Any, engine: Engine) -> None:
+def test_listed_twice_only_one_instance_acts(runner: Any, compiler: Compiler) -> None:
     r = runner(fqcn=True)
     both = ours(r.procs)
     assert len(both) == 2 and [p.core.active for p in both] == [False, True]
     r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
     assert both[0].core.proc_or_none is None
-    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
     assert torch.equal(allowed(r.step(["a"])[0]), ref_allowed(ref))
 
 
-def test_recycled_slots_start_afresh(runner: Any, engine: Engine, vocab: Vocabulary) -> None:
+def test_recycled_slots_start_afresh(runner: Any, compiler: Compiler, vocab: Vocabulary) -> None:
     r = runner()
     slot = r.add("a", xargs(CONSTRAINTS[2][0], thinking="off"), [1])
     r.step(["a"])
@@ -272,35 +272,35 @@ def test_recycled_slots_start_afresh(runner: Any, engine: Engine, vocab: Vocabul
     assert slot not in r.plugin.core.processor().rows  # its matcher was dropped
     r.remove("b")
     assert r.add("c", xargs(CONSTRAINTS[2][0], thinking="off"), [7]) == slot
-    fresh = RawReference.of(engine.compile(CONSTRAINTS[2][1]), engine.vocab)
+    fresh = RawReference.of(compiler.compile(CONSTRAINTS[2][1]), compiler.vocab)
     assert torch.equal(allowed(r.step(["c"])[0]), ref_allowed(fresh))
 
 
-def test_resumed_request_replays_its_output(runner: Any, engine: Engine,
+def test_resumed_request_replays_its_output(runner: Any, compiler: Compiler,
                                             vocab: Vocabulary) -> None:
     r = runner()
     done = vocab.encode('{"n":12')
     r.add("again", xargs(CONSTRAINTS[1][0], thinking="off"), [1, 2, 3], output=done)
-    ref = RawReference.of(engine.compile(CONSTRAINTS[1][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[1][1]), compiler.vocab)
     assert all(ref.accept(t) for t in done)
     assert torch.equal(allowed(r.step(["again"])[0]), ref_allowed(ref))
 
 
-def test_chunked_prefill_rows_are_left_alone(runner: Any, engine: Engine) -> None:
+def test_chunked_prefill_rows_are_left_alone(runner: Any, compiler: Compiler) -> None:
     r = runner()
     r.add("long", xargs(CONSTRAINTS[3][0], thinking="off"), list(range(100, 125)))
     assert allowed(r.step(["long"], chunk=10)[0]).all()  # 10 of 25: sample discarded
     assert allowed(r.step(["long"], chunk=10)[0]).all()  # 20 of 25
-    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
     assert torch.equal(allowed(r.step(["long"], chunk=10)[0]), ref_allowed(ref))  # last chunk
 
 
-def test_tokens_of_skipped_steps_are_read_back(runner: Any, engine: Engine,
+def test_tokens_of_skipped_steps_are_read_back(runner: Any, compiler: Compiler,
                                                vocab: Vocabulary) -> None:
     """Two tokens committed between two steps (more than the fast path's window)."""
     r = runner()
     r.add("a", xargs(CONSTRAINTS[0][0], thinking="off"), [1])
-    ref = RawReference.of(engine.compile(CONSTRAINTS[0][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[0][1]), compiler.vocab)
     r.step(["a"])
     ids = vocab.encode('{"n":3')
     r.commit({"a": ids[0]})
@@ -312,13 +312,13 @@ def test_tokens_of_skipped_steps_are_read_back(runner: Any, engine: Engine,
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_thinking_gate_reads_the_prompt_from_the_device(
-        runner: Any, engine: Engine, vocab: Vocabulary, thinking: bool) -> None:
+        runner: Any, compiler: Compiler, vocab: Vocabulary, thinking: bool) -> None:
     r = runner()
     prompt = chat_prompt(vocab, "pick")
     if not thinking:  # Qwen3's template with enable_thinking=False
         prompt += [THINK, *vocab.encode("\n\n"), END_THINK, *vocab.encode("\n\n")]
     r.add("t", xargs(CONSTRAINTS[3][0]), prompt)
-    ref = RawReference.of(engine.compile(CONSTRAINTS[3][1]), engine.vocab)
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
     thoughts = [*vocab.encode("so"), END_THINK] if thinking else []
     for tid in thoughts:
         assert allowed(r.step(["t"])[0]).all()
@@ -339,12 +339,12 @@ class _Live:
     gate_open: bool = False
 
 
-def test_random_batch_churn_matches_reference_matchers(runner: Any, engine: Engine,
+def test_random_batch_churn_matches_reference_matchers(runner: Any, compiler: Compiler,
                                                        vocab: Vocabulary) -> None:
     """100 random sequences: adds into recycled slots, finishes, preempt-and-resume, rows in
     a new order every step, chunked prefills; every row's mask equals its reference's."""
     rng = random.Random(4321)
-    grammars = [engine.compile(spec) for _, spec in CONSTRAINTS]
+    grammars = [compiler.compile(spec) for _, spec in CONSTRAINTS]
     stops = set(vocab.stop_ids)
     r = runner()
     counts = {"masked_rows": 0, "resumed": 0, "recycled": 0, "thinking_closed": 0,

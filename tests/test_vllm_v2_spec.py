@@ -167,10 +167,10 @@ def test_masks_at_every_draft_position_match_the_reference() -> None:
     and bonus tokens, thinking that ends inside a draft window, finished and new requests."""
     rng = random.Random(2024)
     r = SpecRunner()
-    engine = r.plugin.core.engine
-    assert engine is not None
-    vocab = engine.vocab
-    grammars = [engine.compile(spec) for _, spec in CONSTRAINTS]
+    compiler = r.plugin.core.compiler
+    assert compiler is not None
+    vocab = compiler.vocab
+    grammars = [compiler.compile(spec) for _, spec in CONSTRAINTS]
     stops = set(vocab.stop_ids)
     counts = {"draft_rows": 0, "refused_drafts": 0, "accepted_drafts": 0, "bonus": 0,
               "think_end_in_window": 0, "finished": 0}

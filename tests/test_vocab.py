@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grammask import Engine, GrammarSpec, InvalidSpecError, Vocabulary, load_vocabulary
+from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, load_vocabulary
 from grammask.spec import BackendName
 
 from .helpers import bit, feed, mask_of
@@ -48,7 +48,7 @@ def test_bad_vocabulary_inputs() -> None:
 def test_specials_and_padding_never_allowed_in_json_strings(
         backend: BackendName, vocab_name: str, request: pytest.FixtureRequest) -> None:
     vocab: Vocabulary = request.getfixturevalue(vocab_name)
-    grammar = Engine(vocab).compile(GrammarSpec.json_schema(
+    grammar = Compiler(vocab).compile(GrammarSpec.json_schema(
         {"type": "object", "properties": {"a": {"type": "string"}}}, backend=backend))
     m = grammar.matcher()
     assert feed(m, vocab, '{"a": "')

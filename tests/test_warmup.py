@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grammask import Engine, GrammarError, GrammarSpec, Vocabulary
+from grammask import Compiler, GrammarError, GrammarSpec, Vocabulary
 from grammask.warmup import summary_table, warm
 
 
@@ -23,10 +23,10 @@ def test_warm_up_compiles_each_file_and_reports_the_bad_ones(tmp_path: Path,
     (tmp_path / "pair.lark").write_text('start: "(" NUMBER "," NUMBER ")"\n'
                                         "%import common.NUMBER\n")
     (tmp_path / "notes.txt").write_text("not a spec")
-    engine = Engine(qwen25)
+    compiler = Compiler(qwen25)
     try:
         seen: list[str] = []
-        results = {r.file: r for r in warm(engine, tmp_path,
+        results = {r.file: r for r in warm(compiler, tmp_path,
                                            progress=lambda r: seen.append(r.file))}
         assert sorted(seen) == sorted(results)
         for name in ("order.json", "zip.regex", "yes-no.choice.json", "arith.gbnf",
@@ -38,19 +38,19 @@ def test_warm_up_compiles_each_file_and_reports_the_bad_ones(tmp_path: Path,
         assert (results["notes.txt"].error or "").startswith("skipped")
         table = summary_table(results.values())
         assert "5 compiled, 2 failed, 1 skipped" in table and "| order.json |" in table
-        hits = engine.stats.hits
-        engine.compile(GrammarSpec.json_schema(schema))  # what a request sends: a cache hit
-        engine.compile(GrammarSpec.regex("[0-9]{5}"))
-        assert engine.stats.hits == hits + 2
+        hits = compiler.stats.hits
+        compiler.compile(GrammarSpec.json_schema(schema))  # what a request sends: a cache hit
+        compiler.compile(GrammarSpec.regex("[0-9]{5}"))
+        assert compiler.stats.hits == hits + 2
     finally:
-        engine.close()
+        compiler.close()
 
 
 def test_warm_up_of_a_missing_directory_is_a_clear_error(qwen25: Vocabulary,
                                                          tmp_path: Path) -> None:
-    engine = Engine(qwen25)
+    compiler = Compiler(qwen25)
     try:
         with pytest.raises(GrammarError, match="does not exist"):
-            warm(engine, tmp_path / "nope")
+            warm(compiler, tmp_path / "nope")
     finally:
-        engine.close()
+        compiler.close()

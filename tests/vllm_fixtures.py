@@ -131,7 +131,7 @@ def allowed(logits_row: torch.Tensor) -> torch.Tensor:
 
 def ref_allowed(ref: RawReference) -> torch.Tensor:
     """What the reference allows next (bool per token id of the model vocab), stated from the
-    raw engine (tests/helpers.py ``RawReference``), never from the adapter under test."""
+    raw backend (tests/helpers.py ``RawReference``), never from the adapter under test."""
     assert ref.vocab.vocab_size == VOCAB
     return ref.allowed()
 

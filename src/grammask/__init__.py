@@ -2,17 +2,21 @@
 
 ```python
 vocab = grammask.load_vocabulary("qwen2.5")
-engine = grammask.Engine(vocab)
-grammar = engine.compile(grammask.GrammarSpec.json_schema(schema))
+compiler = grammask.Compiler(vocab)
+grammar = compiler.compile(grammask.GrammarSpec.json_schema(schema))
 m = grammar.matcher(); m.accept(token_id); m.fill(bitmask, row)
 ```
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import TYPE_CHECKING, Any
+
 from .bitmask import allocate_bitmask, allowed_ids
-from .compiler import Engine, Grammar, Stats
+from .compiler import Compiler, Grammar, Stats
 from .errors import (
+    CompilerClosedError,
     CompileTimeoutError,
     EngineClosedError,
     GrammarError,
@@ -33,8 +37,9 @@ from .vocab import Vocabulary, load_vocabulary
 __all__ = [
     "BatchProcessor",
     "CompileTimeoutError",
+    "Compiler",
+    "CompilerClosedError",
     "ConstraintRequest",
-    "Engine",
     "EngineClosedError",
     "Grammar",
     "GrammarError",
@@ -58,3 +63,17 @@ __all__ = [
     "route",
 ]
 __version__ = "0.1.0"
+
+# ------------------------------------------------------------------ deprecated names
+# ``EngineClosedError`` (above) is ``CompilerClosedError`` under its old name.
+if TYPE_CHECKING:
+    Engine = Compiler  #: deprecated: ``Compiler`` (at run time ``__getattr__`` warns)
+
+
+def __getattr__(name: str) -> Any:
+    """``grammask.Engine``, the compile service's old name: ``Compiler``, with a warning."""
+    if name == "Engine":
+        warnings.warn("grammask.Engine is now grammask.Compiler", DeprecationWarning,
+                      stacklevel=2)
+        return Compiler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

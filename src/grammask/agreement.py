@@ -1,7 +1,7 @@
 """Agreement across tensor-parallel ranks on decisions that depend on timing.
 
 With tensor parallelism every rank runs its own processor and must write identical masks. A
-row's first mask depends on *when* its grammar is ready (which engine finished first, whether
+row's first mask depends on *when* its grammar is ready (which backend finished first, whether
 the first-mask budget ran out), and clocks and thread schedules differ between ranks. So each
 rank shares its local view and every rank applies one pure decision function to the gathered
 views (``firstmask.decide``): the same input on every rank gives the same outcome.

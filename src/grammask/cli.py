@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .compiler import Engine, running_compiles
+from .compiler import Compiler, running_compiles
 from .errors import GrammarError
 from .spec import GrammarSpec
 from .spec_text import spec_from_text
@@ -92,10 +92,10 @@ def _main(argv: Sequence[str] | None) -> int:
 def _warmup(ns: argparse.Namespace) -> int:
     from .warmup import summary_table, warm
 
-    engine = Engine(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout,
+    compiler = Compiler(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout,
                     disk_cache_dir=ns.disk_cache)
     try:
-        results = warm(engine, ns.directory, any_whitespace=not ns.compact,
+        results = warm(compiler, ns.directory, any_whitespace=not ns.compact,
                        progress=lambda r: print(
                            f"{r.file}: {r.backend or '-'} "
                            f"{'' if r.compile_ms is None else f'{r.compile_ms:.1f} ms'}"
@@ -104,8 +104,8 @@ def _warmup(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        engine.flush_disk_cache(60.0)  # the writes land before the process exits
-        engine.close()
+        compiler.flush_disk_cache(60.0)  # the writes land before the process exits
+        compiler.close()
     print(summary_table(results))
     return 0 if all(r.ok or (r.error or "").startswith("skipped") for r in results) else 1
 
@@ -124,8 +124,8 @@ def _compile(ns: argparse.Namespace) -> int:
     try:
         text, name = _read_spec(ns.spec)
         spec = spec_from_text(text, ns.kind, backend=ns.backend, name=name)
-        engine = Engine(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout)
-        grammar = engine.compile(spec)
+        compiler = Compiler(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout)
+        grammar = compiler.compile(spec)
     except GrammarError as exc:
         if ns.json:
             print(json.dumps({"error": type(exc).__name__, "message": str(exc),
@@ -171,7 +171,7 @@ def _demo(tokenizer: str) -> int:
           f" stop ids {list(vocab.stop_ids)} ({(time.perf_counter() - t0) * 1000:.0f} ms)")
     t0 = time.perf_counter()
     _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
-    print(f"engine tokenizers ready ({(time.perf_counter() - t0) * 1000:.0f} ms, once per model)")
+    print(f"backend tokenizers ready ({(time.perf_counter() - t0) * 1000:.0f} ms, once per model)")
     print(f"schema: {json.dumps(DEMO_SCHEMA)}\n")
     specs = {
         "auto": GrammarSpec.json_schema(DEMO_SCHEMA),
@@ -185,19 +185,19 @@ def _demo(tokenizer: str) -> int:
             {"type": "object", "additionalProperties": {"type": "integer"},
              "propertyNames": {"pattern": "^[a-z]+$"}}),
     }
-    engine = Engine(vocab)
+    compiler = Compiler(vocab)
     print(f"{'request':<17} {'backend':<9} {'cold ms':>8} {'cached ms':>9}  reason")
     for label, spec in specs.items():
         t0 = time.perf_counter()
-        grammar = engine.compile(spec)
+        grammar = compiler.compile(spec)
         cold = (time.perf_counter() - t0) * 1000
         t0 = time.perf_counter()
-        engine.compile(spec)
+        compiler.compile(spec)
         warm = (time.perf_counter() - t0) * 1000
         print(f"{label:<17} {grammar.backend:<9} {cold:8.2f} {warm:9.4f}  {grammar.reason}")
         if grammar.unenforced:
             print(f"{'':<17} unenforced: {', '.join(grammar.unenforced)}")
-    grammar = engine.compile(GrammarSpec.json_schema(DEMO_SCHEMA, any_whitespace=False))
+    grammar = compiler.compile(GrammarSpec.json_schema(DEMO_SCHEMA, any_whitespace=False))
     out = _greedy_sample(grammar, vocab)
     print(f"\nrandom-logit sample under the mask (compact whitespace): {out}")
     try:

@@ -11,11 +11,11 @@ an LRU and one deadline per request.
 - Results live in an LRU bounded by (calibrated) bytes; evictions hand memory back to the OS.
   Failures live in a bounded negative cache that expires; only user errors go there.
 - Every request has one deadline (``timeout_s`` from submission) covering slot waits, the
-  routed engine and its fallbacks; a reaper resolves any request still pending at its deadline.
+  routed backend and its fallbacks; a reaper resolves any request still pending at its deadline.
 - A runaway native compile cannot be killed, so it is *abandoned*: its slot is handed back (up
-  to ``max_abandoned`` at once per engine; beyond that it keeps the slot, so the CPU spent on
-  runaways stays bounded). Each engine has its own slots, so xgrammar runaways never hold up
-  llguidance compiles (fallbacks included). A spec that timed out on an engine is not retried
+  to ``max_abandoned`` at once per backend; beyond that it keeps the slot, so the CPU spent on
+  runaways stays bounded). Each backend has its own slots, so xgrammar runaways never hold up
+  llguidance compiles (fallbacks included). A spec that timed out on a backend is not retried
   there until ``negative_ttl_s`` passes, and a runaway that finishes late fills the cache.
 - ``disk_cache_dir`` (off by default): xgrammar grammars persist across processes
   (``grammask.diskcache``). On a memory miss the disk is tried inside the request's flight
@@ -37,19 +37,20 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import metrics
-from .backends import CompiledGrammar, Matcher, get_backend
+from .backends import BackendGrammar, Matcher, get_backend
 from .diskcache import DEFAULT_MAX_BYTES, DiskCache
 from .errors import (
+    CompilerClosedError,
     CompileTimeoutError,
-    EngineClosedError,
     GrammarError,
     InternalCompileError,
     InvalidSpecError,
@@ -61,7 +62,7 @@ from .vocab import Vocabulary
 log = logging.getLogger("grammask")
 T = TypeVar("T")
 
-#: Measured RSS growth per cached grammar = SCALE * the engine's own estimate + BASE bytes
+#: Measured RSS growth per cached grammar = SCALE * the backend's own estimate + BASE bytes
 #: (bench/stress.py --calibrate; corpus schemas, Qwen2.5 vocabulary, glibc). xgrammar's
 #: ``memory_size_bytes`` misses allocator overhead and the matcher-side structures; the
 #: llguidance figure is grammask's own guess (llguidance reports none).
@@ -69,36 +70,43 @@ FOOTPRINT: dict[str, tuple[float, int]] = {"xgrammar": (0.57, 180 * 1024),
                                              "guidance": (2.3, 0)}
 
 #: Errors that say nothing about the spec: never cached as the spec's fault, and the other
-#: engine is tried.
+#: backend is tried.
 _INTERNAL = (MemoryError, RecursionError, SystemError, OSError, AssertionError)
 
 
 @dataclass(frozen=True, eq=False)
 class Grammar:
-    """A compiled spec: makes matchers, and says which engine serves it and why."""
+    """A compiled spec: makes matchers, and says which backend serves it and why."""
 
     spec: GrammarSpec
     backend: BackendName
     reason: str
     unenforced: tuple[str, ...]
     compile_ms: float
-    compiled: CompiledGrammar = field(repr=False)
+    backend_grammar: BackendGrammar = field(repr=False)  #: the backend's own compiled form
     fallback_from: BackendName | None = None
     from_disk: bool = False  #: loaded from the disk cache (compile_ms is the load time)
 
     def matcher(self) -> Matcher:
-        return self.compiled.matcher()
+        return self.backend_grammar.matcher()
+
+    @property
+    def compiled(self) -> BackendGrammar:
+        """Deprecated alias of ``backend_grammar``."""
+        warnings.warn("Grammar.compiled is now Grammar.backend_grammar", DeprecationWarning,
+                      stacklevel=2)
+        return self.backend_grammar
 
     @property
     def memory_bytes(self) -> int:
         """Estimated process memory this grammar holds (calibrated against measured RSS)."""
         scale, base = FOOTPRINT.get(self.backend, (1.0, 0))
-        return int(scale * int(self.compiled.memory_bytes) + base)
+        return int(scale * int(self.backend_grammar.memory_bytes) + base)
 
 
 @dataclass
 class Stats:
-    """Counters since the engine started (read them; do not write)."""
+    """Counters since the compiler started (read them; do not write)."""
 
     hits: int = 0
     misses: int = 0
@@ -153,7 +161,7 @@ def trim_heap() -> bool:
 
 
 class _Job:
-    """One engine call handed to a compile worker."""
+    """One backend call handed to a compile worker."""
 
     def __init__(self, fn: Callable[[], object]) -> None:
         self.fn = fn
@@ -198,7 +206,7 @@ def _tasks() -> set[str]:
 
 def _deprioritize(job: _Job) -> int:
     """Lower an abandoned compile's CPU priority to nice 19 (Linux: per thread): the worker
-    and the threads started since the job began that are not Python's (the engine's own
+    and the threads started since the job began that are not Python's (the backend's own
     compile threads; a compile that started meanwhile on another worker may be caught too,
     and merely runs at low priority while it competes). Runaways then take CPU only when
     nothing else wants it. Returns how many threads were lowered."""
@@ -215,7 +223,7 @@ def _deprioritize(job: _Job) -> int:
 
 
 class _Runner:
-    """Runs one engine's native compiles on persistent worker threads with a concurrency bound
+    """Runs one backend's native compiles on persistent worker threads with a concurrency bound
     and a deadline. A worker whose job is abandoned finishes it and exits; a new worker is
     started on demand, so capacity survives runaways (up to ``max_abandoned`` of them)."""
 
@@ -307,7 +315,7 @@ class _Runner:
                 self._idle += 1
 
 
-def _join(job: _Job, deadline: float, what: str) -> CompiledGrammar:
+def _join(job: _Job, deadline: float, what: str) -> BackendGrammar:
     """Wait (until ``deadline``) for a compile an earlier request abandoned."""
     if not job.done.wait(max(0.0, deadline - time.monotonic())):
         raise CompileTimeoutError(f"{what} is still compiling this spec (an earlier "
@@ -328,7 +336,7 @@ class _Flight:
 
 
 class _Reaper:
-    """Resolves flights still pending at their deadline (one daemon thread per engine), so a
+    """Resolves flights still pending at their deadline (one daemon thread per compiler), so a
     request's future is done by ``timeout_s`` even when its build waits for a thread."""
 
     GRACE_S = 0.05
@@ -356,7 +364,7 @@ class _Reaper:
             self._cond.notify()
 
     def _loop(self) -> None:
-        """Runs while flights are pending, then exits (an idle engine holds no thread, and
+        """Runs while flights are pending, then exits (an idle compiler holds no thread, and
         a dropped one can be collected)."""
         while True:
             with self._cond:
@@ -376,7 +384,7 @@ class _Reaper:
             self._fire(flight)
 
 
-class Engine:
+class Compiler:
     """Compiles specs for one vocabulary; thread-safe; one per model/tokenizer."""
 
     def __init__(
@@ -424,7 +432,7 @@ class Engine:
         self._inflight: dict[str, _Flight] = {}
         # key -> (expiry, error without traceback); insertion order = expiry order
         self._failed: OrderedDict[str, tuple[float, GrammarError]] = OrderedDict()
-        # (key, engine) -> its abandoned compile, still running: later requests wait on it
+        # (key, backend) -> its abandoned compile, still running: later requests wait on it
         # rather than start another runaway
         self._slow: dict[tuple[str, str], _Job] = {}
         self._last_trim = 0.0
@@ -433,16 +441,16 @@ class Engine:
         if disk_cache_dir is not None:
             disk = DiskCache(disk_cache_dir, disk_cache_bytes)
             self._disk = disk if disk.enabled else None
-        # engine tokenizers are built once per vocabulary (seconds, holding the GIL): here,
+        # the backends' tokenizers are built once per vocabulary (seconds, holding the GIL): here,
         # outside every request's deadline
         for name in ("xgrammar", "guidance"):
             if self.default_backend in (None, name):
-                self._engine_tokenizer(name)
+                self._backend_tokenizer(name)
 
     # ----------------------------------------------------------------------- public
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> Grammar:
         """Blocking compile. A cache hit returns at once; a miss waits at most ``timeout``
-        seconds (default: the engine's ``timeout_s``), then raises ``CompileTimeoutError``
+        seconds (default: the compiler's ``timeout_s``), then raises ``CompileTimeoutError``
         while the compile goes on for whoever else waits (its result is cached)."""
         fut = self.compile_async(spec)
         if fut.done():
@@ -464,7 +472,7 @@ class Engine:
             try:
                 self._pool.submit(self._build, spec, flight)
             except RuntimeError:  # the pool shut down: close() raced this request
-                self._resolve(flight, error=EngineClosedError("the engine is closed"))
+                self._resolve(flight, error=CompilerClosedError("the compiler is closed"))
         return fut
 
     def _lookup(self, spec: GrammarSpec
@@ -478,7 +486,7 @@ class Engine:
         fut: Future[Grammar] = Future()
         with self._lock:
             if self._closed:
-                raise EngineClosedError("the engine is closed")
+                raise CompilerClosedError("the compiler is closed")
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
@@ -562,13 +570,13 @@ class Engine:
         return True if self._disk is None else self._disk.flush(timeout)
 
     def close(self) -> None:
-        """Fail every pending request with ``EngineClosedError``; later requests fail at once.
+        """Fail every pending request with ``CompilerClosedError``; later requests fail at once.
         Compiles already running finish in the background and are dropped."""
         with self._lock:
             self._closed = True
             flights = list(self._inflight.values())
         for flight in flights:
-            self._resolve(flight, error=EngineClosedError("the engine was closed"))
+            self._resolve(flight, error=CompilerClosedError("the compiler was closed"))
         self._reaper.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -578,7 +586,7 @@ class Engine:
             return spec.with_backend(self.default_backend)
         return spec
 
-    def _engine_tokenizer(self, backend: str) -> None:
+    def _backend_tokenizer(self, backend: str) -> None:
         _ = self.vocab.xgrammar_info if backend == "xgrammar" else self.vocab.llguidance_tokenizer
 
     def _resolve(self, flight: _Flight, grammar: Grammar | None = None,
@@ -705,18 +713,18 @@ class Engine:
             reason = (f"{first.backend} failed ({failures[0].message}); "
                       f"fell back to {step.backend}")
             return Grammar(spec, grammar.backend, reason, grammar.unenforced,
-                           grammar.compile_ms, grammar.compiled,
+                           grammar.compile_ms, grammar.backend_grammar,
                            fallback_from=first.backend, from_disk=grammar.from_disk)
         raise failures[0]
 
     def _attempt(self, spec: GrammarSpec, step: Attempt, reason: str, deadline: float,
                  skip_busy: bool = False, slot_deadline: float | None = None) -> Grammar:
         backend = step.backend
-        engine = get_backend(backend)
+        impl = get_backend(backend)
         slow_key = (spec.key, backend)
         with self._lock:
             running = self._slow.get(slow_key)
-        self._engine_tokenizer(backend)
+        self._backend_tokenizer(backend)
         if backend == "xgrammar" and self._disk is not None:
             loaded = self._from_disk(spec, step, reason, deadline)
             if loaded is not None:
@@ -733,10 +741,10 @@ class Engine:
 
         try:
             if running is not None:  # an earlier request's compile of it is still going
-                compiled: CompiledGrammar = _join(running, deadline, backend)
+                backend_grammar: BackendGrammar = _join(running, deadline, backend)
             else:
-                compiled = self._runners[backend].run(
-                    lambda: engine.compile(spec, self.vocab, lenient=step.lenient),
+                backend_grammar = self._runners[backend].run(
+                    lambda: impl.compile(spec, self.vocab, lenient=step.lenient),
                     deadline, backend, on_late=late, can_fall_back=skip_busy,
                     slot_deadline=slot_deadline, on_abandon=abandoned)
         except CompileTimeoutError:
@@ -761,8 +769,8 @@ class Engine:
         with self._lock:
             self.stats.compiles[backend] += 1
             self.stats.compile_ms[backend] += elapsed
-        self._to_disk(spec, step, compiled, elapsed)
-        return self._grammar(spec, step, reason, compiled, elapsed)
+        self._to_disk(spec, step, backend_grammar, elapsed)
+        return self._grammar(spec, step, reason, backend_grammar, elapsed)
 
     def _from_disk(self, spec: GrammarSpec, step: Attempt, reason: str,
                    deadline: float) -> Grammar | None:
@@ -773,42 +781,42 @@ class Engine:
         if disk is None or time.monotonic() >= deadline:
             return None
         started = time.perf_counter()
-        compiled = disk.load_xgrammar(spec, self.vocab, lenient=step.lenient)
+        backend_grammar = disk.load_xgrammar(spec, self.vocab, lenient=step.lenient)
         elapsed = (time.perf_counter() - started) * 1000
         with self._lock:
-            if compiled is None:
+            if backend_grammar is None:
                 self.stats.disk_misses += 1
             else:
                 self.stats.disk_hits += 1
         metrics.CACHE_REQUESTS.labels(tier="disk",
-                                      result="miss" if compiled is None else "hit").inc()
-        if compiled is None:
+                                      result="miss" if backend_grammar is None else "hit").inc()
+        if backend_grammar is None:
             return None
         log.info("grammask: %s loaded from the disk cache in %.1f ms", spec.describe(),
                  elapsed)
-        grammar = self._grammar(spec, step, reason, compiled, elapsed)
+        grammar = self._grammar(spec, step, reason, backend_grammar, elapsed)
         return Grammar(grammar.spec, grammar.backend, grammar.reason, grammar.unenforced,
-                       grammar.compile_ms, grammar.compiled, from_disk=True)
+                       grammar.compile_ms, grammar.backend_grammar, from_disk=True)
 
-    def _to_disk(self, spec: GrammarSpec, step: Attempt, compiled: object,
+    def _to_disk(self, spec: GrammarSpec, step: Attempt, backend_grammar: object,
                  compile_ms: float) -> None:
         """Queue a fresh xgrammar compile for the disk cache (written off the request path)."""
         disk = self._disk
         if disk is None or step.backend != "xgrammar" or self._closed:
             return
-        if disk.store_xgrammar(spec, self.vocab, compiled, lenient=step.lenient,
+        if disk.store_xgrammar(spec, self.vocab, backend_grammar, lenient=step.lenient,
                                compile_ms=compile_ms):
             with self._lock:
                 self.stats.disk_writes += 1
 
     def _grammar(self, spec: GrammarSpec, step: Attempt, reason: str,
-                 compiled: CompiledGrammar, elapsed: float) -> Grammar:
+                 backend_grammar: BackendGrammar, elapsed: float) -> Grammar:
         backend = step.backend
         unenforced = list(step.unenforced)
         if step.lenient and not unenforced:
             # lenient mode was asked for a formality (unknown format) or as a rescue: report
             # whatever llguidance says it ignored
-            unenforced += [f"llguidance: {w}" for w in getattr(compiled, "warnings", [])
+            unenforced += [f"llguidance: {w}" for w in getattr(backend_grammar, "warnings", [])
                            if "format" not in w.lower()]
         if unenforced:
             metrics.UNENFORCED.labels(backend=backend).inc()
@@ -816,7 +824,7 @@ class Engine:
                         backend, ", ".join(unenforced))
         log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend, reason,
                  elapsed)
-        return Grammar(spec, backend, reason, tuple(unenforced), elapsed, compiled)
+        return Grammar(spec, backend, reason, tuple(unenforced), elapsed, backend_grammar)
 
     def _late_result(self, spec: GrammarSpec, step: Attempt, reason: str, started: float,
                      value: object, error: BaseException | None) -> None:
@@ -850,3 +858,17 @@ def _failure_kind(error: GrammarError) -> Failure:
 def _observe(backend: str, spec: GrammarSpec, outcome: str, started: float) -> None:
     metrics.COMPILE_SECONDS.labels(backend=backend, kind=spec.kind, outcome=outcome).observe(
         time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------ deprecated names
+if TYPE_CHECKING:
+    Engine = Compiler  #: deprecated: ``Compiler`` (at run time ``__getattr__`` warns)
+
+
+def __getattr__(name: str) -> Any:
+    """``Engine``, the compile service's old name: ``Compiler``, with a DeprecationWarning."""
+    if name == "Engine":
+        warnings.warn("grammask.Engine is now grammask.Compiler", DeprecationWarning,
+                      stacklevel=2)
+        return Compiler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,7 @@ What is cached, and why only that:
 
 - **xgrammar** grammars are cached: their compile precomputes a per-token mask table over the
   whole vocabulary (seconds for large JSON schemas, minutes for pathological ones), and xgrammar
-  offers a faithful serialization of it (``CompiledGrammar.serialize_json`` /
+  offers a faithful serialization of it (``xgrammar.CompiledGrammar.serialize_json`` /
   ``deserialize_json``, which needs the vocabulary's ``TokenizerInfo`` and checks its metadata).
   Loading a file costs a fraction of the compile (see bench/diskcache.py).
 - **llguidance** grammars are not: llguidance compiles in milliseconds (it builds its lexer and
@@ -15,7 +15,7 @@ What is cached, and why only that:
 File format (one file per key, ``<sha256 of the key material>.xgc``): the header ``magic``
 (8 bytes), ``format version`` (u16), ``flags`` (u16; bit 0: payload is zlib-compressed),
 ``key length`` (u32), ``payload length`` (u64), ``sha256(payload)`` (32 bytes), then the full key
-material (JSON: format, engine and its version, grammask's version and a digest of the sources
+material (JSON: format, backend and its version, grammask's version and a digest of the sources
 that shape a compile, vocabulary digest and size, options, and the spec's whole canonical form),
 then the payload: xgrammar's own JSON, zlib level 1 (the JSON of a large schema is tens of MB and
 compresses about 4x). Nothing is ever unpickled. A file is served only when every header field,
@@ -146,20 +146,21 @@ def recipe_digest() -> str:
     return _recipe
 
 
-def engine_version(name: str = "xgrammar") -> str:
+def backend_version(name: str = "xgrammar") -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version(name)
-    except PackageNotFoundError:  # pragma: no cover - the engine is imported already
+    except PackageNotFoundError:  # pragma: no cover - the backend is imported already
         return "unknown"
 
 
-def key_material(spec: GrammarSpec, vocab: Vocabulary, *, engine: str = "xgrammar",
+def key_material(spec: GrammarSpec, vocab: Vocabulary, *, backend: str = "xgrammar",
                  lenient: bool = False) -> bytes:
     """Everything that determines a compiled grammar. The forced backend is left out (the
-    engine is named here), so an auto-routed and a forced request share one file."""
-    head = {"format": FORMAT_VERSION, "engine": engine, "engine_version": engine_version(engine),
+    backend is named here), so an auto-routed and a forced request share one file."""
+    head = {"format": FORMAT_VERSION, "backend": backend,
+            "backend_version": backend_version(backend),
             "recipe": recipe_digest(), "vocab": vocab.digest, "vocab_size": vocab.vocab_size,
             "stop_ids": list(vocab.stop_ids), "lenient": bool(lenient)}
     plain = spec if spec.backend is None else spec.with_backend(None)

@@ -41,10 +41,14 @@ class CompileTimeoutError(GrammarError):
 
 
 class InternalCompileError(GrammarError):
-    """An engine failed for a reason other than the input (out of memory, an engine bug).
+    """A backend failed for a reason other than the input (out of memory, a backend bug).
 
     Not remembered in the negative cache: the next request for the spec compiles again."""
 
 
-class EngineClosedError(GrammarError):
-    """The engine was closed: pending requests fail with this, and so do new ones."""
+class CompilerClosedError(GrammarError):
+    """The compiler was closed: pending requests fail with this, and so do new ones."""
+
+
+#: The old name of ``CompilerClosedError`` (the same class), kept for callers catching it.
+EngineClosedError = CompilerClosedError

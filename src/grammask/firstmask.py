@@ -3,11 +3,11 @@
 A logits processor cannot defer a request the way vLLM's scheduler does: when a row's grammar
 is not compiled at its first mask, the whole batch waits. So the wait is bounded and hedged:
 
-- The routed engine's compile starts when the request is added (overlapping its prefill).
-- ``hedge_s`` after that, if it is still running and the other engine can serve the spec (a
-  JSON schema that was not forced onto one engine and is not strict about gaps the other engine
-  has), the other engine compiles it too; the first one ready serves the row, with that
-  engine's gaps in ``unenforced``. The loser keeps compiling into the cache.
+- The routed backend's compile starts when the request is added (overlapping its prefill).
+- ``hedge_s`` after that, if it is still running and the other backend can serve the spec (a
+  JSON schema that was not forced onto one backend and is not strict about gaps the other
+  backend has), the other backend compiles it too; the first one ready serves the row, with
+  that backend's gaps in ``unenforced``. The loser keeps compiling into the cache.
 - ``wait_s`` after the first mask was needed, a row with no grammar goes into the error state
   alone; its compile finishes in the background for the next request with that spec.
 - With tensor parallelism each rank shares its view (``Agreement``) and ``decide`` turns the
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from .compiler import Engine, Grammar
+from .compiler import Compiler, Grammar
 from .spec import GrammarSpec
 
 PENDING, READY, FAILED = 0, 1, 2
@@ -37,10 +37,10 @@ def _state(future: Future[Grammar] | None) -> int:
     return READY
 
 
-def hedge_spec(engine: Engine, spec: GrammarSpec) -> GrammarSpec | None:
+def hedge_spec(compiler: Compiler, spec: GrammarSpec) -> GrammarSpec | None:
     """The spec forced onto the plan's hedge backend (``grammask.router.Plan.hedge``), or None
     when the other backend may not serve it."""
-    hedge = engine.plan(spec).hedge
+    hedge = compiler.plan(spec).hedge
     return None if hedge is None else spec.with_backend(hedge.backend)
 
 
@@ -81,7 +81,7 @@ class PendingGrammar:
         if self.alternate is None and self._start_alternate is not None:
             try:
                 self.alternate = self._start_alternate()
-            except Exception as exc:  # a closed engine: a failed hedge, not an error here
+            except Exception as exc:  # a closed compiler: a failed hedge, not an error here
                 self.alternate = Future()
                 self.alternate.set_exception(exc)
 

@@ -7,14 +7,19 @@ Where each piece runs in a decode step:
   previous step may still be in flight (pinned memory, non-blocking copy). On CPU the second
   buffer is idle but keeps a single code path.
 - ``FillWorker``: one dedicated daemon thread that runs the step's fill job while the caller's
-  thread runs the model forward. Both engines release the GIL inside their fill, so the forward
+  thread runs the model forward. Both backends release the GIL inside their fill, so the forward
   (which releases it inside torch kernels) and the fill really run at once.
-- ``Filler``: fills a set of rows; above ``parallel_min`` matchers of one engine it hands them
-  to that engine's batch-parallel fill (the backends' ``batch_fill`` capability: xgrammar
+- ``Filler``: fills a set of rows; above ``parallel_min`` matchers of one backend it hands them
+  to that backend's batch-parallel fill (the backends' ``batch_fill`` capability: xgrammar
   ``BatchGrammarMatcher``, llguidance ``LLExecutor``), below it loops ``Matcher.fill``.
-- ``apply_bitmask``: masks logits in place. CPU logits use xgrammar's CPU kernel (measured the
-  fastest here). CUDA logits use the Triton kernel (untested: no GPU where this was written).
-  ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile`` (~24 s).
+- ``plan_cpu_apply`` / ``CpuPlan``: the bitmask expanded into flat logit indices, made on the
+  fill thread (it overlaps the forward) so that the CPU apply on the critical path is only a
+  memset of the rows that allow few tokens, a gather/scatter of their allowed logits, and a
+  scatter of -inf at the refused tokens of the other rows.
+- ``apply_bitmask``: masks logits in place. CPU logits go through such a plan (made inline
+  when none is given). CUDA logits use the Triton kernel (untested: no GPU where this was
+  written). ``llguidance.torch`` is deliberately never used: its first call runs
+  ``torch.compile`` (~24 s).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -35,10 +41,20 @@ from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
 T = TypeVar("T")
 
-#: Dtypes xgrammar's CPU kernel handles; anything else goes through the torch fallback.
+#: Dtypes of the planned CPU apply (as same-width ints: -inf's bit pattern); anything else
+#: goes through the torch fallback.
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: Rows with at most this many non-zero mask words take the save / fill / restore path.
+#: rows with at most this many non-zero words (or a quarter of them) take the memset path
 _SPARSE_WORDS = 64
+_INT_VIEW: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float32: (torch.int32, int(np.array(-np.inf, np.float32).view(np.int32))),
+    torch.float16: (torch.int16, int(np.array(-np.inf, np.float16).view(np.int16))),
+    torch.bfloat16: (torch.int16, -128),  # 0xFF80
+}
+#: Cost model of the planned apply, per logit (measured on this machine, 1 thread): a row
+#: wiped by a memset costs ~1/32 of one scattered index, and a kept logit two indexed
+#: accesses (gather before the memset, scatter after).
+_WIPE_DIVISOR = 32
 
 
 class MaskBuffers:
@@ -84,15 +100,57 @@ class MaskBuffers:
         return copy
 
 
+class Ticket(Generic[T]):
+    """The result of a job run by ``FillWorker.run``: a ``Future`` cut to ``result()``.
+
+    One bare lock, held until the job ends: cheaper to make, complete and wait on than a
+    ``Future`` (its condition variable and state machine), which matters once per step."""
+
+    __slots__ = ("_done", "_error", "_finished", "_value")
+
+    def __init__(self) -> None:
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    @classmethod
+    def completed(cls, value: T) -> Ticket[T]:
+        ticket: Ticket[T] = cls()
+        ticket._finish(value, None)
+        return ticket
+
+    def _finish(self, value: T | None, error: BaseException | None) -> None:
+        self._value = value
+        self._error = error
+        self._finished = True
+        self._done.release()
+
+    def done(self) -> bool:
+        return self._finished
+
+    def result(self, timeout: float | None = None) -> T:
+        """The job's return value (raises what it raised); waits for it to end."""
+        if not self._finished:
+            if not self._done.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError("the fill job did not finish in time")
+            self._done.release()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
 class FillWorker:
-    """A dedicated thread that runs submitted jobs in order; results come back as futures.
+    """A dedicated thread that runs submitted jobs in order; results come back as futures
+    (``submit``) or tickets (``run``: the per-step hand-off, cheaper).
 
     Jobs run without any lock of ours held, so the caller's thread is free to run the forward.
     """
 
     def __init__(self, name: str = "grammask-fill") -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue())
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], Any], Future[Any] | Ticket[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=_work, args=(self._jobs,), name=name,
                                         daemon=True)
         self._thread.start()
@@ -110,18 +168,35 @@ class FillWorker:
         self._jobs.put((job, future))
         return future
 
+    def run(self, job: Callable[[], T]) -> Ticket[T]:
+        """Like ``submit``, with a ``Ticket`` (no cancel, no callbacks) for the result."""
+        if not self._finalizer.alive:
+            raise RuntimeError("the fill worker is closed")
+        ticket: Ticket[T] = Ticket()
+        self._jobs.put((job, ticket))
+        return ticket
+
     def close(self, timeout: float | None = 5.0) -> None:
         if self._finalizer.alive:
             self._finalizer()
             self._thread.join(timeout)
 
 
-def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
+def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | Ticket[Any]] | None]
+          ) -> None:
     while True:
         item = jobs.get()
         if item is None:
             return
         job, future = item
+        if isinstance(future, Ticket):
+            try:
+                value = job()
+            except BaseException as exc:  # handed to whoever waits on the ticket
+                future._finish(None, exc)
+            else:
+                future._finish(value, None)
+            continue
         if not future.set_running_or_notify_cancel():
             continue
         try:
@@ -133,11 +208,11 @@ def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None])
 class Filler:
     """Fills the mask rows of many matchers, batch-parallel where that pays.
 
-    ``parallel_min``: the fewest matchers of one engine that go through the engine's batch fill.
+    ``parallel_min``: the fewest matchers of one backend that go through its batch fill.
     None picks by the machine: ``bench/overlap.py`` measured the plain loop as fast or faster at
     every batch size on 2 cores (the fill thread already has the only spare core), so the batch
     fills are used from 32 rows only where at least 4 cores are available (not measured here).
-    ``threads``: worker threads of the batch fills (None: the engine's default).
+    ``threads``: worker threads of the batch fills (None: the backend's default).
     """
 
     def __init__(self, *, parallel_min: int | None = None, threads: int | None = None) -> None:
@@ -145,7 +220,7 @@ class Filler:
             parallel_min = 32 if _cores() >= 4 else 2**31
         self.parallel_min = max(1, parallel_min)
         self.threads = threads
-        self._pools: dict[str, Any] = {}  # the engines' batch-fill pools, made on first use
+        self._pools: dict[str, Any] = {}  # the backends' batch-fill pools, made on first use
 
     def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Write ``bitmask[row]`` for every ``(matcher, row)``; rows must be distinct.
@@ -187,9 +262,99 @@ def stop_only_row(stop_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
     return row
 
 
+@dataclass(frozen=True, eq=False)
+class CpuPlan:
+    """A bitmask turned into flat logit indices for one logits layout (``plan_cpu_apply``).
+
+    ``keep``: flat indices (``row * stride + token``) of the allowed logits of the *wiped*
+    rows: rows that allow few tokens, which are filled with -inf wholesale (``runs``: their
+    consecutive runs, ``[start, stop)``) after their allowed logits are saved, then restored.
+    ``kill``: flat indices of the refused logits of the other rows, model padding included.
+    Valid for ``rows`` of logits with row stride ``stride`` and width ``width`` only."""
+
+    rows: tuple[int, ...]
+    stride: int
+    width: int
+    covered: int
+    keep: np.ndarray[Any, np.dtype[np.intp]]
+    kill: np.ndarray[Any, np.dtype[np.intp]]
+    runs: tuple[tuple[int, int], ...]
+
+    def fits(self, logits: torch.Tensor, rows: Sequence[int], covered: int) -> bool:
+        return (logits.stride(0) == self.stride and logits.shape[1] == self.width
+                and covered == self.covered and tuple(rows) == self.rows)
+
+
+def _bit_positions(words: np.ndarray[Any, np.dtype[np.uint32]]
+                   ) -> tuple[np.ndarray[Any, np.dtype[np.intp]],
+                              np.ndarray[Any, np.dtype[np.intp]]]:
+    """(row, bit index) of every set bit of a 2-D uint32 array, in row-major order.
+
+    Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path:
+    ~10x faster than on uint8)."""
+    nwords = words.shape[1]
+    at = np.flatnonzero(words != 0)
+    bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").view(np.bool_)
+    found = np.flatnonzero(bits)
+    row, col = np.divmod(at[found >> 5], nwords)
+    return row, col * 32 + (found & 31)
+
+
+def cpu_plannable(logits: torch.Tensor) -> bool:
+    """Whether ``apply_bitmask`` masks these (2-D) logits through a ``CpuPlan``."""
+    return (logits.dim() == 2 and logits.device.type == "cpu"
+            and logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1)
+
+
+def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: int, width: int,
+                   stride: int) -> CpuPlan:
+    """Expand ``bitmask[rows]`` into the indices ``apply_bitmask`` masks CPU logits with.
+
+    The logits' layout (``width`` columns, rows ``stride`` elements apart) is fixed here.
+    Each row takes the cheaper way by its allowed count ``k`` and refused count ``d``:
+    wipe and restore (a memset of the row plus ``2k`` indexed accesses) or scatter -inf at
+    the ``d`` refused tokens. Costs O(rows x words) numpy work; made on the fill thread."""
+    covered = min(width, vocab_size, bitmask.shape[1] * 32)
+    nwords = (covered + 31) // 32
+    order = tuple(rows)
+    index = np.asarray(order, dtype=np.intp)
+    words = bitmask.numpy().view(np.uint32)[index, :nwords]  # a copy
+    tail = np.uint32((1 << (covered % 32)) - 1) if covered % 32 else np.uint32(0xFFFFFFFF)
+    if nwords:
+        words[:, -1] &= tail  # bits at or past ``covered`` never count
+    allowed = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
+    wipe = 2 * allowed + width // _WIPE_DIVISOR < covered - allowed
+    empty = np.zeros(0, dtype=np.intp)
+    keep = kill = empty
+    runs: list[tuple[int, int]] = []
+    if wipe.any():
+        wiped = index[wipe]
+        at, token = _bit_positions(words[wipe])
+        keep = wiped[at] * stride + token
+        start = prev = -2
+        for r in sorted(set(wiped.tolist())):  # fill runs of consecutive rows at once
+            if r != prev + 1:
+                if prev >= 0:
+                    runs.append((start, prev + 1))
+                start = r
+            prev = r
+        runs.append((start, prev + 1))
+    if not wipe.all():
+        scattered = index[~wipe]
+        refused = ~words[~wipe]
+        if nwords:
+            refused[:, -1] &= tail
+        at, token = _bit_positions(refused)
+        kill = scattered[at] * stride + token
+        if width > covered:  # model padding past the mask
+            pad = np.arange(covered, width, dtype=np.intp)
+            kill = np.concatenate([kill, (scattered[:, None] * stride + pad).ravel()])
+    return CpuPlan(order, stride, width, covered, keep, kill, tuple(runs))
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: int,
                   indices: Sequence[int] | None = None,
-                  buffers: MaskBuffers | None = None) -> None:
+                  buffers: MaskBuffers | None = None, plan: CpuPlan | None = None) -> None:
     """Set ``logits[i, j] = -inf`` where bit ``j`` of ``bitmask[i]`` is clear, in place.
 
     - ``indices``: only these rows of ``logits`` are masked (row ``i`` of the logits uses row
@@ -197,8 +362,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     - Padding: columns at or past ``vocab_size`` (model padding wider than the mask) become
       -inf in masked rows; a mask wider than the logits is cut to the logits' width.
     - Dtypes: fp32/fp16/bf16 through the kernels; other float dtypes through a torch fallback.
-    - Device: CPU logits use xgrammar's CPU kernel. CUDA logits copy the (pinned) bitmask to
-      the device and use the Triton kernel: that branch is untested here (no GPU).
+    - Device: CPU logits go through ``plan``, a ``CpuPlan`` made ahead by ``plan_cpu_apply``
+      from this bitmask's current contents (the fill thread does, when the forward leaves it
+      time), when it fits these logits and rows; else through xgrammar's CPU kernel, with
+      rows that allow few tokens memset and restored. CUDA logits copy the (pinned) bitmask to the
+      device and use the Triton kernel: that branch is untested here (no GPU).
     """
     if logits.dim() == 1:
         logits = logits.unsqueeze(0)
@@ -215,6 +383,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     covered = min(width, vocab_size, bitmask.shape[1] * 32)
     if logits.device.type == "cpu":
         if logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1:
+            if plan is not None and plan.fits(logits, rows, covered):
+                _apply_plan(logits, plan)
+                return  # the plan covers the padding columns
+            # no plan made ahead: planning here would cost more than it saves
             _apply_cpu(logits, bitmask, covered, rows)
         else:
             _apply_torch(logits, bitmask, covered, rows)
@@ -230,6 +402,26 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     if width > covered:
         index = torch.tensor(rows, device=logits.device)
         logits[index, covered:] = float("-inf")
+
+
+def _apply_plan(logits: torch.Tensor, plan: CpuPlan) -> None:
+    """The critical-path part of the CPU apply: gather, memset, scatter (numpy indexing on
+    a same-width integer view of the logits' storage: exact for every value, NaN included;
+    numpy's indexing costs ~1 us a call where torch's costs ~10 us)."""
+    int_dtype, minus_inf = _INT_VIEW[logits.dtype]
+    stride = plan.stride
+    # the rows' storage as one flat view (rows may be strided apart, columns are not)
+    flat = logits.detach().as_strided(((logits.shape[0] - 1) * stride + logits.shape[1],),
+                                      (1,), logits.storage_offset())
+    view = flat.view(int_dtype).numpy()
+    keep = plan.keep
+    saved = view[keep] if keep.size else None
+    for start, stop in plan.runs:
+        logits[start:stop].fill_(float("-inf"))
+    if saved is not None:
+        view[keep] = saved
+    if plan.kill.size:
+        view[plan.kill] = minus_inf
 
 
 def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,

@@ -4,13 +4,13 @@ Names follow SGLang's and vLLM's style (``grammask_...``; seconds as histograms,
 counters). Without ``prometheus_client`` installed every metric is a no-op, so the library
 never depends on it.
 
-In a vLLM server the processor runs in the engine-core process, not the API server that
+In a vLLM server the processor runs in vLLM's engine-core process, not the API server that
 answers ``/metrics``. Two ways to see them:
 
 - start the server with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory: every process
   writes its metrics there and vLLM's ``/metrics`` (which uses prometheus_client's
   multiprocess collector then) serves grammask's beside its own;
-- or the plugin setting ``metrics_port``: grammask's own exporter in the engine core
+- or the plugin setting ``metrics_port``: grammask's own exporter in vLLM's engine core
   (tensor-parallel rank 0), ``http://host:PORT/metrics``.
 
 Every metric is also readable in Python through ``snapshot()`` (tests, embedders).
@@ -57,15 +57,15 @@ def _counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
 
 
 COMPILE_SECONDS = _histogram(
-    "grammask_compile_seconds", "Grammar compile time per engine attempt",
+    "grammask_compile_seconds", "Grammar compile time per backend attempt",
     ("backend", "kind", "outcome"))
 CACHE_REQUESTS = _counter(
     "grammask_cache_requests", "Compiled-grammar cache lookups", ("tier", "result"))
 FALLBACKS = _counter(
-    "grammask_fallbacks", "Compiles served by another engine than the routed one",
+    "grammask_fallbacks", "Compiles served by another backend than the routed one",
     ("from_backend", "to_backend", "reason"))
 UNENFORCED = _counter(
-    "grammask_unenforced_requests", "Grammars served with keywords the engine does not enforce",
+    "grammask_unenforced_requests", "Grammars served with keywords the backend does not enforce",
     ("backend",))
 ROW_ERRORS = _counter(
     "grammask_row_errors", "Rows put into the error state (stop-only mask)", ("cause",))
@@ -73,7 +73,7 @@ FIRST_MASK_WAIT = _histogram(
     "grammask_first_mask_wait_seconds",
     "How long a row's first mask waited for its grammar (the batch waits too)", ("outcome",))
 HEDGES = _counter(
-    "grammask_hedges", "First masks that started the other engine's compile", ("served_by",))
+    "grammask_hedges", "First masks that started the other backend's compile", ("served_by",))
 FILL_SECONDS = _histogram(
     "grammask_fill_seconds", "Mask work per decode step on the fill thread (advance + fill)")
 

@@ -1,8 +1,8 @@
-"""Rewrite a JSON schema so both engines read it the way JSON Schema means it.
+"""Rewrite a JSON schema so both backends read it the way JSON Schema means it.
 
 Normalizing beats falling back: the two differences that matter most in real schemas have an
 exact rewrite.
-- ``pattern`` / ``patternProperties`` are *searches* in JSON Schema, while both engines match
+- ``pattern`` / ``patternProperties`` are *searches* in JSON Schema, while both backends match
   the whole string; an unanchored side gets an explicit ``[\\s\\S]*``.
 - "closed objects" (our default, like OpenAI strict mode) are xgrammar's ``strict_mode``;
   llguidance follows JSON Schema (undeclared keys allowed), so for it we add
@@ -32,7 +32,7 @@ def search_pattern(pattern: str) -> str:
     if _has_top_level_alternation(pattern):
         if not (pattern.startswith("^") or ends_with_anchor(pattern)):
             return f"[\\s\\S]*(?:{pattern})[\\s\\S]*"
-        return pattern  # anchors inside alternation branches: engines treat them per branch
+        return pattern  # anchors inside alternation branches: backends treat them per branch
     body = pattern
     head = "" if body.startswith("^") else "[\\s\\S]*"
     if body.startswith("^"):
@@ -234,7 +234,7 @@ def _integer_node(node: dict[str, Any]) -> bool:
     return typ == "integer" or (isinstance(typ, list) and "integer" in typ)
 
 
-#: Engine messages that name no keyword, and the keywords (with a test) they come from.
+#: Compiler messages that name no keyword, and the keywords (with a test) they come from.
 _HINTS: tuple[tuple[str, Any], ...] = (
     ("Integer exceeds", lambda n, k: _integer_node(n) and k in _BOUNDS
      and isinstance(n[k], int | float) and abs(n[k]) >= _INT64),
@@ -258,7 +258,7 @@ _KEYWORDS = frozenset({
 
 
 def locate(schema: Any, message: str) -> str | None:
-    """The JSON pointer of the keyword an engine's error message is about, when it can be
+    """The JSON pointer of the keyword a backend's error message is about, when it can be
     told: the first keyword the message names (or implies) found in the schema."""
     tests = [test for hint, test in _HINTS if hint in message]
     named = [w for w in _WORD.findall(message) if w in _KEYWORDS]

@@ -1,11 +1,11 @@
-"""The batch engine, framework-neutral: rows come and go, masks are filled while the forward runs.
+"""The batch processor, framework-neutral: rows come and go; masks fill while the forward runs.
 
 One decode step, as a host drives it::
 
     proc.add(row, request, prompt_ids, output_ids)   # compile starts now (overlaps prefill)
     proc.remove(row) / proc.move(src, dst) / proc.swap(a, b)
     proc.step()            # take new tokens, start advance + fill on the worker thread
-    ... model forward ...  # the fill runs meanwhile (both engines release the GIL)
+    ... model forward ...  # the fill runs meanwhile (both backends release the GIL)
     proc.apply(logits)     # wait for the fill, mask the logits in place
 
 Row semantics (the contract the vLLM / transformers adapters are written against):
@@ -30,7 +30,7 @@ Row semantics (the contract the vLLM / transformers adapters are written against
   gets a stop-only mask, so the request ends at once instead of running on unconstrained and
   returning text that claims to follow the grammar; ``on_error="free"`` leaves it unmasked.
 - First masks (``firstmask.py``): a row whose grammar is late makes the step wait at most
-  ``wait_s`` (default 0.5 s), hedged onto the other engine after ``hedge_s``. With tensor
+  ``wait_s`` (default 0.5 s), hedged onto the other backend after ``hedge_s``. With tensor
   parallelism pass an ``agreement`` (``agreement.py``): ranks then agree on each such outcome.
 - Any mutation (add/remove/move/swap/advance/rollback) after ``step()`` and before
   ``apply()`` discards that fill; ``apply`` then fills synchronously. ``apply`` without
@@ -54,10 +54,20 @@ import torch
 from . import metrics
 from .agreement import Agreement, Solo
 from .backends.base import Matcher
-from .compiler import Engine, Grammar
+from .compiler import Compiler, Grammar
 from .errors import GrammarError
 from .firstmask import READY, VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
-from .masks import Filler, FillWorker, MaskBuffers, apply_bitmask, stop_only_row
+from .masks import (
+    CpuPlan,
+    Filler,
+    FillWorker,
+    MaskBuffers,
+    Ticket,
+    apply_bitmask,
+    cpu_plannable,
+    plan_cpu_apply,
+    stop_only_row,
+)
 from .reasoning import BoundaryGuard, ThinkGate, ThinkMarker
 from .request import ConstraintRequest
 from .spec import GrammarSpec
@@ -115,9 +125,11 @@ class _Row:
 
 @dataclass
 class _Step:
-    future: Future[list[int]] | None
+    future: Ticket[list[int]] | None
     buffer: torch.Tensor
     work: list[tuple[int, _Row, list[int]]]
+    #: the CPU apply's index plan for the job's rows, made by the job (None: none made)
+    plan: CpuPlan | None = None
 
 
 class BatchProcessor:
@@ -128,11 +140,11 @@ class BatchProcessor:
     own ``think_end`` / ``thinking=False`` take precedence.
     ``filler``: how rows are filled (batch-parallel thresholds, threads).
     ``wait_s``: the longest a step waits for a row's grammar at its first mask (the batch
-    stalls meanwhile); ``hedge_s``: when the other engine starts compiling a late JSON schema.
+    stalls meanwhile); ``hedge_s``: when the other backend starts compiling a late JSON schema.
     ``agreement``: how tensor-parallel ranks agree on those timing outcomes (``Solo``: none).
     """
 
-    def __init__(self, engine: Engine, *, max_batch: int, wait_s: float = 0.5,
+    def __init__(self, compiler: Compiler, *, max_batch: int, wait_s: float = 0.5,
                  hedge_s: float = 0.05, on_error: ErrorPolicy = "stop",
                  think_end: str | int | Sequence[int] | None = _FROM_VOCAB,
                  filler: Filler | None = None, agreement: Agreement | None = None) -> None:
@@ -140,9 +152,9 @@ class BatchProcessor:
             raise ValueError(f"on_error must be 'stop' or 'free', got {on_error!r}")
         if wait_s < 0 or hedge_s < 0:
             raise ValueError("wait_s and hedge_s must be >= 0")
-        self.engine = engine
-        self.vocab = engine.vocab
-        self.vocab_size = engine.vocab.vocab_size
+        self.compiler = compiler
+        self.vocab = compiler.vocab
+        self.vocab_size = compiler.vocab.vocab_size
         self.max_batch = max_batch
         self.wait_s = wait_s
         self.hedge_s = hedge_s
@@ -162,7 +174,15 @@ class BatchProcessor:
         #: Milliseconds the last fill job spent advancing matchers and filling (metrics).
         self.last_advance_ms = 0.0
         self.last_fill_ms = 0.0
-        #: Mask rows filled by engines so far (work done, for metrics and tests).
+        #: ... and expanding the masks into the CPU apply's plan (0 when logits are not CPU).
+        self.last_plan_ms = 0.0
+        # (width, row stride) of the last CPU logits ``apply`` masked: the fill job plans
+        # the next step's CPU apply for that layout (None: GPU logits, none seen yet, or
+        # planning would not fit in the forward: see ``_plan_fits``)
+        self._cpu_layout: tuple[int, int] | None = None
+        self._stepped_at = 0.0  # when the last step's job was handed over
+        self._steps = 0
+        #: Mask rows filled by the backends so far (work done, for metrics and tests).
         self.rows_filled = 0
 
     # ------------------------------------------------------------------ batch membership
@@ -232,8 +252,9 @@ class BatchProcessor:
             return
         if not r.owned:
             raise ValueError(f"row {row} reads a live output list; append to it instead")
-        self._mutate()
-        r.output.extend(int(t) for t in tokens)
+        if self._pending is not None:
+            self._mutate()
+        r.output.extend(map(int, tokens))
 
     def rollback(self, row: int, num_tokens: int) -> None:
         """Retract the last ``num_tokens`` tokens of the row's output.
@@ -256,21 +277,40 @@ class BatchProcessor:
 
         ``rows``: only these rows (those a host will sample this step); the others keep
         their unread tokens for a later step. None: every constrained row."""
-        self._settle()
-        self._pending = None
-        chosen = (self._rows.items() if rows is None else
-                  [(i, self._rows[i]) for i in sorted(set(rows)) if i in self._rows])
-        work = [(index, r, self._take(r)) for index, r in chosen]
-        buffer = self._buffers.acquire()
-        future = (self._worker.submit(lambda: self._run(work, buffer)) if work else None)
-        self._pending = _Step(future, buffer, work)
+        if self._pending is not None:
+            self._settle()
+            self._pending = None
+        take = self._take
+        if rows is None:
+            work = [(index, r, take(r)) for index, r in self._rows.items()]
+        else:
+            table = self._rows
+            work = [(i, table[i], take(table[i])) for i in sorted(set(rows)) if i in table]
+        step = _Step(None, self._buffers.acquire(), work)
+        self._stepped_at = time.perf_counter()
+        self._steps += 1
+        if work:
+            layout = self._cpu_layout
+            step.future = self._worker.run(lambda: self._job(step, layout))
+        self._pending = step
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for this step's fill and mask ``logits`` (rows = batch rows) in place."""
-        bitmask, rows = self.wait_masks()
+        window_ms = (time.perf_counter() - self._stepped_at) * 1000
+        bitmask, rows, plan = self._wait(None)
+        self._cpu_layout = ((logits.shape[1], logits.stride(0))
+                            if cpu_plannable(logits) and self._plan_fits(window_ms) else None)
         if rows:
             apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
-                          buffers=self._buffers)
+                          buffers=self._buffers, plan=plan)
+
+    def _plan_fits(self, window_ms: float) -> bool:
+        """Whether the next job should also plan the CPU apply: only while the job, planning
+        included, ends within the forward it overlaps (planning moves the apply's index work
+        off the critical path; when the forward is too short it would lengthen the step
+        instead). Planning is tried again every 64 steps, as batches and masks change."""
+        job_ms = self.last_advance_ms + self.last_fill_ms + self.last_plan_ms
+        return job_ms <= 0.9 * window_ms or self._steps % 64 == 0
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
@@ -281,6 +321,12 @@ class BatchProcessor:
         that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
         until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
         Ends the step like ``apply``. Never raises for a row's failure."""
+        bitmask, masked, _ = self._wait(rows)
+        return bitmask, masked
+
+    def _wait(self, rows: Collection[int] | None
+              ) -> tuple[torch.Tensor, list[int], CpuPlan | None]:
+        """``wait_masks``, plus the job's CPU apply plan when it still holds."""
         if self._pending is None:
             self.step(rows)
         step = self._pending
@@ -290,9 +336,13 @@ class BatchProcessor:
             indices: set[int] = set()
         else:
             try:
-                indices = set(step.future.result())
+                result = step.future.result()
             except BaseException as exc:  # a bug in the job: contain it to this step's rows
                 indices = self._contain(step.work, step.buffer, exc)
+            else:
+                if rows is None and not any(r.late for _, r, _ in step.work):
+                    return step.buffer, sorted(set(result)), step.plan  # the common case
+                indices = set(result)
         late = [(index, r, self._take(r)) for index, r, _ in step.work if r.late]
         done = {index for index, _, _ in step.work}
         if rows is not None:  # rows the step skipped: read and fill them here
@@ -312,7 +362,8 @@ class BatchProcessor:
                     if self.on_error == "stop":
                         step.buffer[index].copy_(self._stop_row)
                         indices.add(index)
-        return step.buffer, sorted(indices)
+        # rows filled here, after the job planned: its plan is stale
+        return step.buffer, sorted(indices), step.plan if not late else None
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:
@@ -436,6 +487,11 @@ class BatchProcessor:
     def fill_thread_id(self) -> int | None:
         return self._worker.thread_id
 
+    @property
+    def engine(self) -> Compiler:
+        """Deprecated: the compiler was called the engine (``processor.compiler``)."""
+        return self.compiler
+
     def close(self) -> None:
         self._settle()
         self._pending = None
@@ -458,10 +514,9 @@ class BatchProcessor:
             try:
                 self._pending.future.result()
             except BaseException as exc:
-                done: Future[list[int]] = Future()
-                done.set_result(sorted(self._contain(self._pending.work, self._pending.buffer,
-                                                     exc)))
-                self._pending.future = done
+                self._pending.future = Ticket.completed(
+                    sorted(self._contain(self._pending.work, self._pending.buffer, exc)))
+                self._pending.plan = None
 
     def _mutate(self) -> None:
         self._settle()
@@ -477,16 +532,16 @@ class BatchProcessor:
             primary = grammar
         else:
             try:
-                primary = self.engine.compile_async(spec)
-            except Exception as exc:  # an engine closed or a bad spec: an errored row
+                primary = self.compiler.compile_async(spec)
+            except Exception as exc:  # a closed compiler or a bad spec: an errored row
                 primary = Future()
                 primary.set_exception(exc)
         def hedge() -> Callable[[], Future[Grammar]] | None:
             try:
-                other = hedge_spec(self.engine, spec)
+                other = hedge_spec(self.compiler, spec)
             except Exception:  # routing refused the spec: its compile reports why
                 return None
-            return None if other is None else (lambda: self.engine.compile_async(other))
+            return None if other is None else (lambda: self.compiler.compile_async(other))
 
         return PendingGrammar(primary, hedge, hedge_s=self.hedge_s)
 
@@ -508,16 +563,21 @@ class BatchProcessor:
         """The tokens appended since the last read, up to the first placeholder."""
         out = r.output
         end = len(out)
-        if end < r.seen:
-            self._rewind(r, r.seen - end)
-        new = [int(t) for t in out[r.seen:end]]
+        seen = r.seen
+        if end < seen:
+            self._rewind(r, seen - end)
+            seen = r.seen
         r.late = False
-        for i, tid in enumerate(new):
-            if tid < 0:
-                new = new[:i]
-                r.late = True
-                break
-        r.seen += len(new)
+        if end == seen:
+            return []
+        new = list(map(int, out[seen:end]))
+        if min(new) < 0:
+            for i, tid in enumerate(new):
+                if tid < 0:
+                    new = new[:i]
+                    r.late = True
+                    break
+        r.seen = seen + len(new)
         return new
 
     def _rewind(self, r: _Row, num_tokens: int) -> None:
@@ -540,6 +600,21 @@ class BatchProcessor:
                 r.gate.rollback(k)
         except Exception as exc:
             r.fail(f"rollback of {num_tokens} tokens failed: {exc}", cause="host")
+
+    def _job(self, step: _Step, layout: tuple[int, int] | None) -> list[int]:
+        """The worker's job: ``_run``, then (CPU logits) the apply plan for its rows, so the
+        apply on the host's critical path is only gather / memset / scatter."""
+        indices = self._run(step.work, step.buffer)
+        if layout is not None and indices:
+            started = time.perf_counter()
+            try:
+                step.plan = plan_cpu_apply(step.buffer, sorted(indices),
+                                           vocab_size=self.vocab_size, width=layout[0],
+                                           stride=layout[1])
+            except Exception as exc:  # never fatal: apply plans inline instead
+                log.debug("grammask: apply plan failed: %s", exc)
+            self.last_plan_ms = (time.perf_counter() - started) * 1000
+        return indices
 
     def _run(self, work: list[tuple[int, _Row, list[int]]], buffer: torch.Tensor) -> list[int]:
         """The fill job (worker thread, or the host thread for late rows): advance every row

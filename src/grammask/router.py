@@ -4,8 +4,8 @@ Tensor-parallel ranks must build identical masks, so the route is a pure functio
 the same request gives the same backend on every rank. The policy:
 
 1. a forced backend (``spec.backend``) wins;
-2. JSON schemas: find the keywords each engine does not enforce (``GAPS`` below, measured on
-   xgrammar 0.2.8 / llguidance 1.7); take the engine that enforces everything. When both do,
+2. JSON schemas: find the keywords each backend does not enforce (``GAPS`` below, measured on
+   xgrammar 0.2.8 / llguidance 1.7); take the backend that enforces everything. When both do,
    xgrammar first -- unless its compile would stall the request. Measured on corpus schemas
    with the Qwen2.5 vocabulary: xgrammar compiles schemas without free-form text (no plain
    string, free key or untyped value) in 1-2 ms, but any free-form string costs ~25 ms and the
@@ -13,7 +13,7 @@ the same request gives the same backend on every rank. The policy:
    (``extra_properties=True``, xgrammar's non-strict mode) cost xgrammar 864 ms p50 on 300
    corpus schemas, 2-10 s for single schemas that take 20-60 ms closed. So free-form text and
    open objects go to llguidance (``free_text_pointer`` decides; deterministic), the rest to
-   xgrammar. Reasons name the keyword and the engine, never a timing (timings are facts of
+   xgrammar. Reasons name the keyword and the backend, never a timing (timings are facts of
    this machine and this release, kept here);
 3. when neither enforces everything: the one with fewer gaps (ties to llguidance), the gaps
    listed in ``Route.unenforced``; in strict mode that is an ``UnsupportedError`` instead;
@@ -86,15 +86,15 @@ GUIDANCE_GAPS: dict[str, str] = {
                                     "matching several branches passes)",
 }
 
-#: llguidance gaps lenient mode cannot serve: when both engines have gaps, xgrammar then
+#: llguidance gaps lenient mode cannot serve: when both backends have gaps, xgrammar then
 #: serves (with its gaps listed) instead of a doomed llguidance attempt.
 GUIDANCE_HARD = frozenset({"pattern (lookaround)"})
 
 #: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
 #: (unknown formats are annotations in JSON Schema 2020-12).
-GUIDANCE_LENIENT_SAFE = frozenset({"format (unknown)", "format (neither engine)"})
+GUIDANCE_LENIENT_SAFE = frozenset({"format (unknown)", "format (neither backend)"})
 
-#: Formats both engines enforce (``date`` with the common gap below).
+#: Formats both backends enforce (``date`` with the common gap below).
 _KNOWN_FORMATS = frozenset({
     "date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid",
 })
@@ -102,20 +102,20 @@ _KNOWN_FORMATS = frozenset({
 _XGRAMMAR_ONLY_FORMATS = frozenset({
     "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
 })
-#: Neither engine enforces these: xgrammar ignores them, llguidance calls them unknown.
+#: Neither backend enforces these: xgrammar ignores them, llguidance calls them unknown.
 _UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
 
-#: Neither engine enforces these; listed in ``unenforced`` but not a reason to switch engines
-#: (nor to refuse in strict mode: both engines accept the impossible date 2023-02-29).
+#: Neither backend enforces these; listed in ``unenforced`` but not a reason to switch backends
+#: (nor to refuse in strict mode: both backends accept the impossible date 2023-02-29).
 COMMON_GAPS: dict[str, str] = {
     "format: date": "day-of-month not checked (2023-02-29 passes)",
-    "format (neither engine)": "idn-email, idn-hostname, iri, iri-reference and regex are "
+    "format (neither backend)": "idn-email, idn-hostname, iri, iri-reference and regex are "
                                "not checked",
 }
 
 @dataclass(frozen=True)
 class Route:
-    """The decision for one spec: which engine, why, and what it will not enforce."""
+    """The decision for one spec: which backend, why, and what it will not enforce."""
 
     backend: BackendName
     reason: str
@@ -275,7 +275,7 @@ def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference) -> 
         if prefer != "guidance" and free is None and not open_objects:
             why = ("xgrammar preferred by configuration" if prefer == "xgrammar" else
                    "no free-form text, so xgrammar compiles fast and fills fastest")
-            return Route("xgrammar", f"both engines enforce every keyword; {why}",
+            return Route("xgrammar", f"both backends enforce every keyword; {why}",
                          unenforced=common, fallback="guidance", features=features)
         if open_objects:
             why = ("open objects (extra_properties=True) put xgrammar in its non-strict mode, "
@@ -285,7 +285,7 @@ def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference) -> 
         else:
             why = (f"free-form text at {free} makes xgrammar precompute string masks at "
                    "compile time; llguidance computes masks lazily")
-        return Route("guidance", f"both engines enforce every keyword; {why}",
+        return Route("guidance", f"both backends enforce every keyword; {why}",
                      unenforced=common, lenient=lenient_safe, fallback="xgrammar",
                      features=features)
     if not ll_gaps:
@@ -300,9 +300,9 @@ def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference) -> 
             f"llguidance lacks {_names(ll_gaps)})",
             where=_first_pointer(features, sorted(set(xg_gaps) | set(ll_gaps))))
     if len(xg_gaps) < len(ll_gaps) or any(g in GUIDANCE_HARD for g in ll_gaps):
-        return Route("xgrammar", f"neither engine enforces everything; xgrammar misses fewer "
+        return Route("xgrammar", f"neither backend enforces everything; xgrammar misses fewer "
                      f"({_names(xg_gaps)})", unenforced=(*xg_gaps, *common), features=features)
-    return Route("guidance", f"neither engine enforces everything; llguidance (lenient) misses "
+    return Route("guidance", f"neither backend enforces everything; llguidance (lenient) misses "
                  f"{_names(ll_gaps)}", unenforced=(*ll_gaps, *common), lenient=True,
                  features=features)
 
@@ -554,7 +554,7 @@ def _node_features(node: dict[str, Any]) -> Iterator[str]:
         elif fmt in _XGRAMMAR_ONLY_FORMATS:
             yield "format (llguidance unknown)"
         elif fmt in _UNENFORCED_FORMATS:
-            yield "format (neither engine)"
+            yield "format (neither backend)"
         elif fmt not in _KNOWN_FORMATS:
             yield "format (unknown)"
         if "type" not in node and fmt not in _UNENFORCED_FORMATS:

@@ -30,9 +30,9 @@ KINDS: tuple[Kind, ...] = (
 )
 BACKEND_NAMES: tuple[BackendName, ...] = ("xgrammar", "guidance")
 
-#: Inputs above this many bytes are refused before any engine sees them (configurable per call).
+#: Inputs above this many bytes are refused before any backend sees them (configurable per call).
 MAX_SOURCE_BYTES = 4 * 1024 * 1024
-#: Nesting deeper than this is refused: engines recurse natively and could overflow their stack.
+#: Nesting deeper than this is refused: backends recurse natively and could overflow their stack.
 MAX_NESTING = 100
 
 
@@ -369,7 +369,7 @@ def _check_opt_str(value: object, what: str) -> str | None:
     return value
 
 
-#: other names users give the engines (the one place aliases are resolved)
+#: other names users give the backends (the one place aliases are resolved)
 BACKEND_ALIASES: dict[str, BackendName] = {"llguidance": "guidance"}
 
 
@@ -517,7 +517,7 @@ def _escape(key: str) -> str:
 # ------------------------------------------------------------------ structural tags
 def check_structural_tag(tag: Mapping[str, Any]) -> None:
     """The shape of a structural tag, checked here so a malformed one is refused naming its
-    field (the engines answer ``'triggers'`` or ``'int' object is not iterable``).
+    field (the backends answer ``'triggers'`` or ``'int' object is not iterable``).
 
     Two forms: vLLM's legacy ``{"structures": [{"begin", "schema", "end"}], "triggers"}`` and
     xgrammar's ``{"type": "structural_tag", "format": {...}}`` (its content xgrammar checks)."""
@@ -562,7 +562,7 @@ def check_structural_tag(tag: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------ schema keyword values
-#: JSON Schema's type names (both engines refuse others with a message that has no location).
+#: JSON Schema's type names (both backends refuse others with a message that has no location).
 SCHEMA_TYPES = frozenset({"null", "boolean", "object", "array", "number", "string", "integer"})
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
            "minContains", "maxContains")
@@ -587,7 +587,7 @@ _SCHEMA_MAP_KEYS, _SCHEMA_LIST_KEYS = frozenset(_SCHEMA_MAPS), frozenset(_SCHEMA
 def check_keywords(schema: Any) -> None:
     """Refuse keyword values JSON Schema's metaschema refuses (a negative ``minItems``, an
     unknown ``type``, ``minLength`` above ``maxLength``, a local ``$ref`` to nothing), with the
-    JSON pointer of the keyword. Engines either accept such values silently or refuse them
+    JSON pointer of the keyword. Backends either accept such values silently or refuse them
     without a location. A walk over the subschemas only: jsonschema's metaschema validation
     measured 1 ms p50 but 50-130 ms p99 and 1 s on a 1 MB corpus schema."""
     nested_ids = False
@@ -664,7 +664,7 @@ def _check_node(node: Mapping[str, Any], ptr: str, *, ranges: bool) -> None:
                                          where=f"{ptr}/{key}")
             if abs(value) > _MAX_BOUND:
                 raise InvalidSchemaError(f"{key} {_show(value)} is beyond the range of a "
-                                         "double, which both engines compute with",
+                                         "double, which both backends compute with",
                                          where=f"{ptr}/{key}")
             if key == "multipleOf" and value <= 0:
                 raise InvalidSchemaError(f"multipleOf must be greater than 0, got "

@@ -1,6 +1,6 @@
-"""Vocabulary: the bytes of every token of one tokenizer, built once and shared by both engines.
+"""Vocabulary: the bytes of every token of one tokenizer, built once and shared by both backends.
 
-Three facts that engines get wrong unless told, so they are explicit here:
+Three facts that backends get wrong unless told, so they are explicit here:
 - masks are sized by the *model's* vocab size (padded, e.g. 151,936 for Qwen2.5), not the
   tokenizer's; ids past the tokenizer are never allowed;
 - special tokens (``<|im_start|>``, ``<think>``) must never appear inside constrained text:
@@ -104,7 +104,7 @@ class Vocabulary:
     def decode(self, ids: Iterable[int]) -> bytes:
         return b"".join(self.tokens[i] for i in ids if i < len(self.tokens))
 
-    # ------------------------------------------------------------- engine views (cached)
+    # ------------------------------------------------------------- backend views (cached)
     @cached_property
     def xgrammar_info(self) -> xgrammar.TokenizerInfo:
         import xgrammar as xgr

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compiler import Engine, Grammar
+from .compiler import Compiler, Grammar
 from .errors import GrammarError
 from .spec import GrammarSpec
 
@@ -73,9 +73,9 @@ def spec_of_file(path: Path, *, any_whitespace: bool = True) -> GrammarSpec | No
     return None
 
 
-def warm(engine: Engine, directory: str | Path, *, any_whitespace: bool = True,
+def warm(compiler: Compiler, directory: str | Path, *, any_whitespace: bool = True,
          progress: Callable[[WarmResult], None] | None = None) -> list[WarmResult]:
-    """Compile every spec file of ``directory`` (concurrently, on the engine's pool)."""
+    """Compile every spec file of ``directory`` (concurrently, on the compiler's pool)."""
     root = Path(directory)
     if not root.is_dir():
         raise GrammarError(f"warm-up directory {str(root)!r} does not exist or is not a "
@@ -84,7 +84,7 @@ def warm(engine: Engine, directory: str | Path, *, any_whitespace: bool = True,
     for path in sorted(p for p in root.iterdir() if p.is_file()):
         try:
             spec = spec_of_file(path, any_whitespace=any_whitespace)
-            future = engine.compile_async(spec) if spec is not None else None
+            future = compiler.compile_async(spec) if spec is not None else None
             pending.append((path, spec, future, None))
         except (GrammarError, ValueError, UnicodeDecodeError, OSError) as exc:
             pending.append((path, None, None, _message(exc)))

@@ -39,7 +39,7 @@ LONG = r"[a-z]{300}"
 
 
 def nested_one_of(depth: int) -> dict[str, Any]:
-    """A schema both engines choke on: llguidance refuses it as too large after ~2 s,
+    """A schema both backends choke on: llguidance refuses it as too large after ~2 s,
     xgrammar compiles it in ~30 s on these cores."""
     schema: dict[str, Any] = {"type": "integer"}
     for i in range(depth):
@@ -70,8 +70,8 @@ def ask(client: Any, spec: dict[str, Any], seed: int, **flat: Any) -> tuple[str,
     return reply.choices[0].finish_reason, reply.choices[0].message.content or ""
 
 
-def test_two_ranks_serve_every_engine(client: Any) -> None:
-    """Both ranks mask alike: outputs of each engine validate (a disagreement would make the
+def test_two_ranks_serve_every_backend(client: Any) -> None:
+    """Both ranks mask alike: outputs of each backend validate (a disagreement would make the
     ranks sample different tokens)."""
     specs: list[tuple[dict[str, Any], Any]] = [
         ({"json": SCHEMA, "disable_any_whitespace": True}, ("json", SCHEMA)),
@@ -111,7 +111,7 @@ def _stream(client: Any, spec: dict[str, Any], seed: int, max_tokens: int = 48
 
 def test_a_pathological_schema_fails_alone_beside_normal_streams(client: Any,
                                                                   server: Server) -> None:
-    """One request whose grammar no engine compiles within ``wait_s`` streams beside seven
+    """One request whose grammar no backend compiles within ``wait_s`` streams beside seven
     normal ones: it ends (empty: stop-only mask) and every other output is valid. Reported,
     not asserted: the normal streams' wall time against the same streams alone, and their
     largest gap between streamed chunks against the median (on two cores shared by two

@@ -23,7 +23,7 @@ from tests.e2e.server import MODEL_NAME, Server, xargs
 REPS = 5
 MESSAGES = [{"role": "user", "content": "Answer in the requested format."}]
 
-#: both engines enforce every keyword, no free text: auto routes it to xgrammar
+#: both backends enforce every keyword, no free text: auto routes it to xgrammar
 XG_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -153,7 +153,7 @@ def test_lenient_schema_served_and_gap_logged(client: Any, server: Server, keywo
     try:
         results = ask_reps(client, spec)
     except openai.BadRequestError as exc:
-        pytest.fail(f"a schema using {keyword} (no engine enforces it) got 400, not 200: {exc}")
+        pytest.fail(f"a schema using {keyword} (no backend enforces it) got 400, not 200: {exc}")
     for finish, text in results:
         check_json(text, finish, enforced, must_stop=True)
     gaps = [line for line in server.log_text().splitlines()

@@ -1,15 +1,16 @@
-"""Engine adapters behind one protocol (see ``base``)."""
+"""Backend adapters (xgrammar, llguidance) behind one protocol (see ``base``)."""
 
 from __future__ import annotations
 
 from functools import cache
 
 from ..spec import BackendName
-from .base import Backend, CompiledGrammar, Matcher
+from .base import Backend, BackendGrammar, BackendMatcher, CompiledGrammar, Matcher
 from .guidance import GuidanceBackend
 from .xgrammar import XGrammarBackend
 
-__all__ = ["Backend", "CompiledGrammar", "Matcher", "get_backend"]
+__all__ = ["Backend", "BackendGrammar", "BackendMatcher", "CompiledGrammar", "Matcher",
+           "get_backend"]  # CompiledGrammar: the old name of BackendGrammar
 
 
 @cache

@@ -1,4 +1,4 @@
-"""The contract every engine adapter keeps; the rest of grammask sees only these names.
+"""The contract every backend adapter keeps; the rest of grammask sees only these names.
 
 Semantics shared by both backends (tests/test_matcher_contract.py holds both to every line):
 
@@ -9,34 +9,35 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
   terminates the matcher. Once terminated, only stop tokens are allowed and accepted (force EOS),
   and ``rollback`` can step back over them. ``is_terminated()`` is True only after a stop token
   was accepted (or llguidance lost the parse); a grammar that is merely complete (``abc``
-  after ``abc``) is ``can_terminate()``, on both engines.
+  after ``abc``) is ``can_terminate()``, on both backends.
 - ``rollback(n)`` undoes exactly the last ``n`` accepted tokens; ``n`` must be an ``int`` with
   ``0 <= n <=`` the tokens accepted since the start or last ``reset`` (both adapters say how
   many: ``accepted()``), else ``ValueError`` and the state is unchanged.
 - ``fill(bitmask, row)`` writes one row of a CPU, C-contiguous int32 bitmask shaped
   ``(batch, ceil(vocab_size / 32))``, ``0 <= row < batch``; anything else is a ``ValueError``
-  raised before any write (engines write through raw pointers: a uint8 or strided tensor
+  raised before any write (backends write through raw pointers: a uint8 or strided tensor
   would be corrupted, or the heap). Bit ``i % 32`` of word ``i // 32`` set means token ``i``
   is allowed. Ids past the tokenizer (model padding) and special tokens are never set. The
-  checks are attribute reads only (the fill is the hot path). Both engines release the GIL
+  checks are attribute reads only (the fill is the hot path). Both backends release the GIL
   while filling, so a fill thread overlaps the model's forward.
 - Matchers are not thread-safe: one thread drives one matcher at a time. ``fork`` gives an
   independent copy in the same state (same mask, same ``accepted()``, same termination).
-- ``CompiledGrammar`` is immutable and shared across threads; ``matcher()`` is cheap. A grammar
+- ``BackendGrammar`` is immutable and shared across threads; ``matcher()`` is cheap. A grammar
   whose language is empty (no token and no stop is allowed at the start: ``root ::= root``)
   never compiles: ``UnsupportedError`` (a row masked to all zeros would have every logit -inf).
 - Batch fill is a capability: a matcher class may offer ``batch_fill(rows, bitmask, threads,
   state)`` (a classmethod) that fills many ``(matcher, row)`` of that class at once with the
-  engine's parallel fill (xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``), under
-  the same bitmask checks as ``fill``. ``state`` is the caller's dict for the engine's reusable
+  backend's parallel fill (xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``), under
+  the same bitmask checks as ``fill``. ``state`` is the caller's dict for the backend's reusable
   pool. ``masks.Filler`` groups matchers by it; it never sees a concrete class.
-- ``engine_matcher`` (both adapters) is the raw engine matcher, for the batch-parallel fills
+- ``native`` (both adapters) is the backend's own matcher, for the batch-parallel fills
   (and benchmarks) only: a caller must not advance it (the adapter's counters would go stale).
 """
 
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -73,7 +74,7 @@ class Matcher(Protocol):
         """Back to the start state."""
 
 
-class CompiledGrammar(Protocol):
+class BackendGrammar(Protocol):
     backend: BackendName
     memory_bytes: int
 
@@ -84,11 +85,11 @@ class CompiledGrammar(Protocol):
 class Backend(Protocol):
     name: BackendName
 
-    def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool) -> BackendGrammar:
         """Compile for one vocabulary; raises a ``GrammarError`` subclass on bad input, and
         ``UnsupportedError`` when the grammar's language is empty.
 
-        ``lenient`` asks the engine to ignore keywords it cannot enforce instead of refusing
+        ``lenient`` asks the backend to ignore keywords it cannot enforce instead of refusing
         (the router lists them as unenforced)."""
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
@@ -97,21 +98,35 @@ class Backend(Protocol):
         ``lenient`` as in ``compile``: a check must refuse exactly what a compile would."""
 
 
-class EngineMatcherBase:
+class BackendMatcher:
     """The shared half of both adapters: argument checks of the contract, and the counters
-    engines do not keep (stop tokens accepted after termination are no-ops to the engines;
-    tracking them, and the tokens the engine consumed, keeps rollback exact and checkable)."""
+    backends do not keep (stop tokens accepted after termination are no-ops to the backends;
+    tracking them, and the tokens the backend consumed, keeps rollback exact and checkable).
+
+    Subclasses give ``native``, the backend's own matcher."""
 
     def __init__(self, stop_ids: tuple[int, ...], vocab_size: int) -> None:
         self._stop_ids = stop_ids
         self._vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
         self._extra_stops = 0
-        self._depth = 0  # tokens the engine consumed (stop tokens after the end excluded)
+        self._depth = 0  # tokens the backend consumed (stop tokens after the end excluded)
 
     def accepted(self) -> int:
         """Tokens accepted since the start (or the last reset): what ``rollback`` can undo."""
         return self._depth + self._extra_stops
+
+    @property
+    def native(self) -> object:
+        """The backend's own matcher (xgrammar ``GrammarMatcher``, llguidance ``LLMatcher``),
+        for batch fills only: advancing it would leave this adapter's counters stale."""
+        raise NotImplementedError
+
+    @property
+    def engine_matcher(self) -> object:
+        """Deprecated alias of ``native``."""
+        warnings.warn("engine_matcher is now native", DeprecationWarning, stacklevel=2)
+        return self.native
 
     def _token(self, token_id: object) -> int | None:
         """The id as a Python int when it names a token of the vocabulary, else None."""
@@ -131,7 +146,7 @@ class EngineMatcherBase:
         return n
 
     def _check_fill(self, bitmask: torch.Tensor, row: object) -> int:
-        """Refuse what an engine would write wrongly or out of bounds: attribute reads only."""
+        """Refuse what a backend would write wrongly or out of bounds: attribute reads only."""
         if not isinstance(bitmask, torch.Tensor):
             raise ValueError(f"fill: bitmask must be a torch.Tensor, got "
                              f"{type(bitmask).__name__}")
@@ -159,13 +174,18 @@ class EngineMatcherBase:
             out[tid >> 5] |= _bit(tid & 31)
 
 
-def refuse_empty_language(first_mask: torch.Tensor, engine: str, where: str | None) -> None:
+def refuse_empty_language(first_mask: torch.Tensor, backend: str, where: str | None) -> None:
     """A start state that allows no token and no stop: nothing can ever be generated, and a
     served row would mask every logit to -inf. Checked once per compile."""
     if not bool(first_mask.any()):
-        raise UnsupportedError(f"{engine}: the grammar's language is empty: nothing can be "
+        raise UnsupportedError(f"{backend}: the grammar's language is empty: nothing can be "
                                "generated (no token and no stop is allowed at the start)",
                                where=where)
+
+
+#: Old names, kept for callers importing them: the same objects.
+CompiledGrammar = BackendGrammar
+EngineMatcherBase = BackendMatcher
 
 
 def _bit(i: int) -> int:
@@ -174,7 +194,7 @@ def _bit(i: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def check_batch(rows: Sequence[tuple[EngineMatcherBase, int]], bitmask: torch.Tensor) -> None:
-    """The ``fill`` checks for every row of a batch fill, before the engine writes any."""
+def check_batch(rows: Sequence[tuple[BackendMatcher, int]], bitmask: torch.Tensor) -> None:
+    """The ``fill`` checks for every row of a batch fill, before the backend writes any."""
     for matcher, row in rows:
         matcher._check_fill(bitmask, row)

@@ -26,19 +26,19 @@ from ..errors import (
 from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
-from .base import EngineMatcherBase, Matcher, check_batch, refuse_empty_language
+from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
 
 
-class GuidanceMatcher(EngineMatcherBase):
+class GuidanceMatcher(BackendMatcher):
     def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...], vocab_size: int,
                  first_mask: torch.Tensor | None = None) -> None:
         super().__init__(stop_ids, vocab_size)
         self._m = inner
         self._first_mask = first_mask  # the start state's mask, computed once per grammar
-        # the depth at which the engine consumed a stop token: llguidance reports a complete
+        # the depth at which llguidance consumed a stop token: llguidance reports a complete
         # grammar (``abc`` after ``abc``) as stopped before any stop token, xgrammar does not
         self._stop_at: int | None = None
 
@@ -111,7 +111,7 @@ class GuidanceMatcher(EngineMatcherBase):
         return str(self._m.get_error())
 
     @property
-    def engine_matcher(self) -> llg.LLMatcher:
+    def native(self) -> llg.LLMatcher:
         """The raw llguidance matcher, for batch fills only (advancing it would leave this
         adapter's counters stale)."""
         return self._m

@@ -17,7 +17,7 @@ from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, Inval
 from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
-from .base import EngineMatcherBase, Matcher, check_batch, refuse_empty_language
+from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
 
 _COMPACT = (",", ":")
 _THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large grammars
@@ -25,7 +25,7 @@ _THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large gra
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
 
-class XGrammarMatcher(EngineMatcherBase):
+class XGrammarMatcher(BackendMatcher):
     def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...],
                  vocab_size: int) -> None:
         super().__init__(stop_ids, vocab_size)
@@ -78,7 +78,7 @@ class XGrammarMatcher(EngineMatcherBase):
         self._depth = 0
 
     @property
-    def engine_matcher(self) -> xgr.GrammarMatcher:
+    def native(self) -> xgr.GrammarMatcher:
         """The raw xgrammar matcher, for batch fills only (advancing it would leave this
         adapter's counters stale)."""
         return self._m

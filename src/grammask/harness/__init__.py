@@ -2,7 +2,7 @@
 
 Every token a mask allows must keep the output completable, and no token that could continue
 a valid output may be blocked. The harness checks both with oracles that share no code with
-the engines, on hand-made specs or a whole corpus (``grammask check``).
+the backends, on hand-made specs or a whole corpus (``grammask check``).
 
 Modules, one job each:
 - ``oracles``: regex (``regex`` partial matching), choice, JSON Schema (``jsonschema``),

@@ -1,8 +1,8 @@
 """Checking one item on one backend: compile, feed its instances, sample and audit, judge.
 
 Runs inside a worker process (see ``runner``): one ``Checker`` holds the vocabulary, a fresh
-``Engine`` and the token table for the worker's lifetime, so the ~5 s of vocabulary and
-engine-tokenizer setup is paid once per worker, not per item.
+``Compiler`` and the token table for the worker's lifetime, so the ~5 s of vocabulary and
+backend-tokenizer setup is paid once per worker, not per item.
 
 Semantics (the report's columns):
 - a valid instance is *accepted* when some serialization of it (``compact``:
@@ -17,7 +17,7 @@ JSON schemas run the way grammask serves them by default: objects closed
 (undeclared keys allowed), so a refused valid instance carrying a key that no ``properties``
 anywhere in the schema declares is counted as ``over_closed`` (by design), not as ``over``;
 one accepted once its keys are put in the schema's declared order is ``over_order`` (both
-engines fix the property order; JSON Schema does not).
+backends fix the property order; JSON Schema does not).
 ``--open-objects`` checks plain JSON Schema semantics instead (xgrammar compiles open objects
 far more slowly: 3.5 s instead of 0.1 s for a five-property schema).
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compiler import Engine, Grammar
+from ..compiler import Compiler, Grammar
 from ..errors import CompileTimeoutError, GrammarError
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary, load_vocabulary
@@ -115,7 +115,7 @@ class Row:
     over: int = 0  # valid (label and oracle) instances refused in every form
     over_label: int = 0  # refused valid-labelled instances our validator calls invalid
     over_closed: int = 0  # refused because of an undeclared key while objects are closed
-    over_order: int = 0  # accepted once its keys are in declared order (engines' choice)
+    over_order: int = 0  # accepted once its keys are in declared order (backends' choice)
     invalid_total: int = 0
     invalid_rejected: int = 0
     under: int = 0  # invalid instances accepted in some form
@@ -183,20 +183,20 @@ def forms_of(inst: Instance, kind: str, cfg: CheckConfig) -> list[tuple[str, str
 
 
 class Checker:
-    """A worker's state: one vocabulary, one Engine, one token table."""
+    """A worker's state: one vocabulary, one Compiler, one token table."""
 
     def __init__(self, cfg: CheckConfig, vocab: Vocabulary | None = None) -> None:
         self.cfg = cfg
         self.vocab = vocab if vocab is not None else load_vocabulary(cfg.tokenizer)
         _ = self.vocab.xgrammar_info, self.vocab.llguidance_tokenizer
-        self.engine = Engine(self.vocab, timeout_s=cfg.timeout_s, max_workers=1,
+        self.compiler = Compiler(self.vocab, timeout_s=cfg.timeout_s, max_workers=1,
                              negative_ttl_s=0.0)
         self.table: TokenTable = token_table(self.vocab)
         self.reader = MaskReader(self.vocab.vocab_size)
         self.registry = local_registry(Path(cfg.remotes) if cfg.remotes else None)
 
     def close(self) -> None:
-        self.engine.close()
+        self.compiler.close()
 
     # ------------------------------------------------------------------------ oracles
     def oracle_for(self, item: Item) -> ItemOracle:
@@ -241,19 +241,19 @@ class Checker:
                 emit("diff", self.differential(item, compiled["xgrammar"],
                                                compiled["guidance"], oracle))
         finally:
-            self.engine.clear()
+            self.compiler.clear()
 
     def reused_auto_row(self, item: Item, rows: dict[str, Row]) -> Row | None:
-        """Auto's row when auto routes to an engine whose forced row was already checked with
-        the very same compiled grammar (same engine, same lenient flag, same gaps: the
-        engine compile depends on nothing else). Checking it again would repeat the same
+        """Auto's row when auto routes to a backend whose forced row was already checked with
+        the very same compiled grammar (same backend, same lenient flag, same gaps: the
+        backend compile depends on nothing else). Checking it again would repeat the same
         walks; a fallback, a failed forced row or a different mode is checked for real."""
         if not self.cfg.reuse_auto:
             return None
         try:
             spec = spec_for(item, "auto", self.cfg)
-            decision = self.engine.route(spec)
-            forced = self.engine.route(spec.with_backend(decision.backend))
+            decision = self.compiler.route(spec)
+            forced = self.compiler.route(spec.with_backend(decision.backend))
         except GrammarError:
             return None
         base = rows.get(decision.backend)
@@ -276,7 +276,7 @@ class Checker:
             return row, None
         started = time.perf_counter()
         try:
-            grammar = self.engine.compile(spec)
+            grammar = self.compiler.compile(spec)
         except CompileTimeoutError as exc:
             row.status, row.error, row.recycle = "timeout", exc.message[:300], True
             return row, None
@@ -359,7 +359,7 @@ class Checker:
 
     def _accepts_reordered(self, item: Item, inst: Instance, grammar: Grammar,
                            audit: AuditReport) -> bool:
-        """Both engines emit (and accept) properties only in the schema's declared order,
+        """Both backends emit (and accept) properties only in the schema's declared order,
         which JSON Schema does not require: a valid instance accepted once its keys are put
         in that order is refused by design (``over_order``), not over-constrained."""
         if item.kind != "json_schema" or inst.text is not None:

@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--backend", default="all", choices=["auto", "xgrammar", "guidance", "all"])
     p.add_argument("--tokenizer", default="qwen2.5")
     p.add_argument("--timeout", type=float, default=10.0,
-                   help="compile budget per spec and backend (Engine timeout_s)")
+                   help="compile budget per spec and backend (Compiler timeout_s)")
     p.add_argument("--hard-timeout", type=float,
                    help="kill a worker stuck this long in one backend (default 6x --timeout, "
                         "at least 60 s)")

@@ -7,7 +7,7 @@ by where it occurs (JSON context of the prefix) and what it is:
 - ``non-canonical``: the forbidding side allows a longer token spelling the same bytes
   (llguidance narrows forced text to its canonical tokens);
 - ``special/stop``: a stop or special token;
-- ``whitespace``: the token starts with whitespace (engines bound whitespace runs differently);
+- ``whitespace``: the token starts with whitespace (backends bound whitespace runs differently);
 - ``key``: where an object key starts or continues (property order, undeclared keys);
 - ``number``: inside or at the start of a number (``-0``, exponents, ``1.0`` for integers);
 - ``string``: inside a string value (escapes, lengths, patterns, formats);
@@ -222,7 +222,7 @@ def differential(leader: Matcher, follower: Matcher, names: tuple[str, str],
 
 def _example(report: DiffReport, label: str, prefix: bytes, token: int, table: TokenTable,
              cls: str, ids: list[int]) -> None:
-    """Kept with the prefix's token ids, so the step can be replayed on both engines."""
+    """Kept with the prefix's token ids, so the step can be replayed on both backends."""
     if len(report.examples) < MAX_EXAMPLES:
         report.examples.append({
             "label": label, "class": cls,

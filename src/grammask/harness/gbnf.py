@@ -1,4 +1,4 @@
-"""GBNF (llama.cpp) to Lark, written here so the grammar oracle shares no code with an engine.
+"""GBNF (llama.cpp) to Lark, written here so the grammar oracle shares no code with a backend.
 
 llguidance ships its own converter (``llguidance.gbnf_to_lark``), and the guidance backend uses
 it; an oracle built on that converter would repeat its mistakes. This one is small on purpose:

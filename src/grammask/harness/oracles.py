@@ -1,4 +1,4 @@
-"""Oracles: what a correct mask must allow, decided without any engine code.
+"""Oracles: what a correct mask must allow, decided without any backend code.
 
 - ``RegexOracle``: the ``regex`` module's partial matching decides whether a prefix can still
   complete (``fullmatch(p, text, partial=True)``).
@@ -9,7 +9,7 @@
   from a bug.
 - ``LarkOracle``: the ``lark`` package parses a complete output (Earley, any tokenization).
 
-Bytes, not text: engines work on bytes, and a token may end inside a UTF-8 character. A prefix
+Bytes, not text: backends work on bytes, and a token may end inside a UTF-8 character. A prefix
 ending in an incomplete (but so far well-formed) UTF-8 sequence is viable when some character
 that sequence can still become keeps the text viable; the oracle enumerates those characters
 when there are at most 4,096 of them (one or two missing continuation bytes) and otherwise
@@ -91,10 +91,10 @@ def _prefix_viable(data: bytes, viable_text: Callable[[str], bool | None]) -> bo
 
 # ----------------------------------------------------------------------------- regex
 class RegexOracle:
-    """Prefix viability and completeness for a regex (full-match semantics, as the engines).
+    """Prefix viability and completeness for a regex (full-match semantics, as the backends).
 
     The primary reading is Python ``regex`` with default flags (Unicode classes, ``.`` not
-    matching newline). The engines differ among themselves (xgrammar: ASCII ``\\d``/``\\w``,
+    matching newline). The backends differ among themselves (xgrammar: ASCII ``\\d``/``\\w``,
     ``.`` matches newline; llguidance: Unicode, ``.`` excludes newline), so ``dialects()`` also
     gives the verdict under ASCII and DOTALL readings: a disagreement one of them explains is a
     dialect difference, not a mask bug.
@@ -167,7 +167,7 @@ class ChoiceOracle:
 
 
 # ----------------------------------------------------------------------------- JSON
-#: Formats both engines enforce (measured: a junk string is refused), checked on samples.
+#: Formats both backends enforce (measured: a junk string is refused), checked on samples.
 #: xgrammar also enforces the last three; llguidance refuses them at compile time.
 CLAIMED_FORMATS: tuple[str, ...] = (
     "date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
@@ -276,7 +276,7 @@ class Verdict:
 
 @dataclass
 class JsonOracle:
-    """Validates complete JSON outputs against a schema (independently of both engines)."""
+    """Validates complete JSON outputs against a schema (independently of both backends)."""
 
     schema: Any
     registry: _SchemaRegistry | None = None
@@ -320,7 +320,7 @@ class JsonOracle:
             return Verdict(False, "json", detail=str(exc)[:200])
         verdict = self.check_value(value, unenforced)
         if dupes and verdict.valid:
-            # JSON Schema leaves duplicate keys undefined and neither engine prevents them
+            # JSON Schema leaves duplicate keys undefined and neither backend prevents them
             return Verdict(False, "duplicate-key", ("duplicate-key",), True, dupes[0])
         return verdict
 
@@ -393,7 +393,7 @@ class LarkOracle:
     make llguidance-dialect Lark loadable by ``lark``: empty literals ``""`` are dropped,
     and a terminal that can match the empty string becomes a rule (Lark's Earley forbids
     zero-width terminals). Both keep the language; the rule form only adds tokenizations,
-    so the oracle may accept an output the engine's greedy lexer would not, never the reverse.
+    so the oracle may accept an output the backend's greedy lexer would not, never the reverse.
     """
 
     def __init__(self, text: str, syntax: str) -> None:

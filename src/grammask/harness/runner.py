@@ -1,12 +1,12 @@
 """Work isolation: items run in long-lived worker processes under a hard per-phase deadline.
 
-A native engine can crash the process or spin for minutes inside a compile that cannot be
-interrupted. Each worker builds its vocabulary and Engine once (~5 s) and then checks items
+A native backend can crash the process or spin for minutes inside a compile that cannot be
+interrupted. Each worker builds its vocabulary and compiler once (~5 s) and then checks items
 one at a time, reporting each backend's row as soon as it is done. The parent waits on all
 workers with a deadline per phase (one backend of one item): a worker that dies or overruns
 is killed and replaced, the phase is recorded as ``crash`` or ``timeout``, and the item's
 remaining backends are queued again on a fresh worker. A worker whose compile timed out
-inside the Engine (the runaway thread keeps burning CPU) is replaced after its item.
+inside the Compiler (the runaway thread keeps burning CPU) is replaced after its item.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from .check import CheckConfig, Checker, Emit, Row, count_instances
 from .corpus import Item
 
-#: Seconds a fresh worker may take to build its vocabulary and engines.
+#: Seconds a fresh worker may take to build its vocabulary and compiler.
 STARTUP_S = 180.0
 
 
@@ -104,7 +104,7 @@ class _Worker:
         self.conn.close()
 
     def stop(self) -> None:
-        """Ask politely (the worker closes its Engine), then make sure."""
+        """Ask politely (the worker closes its Compiler), then make sure."""
         try:
             self.conn.send(None)
             self.proc.join(10)

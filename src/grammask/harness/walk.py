@@ -1,7 +1,7 @@
 """Driving a matcher: feed known texts, take random walks under the mask, audit masks.
 
 The audit checks a mask against the matcher's own ``accept`` (a fork is offered each sampled
-token, so the two code paths of each engine, mask computation and token consumption, are
+token, so the two code paths of each backend, mask computation and token consumption, are
 held against each other) and, when the spec has a prefix oracle (regex, choice), against the
 oracle. Offering all 151,936 tokens at every step would cost seconds per step, so an audited
 step offers every allowed token up to ``audit_tokens`` (a random subset beyond that), a

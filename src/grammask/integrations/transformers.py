@@ -2,7 +2,7 @@
 
 One spec per batch row (None leaves a row unconstrained)::
 
-    proc = GrammarLogitsProcessor(engine, [spec_a, None, spec_b])
+    proc = GrammarLogitsProcessor(compiler, [spec_a, None, spec_b])
     model.generate(ids, logits_processor=LogitsProcessorList([proc]),
                    eos_token_id=list(vocab.stop_ids), ...)
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
-from ..compiler import Engine
+from ..compiler import Compiler
 from ..processor import BatchProcessor, RowInfo
 from ..request import ConstraintRequest
 from ..spec import GrammarSpec
@@ -32,11 +32,11 @@ Constraint = GrammarSpec | ConstraintRequest | None
 class GrammarLogitsProcessor(LogitsProcessor):
     """Masks each row of ``scores`` with its own grammar (``processor.py`` semantics)."""
 
-    def __init__(self, engine: Engine, specs: Sequence[Constraint], *,
+    def __init__(self, compiler: Compiler, specs: Sequence[Constraint], *,
                  wait_s: float = 30.0) -> None:
         if not specs:
             raise ValueError("give one spec (or None) per batch row")
-        self.engine = engine
+        self.compiler = compiler
         self.specs = list(specs)
         self.wait_s = wait_s
         self._proc: BatchProcessor | None = None
@@ -44,7 +44,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         # compiles start now, while generate() tokenizes and runs the prefill
         for spec in self.specs:
             if spec is not None:
-                engine.compile_async(spec if isinstance(spec, GrammarSpec) else spec.spec)
+                compiler.compile_async(spec if isinstance(spec, GrammarSpec) else spec.spec)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
                  ) -> torch.FloatTensor:
@@ -80,7 +80,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
                              "must be a multiple of the number of specs")
         copies = batch // len(self.specs)
         self.close()
-        self._proc = BatchProcessor(self.engine, max_batch=batch, wait_s=self.wait_s)
+        self._proc = BatchProcessor(self.compiler, max_batch=batch, wait_s=self.wait_s)
         prompts = input_ids.tolist()
         for row in range(batch):
             spec = self.specs[row // copies]

@@ -1,8 +1,8 @@
 """Request admission in the API server: parse a request's grammask keys and refuse a bad
-constraint with an HTTP 400 naming the key, before it reaches the engine.
+constraint with an HTTP 400 naming the key, before it reaches vLLM's engine.
 
-``validate_sampling_params`` (the plugin's ``validate_params``) runs ``Engine.check``: routing
-plus the engine's syntax check, never a tokenizer compile. The server's own settings come from
+``validate_sampling_params`` (the plugin's ``validate_params``) runs ``Compiler.check``: routing
+plus the backend's syntax check, never a tokenizer compile. The server's own settings come from
 the config vLLM was started with (found in the calling ``InputProcessor``), then the env.
 """
 
@@ -16,11 +16,11 @@ from functools import lru_cache
 from typing import Any
 
 from .. import __version__
-from ..compiler import Engine
+from ..compiler import Compiler
 from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
 from ..vocab import Vocabulary
-from .vllm_engine import use_vllm_logging
+from .vllm_compiler import use_vllm_logging
 from .vllm_settings import Settings, _tp_size, describe_settings, load_settings
 
 log = logging.getLogger("grammask")
@@ -57,10 +57,10 @@ def request_of(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None
 
 
 @lru_cache(maxsize=8)
-def _checker(backend: str, prefer: str) -> Engine:
-    """An engine over a one-token vocabulary: ``check`` needs routing and syntax only."""
+def _checker(backend: str, prefer: str) -> Compiler:
+    """A compiler over a one-token vocabulary: ``check`` needs routing and syntax only."""
     vocab = Vocabulary([b"\x00"], special_ids=[0], stop_ids=[0], name="validation")
-    return Engine(vocab, backend=backend, prefer=prefer,  # type: ignore[arg-type]
+    return Compiler(vocab, backend=backend, prefer=prefer,  # type: ignore[arg-type]
                   max_workers=1)
 
 
@@ -123,10 +123,10 @@ def _caller_vllm_config(max_depth: int = 12) -> Any:
 
 
 def validate_sampling_params(sampling_params: Any) -> None:
-    """``validate_params`` of the plugin: a 400 for a bad constraint, before the engine.
+    """``validate_params`` of the plugin: a 400 for a bad constraint, before vLLM's engine.
 
     Cost: nothing for requests without grammask keys; else a cached parse and
-    ``Engine.check`` (routing plus the engine's own syntax check, no tokenizer compile)."""
+    ``Compiler.check`` (routing plus the backend's own syntax check, no tokenizer compile)."""
     extra = getattr(sampling_params, "extra_args", None)
     if not extra:
         return

@@ -1,14 +1,14 @@
-"""What the vLLM V1 and V2 adapters share: ``PluginCore`` (settings, engine, processor, the
+"""What the vLLM V1 and V2 adapters share: ``PluginCore`` (settings, compiler, processor, the
 TP agreement, inertness). The parts live in their own modules, re-exported here:
 ``vllm_settings`` (settings), ``vllm_admission`` (request parsing and the 400s),
-``vllm_engine`` (the shared engine and vocabulary).
+``vllm_compiler`` (the shared compiler and vocabulary).
 
 - Settings come from ``--additional-config '{"grammask": {...}}'`` first, then ``GRAMMASK_*``
   environment variables, then defaults (``SETTINGS`` lists them; docs/vllm.md has the table).
-- One ``Engine`` per process and tokenizer (``shared_engine``): the vocabulary is built from
+- One ``Compiler`` per process and tokenizer (``shared_compiler``): the vocabulary is built from
   the model's own tokenizer (``cached_tokenizer_from_config``), sized by the model's vocab.
-- ``validate_sampling_params`` runs in the API server before a request reaches the engine:
-  it parses the request and runs ``Engine.check`` (routing plus the engine's syntax check),
+- ``validate_sampling_params`` runs in the API server before a request reaches vLLM's engine:
+  it parses the request and runs ``Compiler.check`` (routing plus the backend's syntax check),
   never a tokenizer compile, and raises ``VLLMValidationError`` (an HTTP 400).
 - ``claim`` makes sure only one plugin instance acts per runner: vLLM instantiates a class
   that is both an installed entry point and listed in ``--logits-processors`` twice.
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from .. import __version__, metrics
 from ..agreement import Agreement, Solo, tp_group_for_vllm
-from ..compiler import Engine, Grammar
+from ..compiler import Compiler, Grammar
 from ..errors import GrammarError
 from ..masks import Filler
 from ..processor import BatchProcessor
@@ -43,7 +43,14 @@ from .vllm_admission import (  # re-exported: the adapters' (and tests') one imp
     request_of,
     validate_sampling_params,
 )
-from .vllm_engine import _ENGINES, shared_engine, use_vllm_logging, vocabulary_from_vllm
+from .vllm_compiler import (  # _ENGINES, shared_engine: the old names, kept
+    _COMPILERS,
+    _ENGINES,
+    shared_compiler,
+    shared_engine,
+    use_vllm_logging,
+    vocabulary_from_vllm,
+)
 from .vllm_settings import (
     SETTINGS,
     Settings,
@@ -61,11 +68,11 @@ log = logging.getLogger("grammask")
 FQCN = "grammask.integrations.vllm_plugin:GrammaskLogitsProcessor"
 RunnerKind = Literal["v1", "v2"]
 
-__all__ = ["FQCN", "REQUEST_KEYS", "SETTINGS", "_ENGINES", "PluginCore", "RunnerKind",
+__all__ = ["FQCN", "REQUEST_KEYS", "SETTINGS", "_COMPILERS", "_ENGINES", "PluginCore", "RunnerKind",
            "Settings", "_caller_vllm_config", "_checked", "_checker", "_frontend_settings",
-           "_parsed", "_request_key", "_settings_of", "_speculative_on_v1", "_tp_rank",
-           "_tp_size", "describe_settings", "load_settings", "request_of", "settings_for",
-           "settings_table", "shared_engine", "use_vllm_logging", "validate_sampling_params",
+           "_parsed", "_request_key", "_settings_of", "_speculative_on_v1", "_tp_rank", "_tp_size",
+           "describe_settings", "load_settings", "request_of", "settings_for", "settings_table",
+           "shared_compiler", "shared_engine", "use_vllm_logging", "validate_sampling_params",
            "vocabulary_from_vllm"]
 
 
@@ -75,7 +82,7 @@ _ACTIVE_LOCK = threading.Lock()
 
 
 class PluginCore:
-    """Per-instance state both adapters share: settings, engine, processor, inertness.
+    """Per-instance state both adapters share: settings, compiler, processor, inertness.
 
     Only the newest instance per (``vllm_config``, runner) is active: vLLM builds a class
     listed both as entry point and in ``--logits-processors`` twice, in one go, and a
@@ -88,7 +95,7 @@ class PluginCore:
         self.max_batch = max_batch
         self.settings = settings_for(vllm_config)
         self.active = self.settings.enabled
-        self.engine: Engine | None = None
+        self.compiler: Compiler | None = None
         self.agreement: Agreement = Solo()
         self._proc: BatchProcessor | None = None
         use_vllm_logging()
@@ -97,7 +104,7 @@ class PluginCore:
                  describe_settings(self.settings))
         if not self.active:
             return
-        self.engine = shared_engine(vllm_config, self.settings)
+        self.compiler = shared_compiler(vllm_config, self.settings)
         # a collective: every rank builds its plugin at the same point of start-up
         self.agreement = tp_group_for_vllm() if _tp_size(vllm_config) > 1 else Solo()
         port = self.settings.metrics_port
@@ -124,12 +131,12 @@ class PluginCore:
     def processor(self) -> BatchProcessor:
         """The batch processor (made at the first constrained request: a fill thread)."""
         if self._proc is None:
-            assert self.engine is not None
+            assert self.compiler is not None
             kwargs: dict[str, Any] = {}
             if self.settings.think_end != "auto":
                 kwargs["think_end"] = self.settings.think_end_arg
             self._proc = BatchProcessor(
-                self.engine, max_batch=self.max_batch, wait_s=self.settings.wait_s,
+                self.compiler, max_batch=self.max_batch, wait_s=self.settings.wait_s,
                 hedge_s=self.settings.hedge_s, agreement=self.agreement,
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
                 filler=Filler(parallel_min=self.settings.parallel_min,
@@ -143,7 +150,7 @@ class PluginCore:
             return False
         if self.settings.think_end != "auto":
             return True
-        return self.engine is not None and self.engine.vocab.think_end is not None
+        return self.compiler is not None and self.compiler.vocab.think_end is not None
 
     def request(self, sampling_params: Any) -> tuple[ConstraintRequest | None,
                                                      Future[Grammar] | None]:
@@ -159,9 +166,9 @@ class PluginCore:
             return _invalid(exc)
         if request is None:
             return None, None
-        assert self.engine is not None
+        assert self.compiler is not None
         try:
-            return request, self.engine.compile_async(request.spec)
+            return request, self.compiler.compile_async(request.spec)
         except GrammarError as exc:
             return _invalid(exc)
 

@@ -103,20 +103,20 @@ def _think_end(value: object) -> str:
 SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "enabled": (_bool, "0 makes the plugin inert; requests with grammask keys get a 400"),
     "backend": (_choice("auto", "xgrammar", "guidance"),
-                "engine for requests that do not name one (auto: per-request routing)"),
+                "backend for requests that do not name one (auto: per-request routing)"),
     "prefer": (_choice("auto", "xgrammar", "guidance"),
-               "tie-break when both engines enforce a schema"),
+               "tie-break when both backends enforce a schema"),
     "cache_mb": (_positive(int), "compiled-grammar LRU cache size, MiB"),
     "compile_threads": (_positive(int), "concurrent grammar compiles"),
-    "compile_timeout_s": (_positive(float), "compile budget per engine (the compile goes on "
+    "compile_timeout_s": (_positive(float), "compile budget per backend (the compile goes on "
                           "failing only its own requests past it)"),
     "wait_s": (_positive(float), "longest the batch waits for a row's grammar at its first "
                "mask; past it that row alone fails (stop-only) and the compile finishes for "
                "the cache"),
-    "hedge_s": (_positive(float), "after this, a JSON schema whose routed engine is still "
-                "compiling is compiled by the other engine too; the first ready serves"),
+    "hedge_s": (_positive(float), "after this, a JSON schema whose routed backend is still "
+                "compiling is compiled by the other backend too; the first ready serves"),
     "fill_threads": (_optional_int, "threads of the batch-parallel mask fill (auto)"),
-    "parallel_min": (_positive(int), "fewest rows of one engine that use the batch fill"),
+    "parallel_min": (_positive(int), "fewest rows of one backend that use the batch fill"),
     "on_error": (_choice("stop", "free"),
                  "a failed row gets a stop-only mask (stop) or none (free)"),
     "think_end": (_think_end, "thinking end marker: auto (from the tokenizer, e.g. "
@@ -127,7 +127,7 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                    "across restarts and processes: auto (the user's cache directory), off, "
                    "or a directory"),
     "disk_cache_mb": (_positive(int), "size bound of the disk cache, MiB"),
-    "metrics_port": (_port, "grammask's own Prometheus exporter in the engine core (0: off; "
+    "metrics_port": (_port, "grammask's own Prometheus exporter in vLLM's engine core (0: off; "
                      "or set PROMETHEUS_MULTIPROC_DIR to see them on vLLM's /metrics)"),
 }
 

@@ -173,7 +173,7 @@ class V2Batch:
                 self._fail_slot(slot, f"masking failed: {type(exc).__name__}: {exc}")
             expanded = _host(ctx.expanded_idx_mapping)
             _stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
-                       core.engine.vocab.stop_ids if core.engine is not None else ())
+                       core.compiler.vocab.stop_ids if core.compiler is not None else ())
             return logits
 
     def _prepare(self, slots: list[int]) -> BatchProcessor:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from grammask import Compiler, GrammarSpec, InvalidGrammarError, UnsupportedError, Vocabulary
+from grammask import (
+    Compiler,
+    GrammarSpec,
+    InvalidGrammarError,
+    UnsupportedError,
+    Vocabulary,
+    allocate_bitmask,
+)
 from grammask.spec import BackendName
 
 from .conftest import CORPUS
@@ -177,3 +184,28 @@ def test_guidance_error_state_ends_like_a_stop(qwen25: Vocabulary) -> None:
     assert m.is_terminated() and m.can_terminate()
     assert not m.accept(qwen25.encode("1")[0])
     assert m.accept(qwen25.stop_ids[0])
+
+
+def test_a_broken_llguidance_lexer_does_not_break_later_requests(compiler: Compiler,
+                                                                 qwen25: Vocabulary) -> None:
+    """A corpus schema (Github_easy o40228): a ``{162}`` repeat fed 112 tokens before a mask
+    hits llguidance's lexer limit. The copies of a template share its lexer, so every later
+    request's matcher refused its first token; now the next request gets a rebuilt one."""
+    schema = {"type": "object", "required": ["registrationID", "macAddress"], "properties": {
+        "registrationID": {"type": "string", "pattern": "[a-zA-Z0-9_-]{162}"},
+        "macAddress": {"type": "string",
+                       "pattern": "([0-9a-fA-F][0-9a-fA-F](:|-)){4}([0-9a-fA-F][0-9a-fA-F])"}}}
+    text = ('{"registrationID": "' + "1234567890-" * 14 + '12345678", '
+            '"macAddress": "00:11:22:33:44"}')
+    ids = qwen25.encode(text)
+    grammar = compiler.compile(GrammarSpec.json_schema(schema, backend="guidance"))
+    broken = grammar.matcher()
+    assert all(broken.accept(t) for t in ids[:112])
+    bitmask = allocate_bitmask(1, qwen25.vocab_size)
+    broken.fill(bitmask, 0)
+    if not broken.native.is_error():
+        pytest.skip("llguidance no longer hits its lexer limit here: nothing to rebuild")
+    assert broken.is_terminated()  # the broken request ends (its mask: stop tokens only)
+    fresh = grammar.matcher()
+    assert all(fresh.accept(t) for t in ids), "the next request inherited the broken lexer"
+    assert fresh.accept(qwen25.stop_ids[0]) and fresh.is_terminated()

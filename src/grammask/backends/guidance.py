@@ -8,7 +8,9 @@ template matcher per grammar, so a new request costs a ``deep_copy``, not a reco
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +33,16 @@ from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
 
+log = logging.getLogger("grammask")
+
 
 class GuidanceMatcher(BackendMatcher):
     def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...], vocab_size: int,
-                 first_mask: torch.Tensor | None = None) -> None:
+                 first_mask: torch.Tensor | None = None,
+                 owner: GuidanceCompiled | None = None) -> None:
         super().__init__(stop_ids, vocab_size)
         self._m = inner
+        self._owner = owner  # told when this matcher breaks (its lexer is shared: see there)
         self._first_mask = first_mask  # the start state's mask, computed once per grammar
         # the depth at which llguidance consumed a stop token: llguidance reports a complete
         # grammar (``abc`` after ``abc``) as stopped before any stop token, xgrammar does not
@@ -49,6 +55,7 @@ class GuidanceMatcher(BackendMatcher):
         if self._m.is_stopped():
             # also true in llguidance's error state (it lost the parse): that ends the output
             # like a stop, its mask allows only the stop tokens, and accepting one agrees
+            self._check_error()
             if tid in self._stop_ids:
                 self._extra_stops += 1
                 return True
@@ -74,6 +81,13 @@ class GuidanceMatcher(BackendMatcher):
             out.copy_(first)
             return
         self._m.unsafe_compute_mask_ptr(out.data_ptr(), self._words * 4)
+        self._check_error()
+
+    def _check_error(self) -> None:
+        owner = self._owner
+        if owner is not None and self._m.is_error():
+            self._owner = None  # once
+            owner.matcher_failed(str(self._m.get_error()))
 
     def rollback(self, num_tokens: int) -> None:
         n = self._rollback_count(num_tokens)  # llguidance dies silently past it
@@ -94,7 +108,7 @@ class GuidanceMatcher(BackendMatcher):
 
     def fork(self) -> Matcher:
         twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids, self._vocab_size,
-                               self._first_mask)
+                               self._first_mask, self._owner)
         twin._extra_stops = self._extra_stops
         twin._depth = self._depth
         twin._stop_at = self._stop_at
@@ -129,11 +143,25 @@ class GuidanceMatcher(BackendMatcher):
 
 
 class GuidanceCompiled:
+    """A compiled llguidance grammar: a pristine template matcher that requests deep-copy.
+
+    The copies share the template's lexer (its lazily built regex states). When a lexer
+    limit is hit ("lexer error: too many expressions constructed": a ``{162}`` repeat fed
+    many tokens at once), that shared lexer is broken for every later copy: each one would
+    refuse its first token. So a matcher that breaks reports it, and the next request gets
+    a template rebuilt from the grammar text (copies already running stay broken)."""
+
     backend: BackendName = "guidance"
 
     def __init__(self, template: llg.LLMatcher, grammar: str, stop_ids: tuple[int, ...],
-                 warnings: list[str], first_mask: torch.Tensor, vocab_size: int) -> None:
+                 warnings: list[str], first_mask: torch.Tensor, vocab_size: int,
+                 tokenizer: llg.LLTokenizer | None = None) -> None:
         self._template = template
+        self._grammar = grammar
+        self._tokenizer = tokenizer
+        self._broken = False
+        self.rebuilds = 0
+        self._lock = threading.Lock()
         self._stop_ids = stop_ids
         self._first_mask = first_mask
         self._vocab_size = vocab_size
@@ -142,8 +170,28 @@ class GuidanceCompiled:
         self.memory_bytes = len(grammar) * 4 + 64 * 1024 + first_mask.numel() * 4
 
     def matcher(self) -> GuidanceMatcher:
+        if self._broken:
+            self._rebuild()
         return GuidanceMatcher(self._template.deep_copy(), self._stop_ids, self._vocab_size,
-                               self._first_mask)
+                               self._first_mask, self)
+
+    def matcher_failed(self, error: str) -> None:
+        """A matcher made here entered llguidance's error state: the shared lexer may be
+        broken, so the next ``matcher()`` starts from a fresh template."""
+        if self._tokenizer is not None:
+            log.warning("grammask: an llguidance matcher failed (%s); the grammar's template "
+                        "is rebuilt for the next request", error.strip().splitlines()[0][:200])
+            self._broken = True
+
+    def _rebuild(self) -> None:
+        with self._lock:
+            if not self._broken or self._tokenizer is None:
+                return
+            fresh = llg.LLMatcher(self._tokenizer, self._grammar, log_level=0)
+            if not fresh.is_error():
+                self._template = fresh
+                self.rebuilds += 1
+            self._broken = False
 
 
 class GuidanceBackend:
@@ -158,7 +206,7 @@ class GuidanceBackend:
         first_mask = _first_mask(spec, template, vocab)
         return GuidanceCompiled(template, grammar, vocab.stop_ids,
                                 list(template.get_grammar_warnings()), first_mask,
-                                vocab.vocab_size)
+                                vocab.vocab_size, vocab.llguidance_tokenizer)
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
         grammar = grammar_text(spec, lenient=lenient)

@@ -491,3 +491,33 @@ def test_metrics_count_errors_waits_and_fills(compiler: Compiler, qwen25: Vocabu
     assert delta('grammask_first_mask_wait_seconds_count{outcome="ready"}') == 1
     assert delta('grammask_first_mask_wait_seconds_count{outcome="late"}') == 1
     assert delta("grammask_fill_seconds_count") >= 1
+
+
+
+def test_apply_mapped_and_apply_drafts_place_masks_in_the_hosts_row_order(
+        compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary) -> None:
+    """A host whose logits rows are not the processor's rows (vLLM V2: slots vs batch order)
+    gets each row's mask where it says, and the rows of drafts follow the draft tokens."""
+    regex, choice = grammars[2], grammars[3]
+    with BatchProcessor(compiler, max_batch=4, **PATIENT) as proc:
+        proc.add(3, regex.spec, grammar=regex)
+        proc.add(0, choice.spec, grammar=choice)
+        proc.step()
+        logits = torch.zeros(3, qwen25.vocab_size)
+        proc.apply_mapped(logits, [2, 0], [0, 3])  # logits row 1: unconstrained
+        assert torch.equal(allowed(logits[2]), RawReference.of(choice, qwen25).allowed())
+        assert torch.equal(allowed(logits[0]), RawReference.of(regex, qwen25).allowed())
+        assert bool(allowed(logits[1]).all())
+        a, b = qwen25.encode("ab"), qwen25.encode("1")  # row 3's drafts, then the bonus row
+        assert len(a) == 1 and len(b) == 1
+        proc.step()
+        logits = torch.zeros(3, qwen25.vocab_size)
+        proc.apply_drafts(logits, [3, 3, 3], [0, 1, 2], [0, a[0], b[0]])
+        for at, fed in enumerate([[], a, a + b]):
+            expected = RawReference.of(regex, qwen25)
+            assert all(expected.accept(t) for t in fed)
+            assert torch.equal(allowed(logits[at]), expected.allowed()), at
+        proc.step()  # the drafts were tentative: the row is still at its start
+        logits = torch.zeros(1, qwen25.vocab_size)
+        proc.apply_mapped(logits, [0], [3])
+        assert torch.equal(allowed(logits[0]), RawReference.of(regex, qwen25).allowed())

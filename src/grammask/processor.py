@@ -161,6 +161,9 @@ class BatchProcessor:
         self.agreement: Agreement = agreement or Solo()
         self.on_error: ErrorPolicy = on_error
         self._buffers = MaskBuffers(max_batch, self.vocab_size)
+        # mask rows in a host's own logits order (apply_mapped / apply_drafts), made on use
+        self._mapped: MaskBuffers | None = None
+        self._retired: list[MaskBuffers] = []
         self._worker = FillWorker()
         self._filler = filler or Filler()
         self._stop_row = stop_only_row(self.vocab.stop_ids, self.vocab_size)
@@ -364,6 +367,62 @@ class BatchProcessor:
                         indices.add(index)
         # rows filled here, after the job planned: its plan is stale
         return step.buffer, sorted(indices), step.plan if not late else None
+
+    def apply_mapped(self, logits: torch.Tensor, logits_rows: Sequence[int],
+                     rows: Sequence[int]) -> None:
+        """Like ``apply``, for a host whose logits rows are not the processor's rows (vLLM's
+        V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
+        gets row ``rows[i]``'s mask. Other logits rows are left alone."""
+        bitmask, masked = self.wait_masks(rows)
+        ready = set(masked)
+        pairs = [(int(at), int(row)) for at, row in zip(logits_rows, rows, strict=True)
+                 if row in ready]
+        if not pairs:
+            return
+        masks, buffer = self._mapped_buffer(logits.shape[0])
+        picked = bitmask.index_select(0, torch.tensor([row for _, row in pairs]))
+        buffer.index_copy_(0, torch.tensor([at for at, _ in pairs]), picked)
+        apply_bitmask(logits, buffer, vocab_size=self.vocab_size,
+                      indices=sorted(at for at, _ in pairs), buffers=masks)
+
+    def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
+                     positions: Sequence[int], inputs: Sequence[int]) -> None:
+        """Speculative decoding: logits row ``i`` belongs to processor row ``rows[i]`` (-1 or
+        a row not sampling: left alone) at draft position ``positions[i]`` (0: the committed
+        state; k: after the first k draft tokens; the last: the bonus position), and
+        ``inputs[i]`` is the token fed at that logits row (the draft tokens of positions
+        1.. are the inputs of the rows before them). Each row's masks follow its drafts
+        (``fill_drafts``)."""
+        sampling = {int(r) for r in rows if int(r) in self._rows}
+        bitmask, masked = self.wait_masks(sorted(sampling))
+        ready = set(masked)
+        masks, buffer = self._mapped_buffer(logits.shape[0])
+        placed: dict[int, list[tuple[int, int]]] = {}
+        for at, (row, pos) in enumerate(zip(rows, positions, strict=True)):
+            if int(row) in sampling:
+                placed.setdefault(int(row), []).append((int(pos), at))
+        indices: list[int] = []
+        for row, spots in placed.items():
+            out_rows = [at for _, at in sorted(spots)]
+            if row in ready:
+                buffer[out_rows[0]].copy_(bitmask[row])
+            else:
+                buffer[out_rows[0]].fill_(-1)
+            self.fill_drafts(row, [int(inputs[at]) for at in out_rows[1:]], buffer, out_rows)
+            if row in ready or len(out_rows) > 1:
+                indices += out_rows
+        if indices:
+            apply_bitmask(logits, buffer, vocab_size=self.vocab_size, indices=sorted(indices),
+                          buffers=masks)
+
+    def _mapped_buffer(self, rows: int) -> tuple[MaskBuffers, torch.Tensor]:
+        """Mask rows in the host's logits order (``apply_mapped`` / ``apply_drafts``)."""
+        masks = self._mapped
+        if masks is None or masks.max_batch < rows:
+            if masks is not None:  # a device copy may still read it: kept, never reused
+                self._retired.append(masks)
+            masks = self._mapped = MaskBuffers(max(rows, self.max_batch), self.vocab_size)
+        return masks, masks.acquire()
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:

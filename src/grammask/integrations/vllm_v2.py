@@ -12,8 +12,9 @@ matchers is the adapter's job, done without stalling the GPU:
    buffers with non-blocking copies and record a CUDA event. A helper thread waits for the
    event, appends the tokens to the slots' live lists and starts the processor's fill, so
    the copy and the fill both overlap the forward. (On CPU the copies are plain copies.)
-3. ``apply(logits, ctx)``: join the helper, wait for the fill, gather the slots' mask rows
-   into logits-row order and mask. Rows of unconstrained slots and chunked-prefill rows
+3. ``apply(logits, ctx)``: join the helper; the processor waits for the fill and masks the
+   logits rows of the sampling slots (it maps slots to batch rows: ``apply_mapped``). Rows
+   of unconstrained slots and chunked-prefill rows
    (their sample is discarded) are left alone.
 
 Which rows are filled: the helper's fill covers the slots that sampled in the previous step
@@ -22,8 +23,9 @@ missed is filled in ``apply`` once the context says it samples. So a finished re
 is filled at most once more, a long compile never stalls a chunked prefill, and the set of
 rows whose first mask is decided is the same on every tensor-parallel rank.
 A resumed request (``prefill_len > prompt_len``) replays its earlier output.
+Speculative decoding: a request owns one logits row per draft position plus the bonus row;
+the processor fills them along the drafts (``BatchProcessor.apply_drafts``).
 Nothing here raises into vLLM's step: a failure of the helper fails the slots it served.
-Speculative decoding is refused at start-up (one row per draft position is not built yet).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import torch
 
 from ..bitmask import normal_tensors
 from ..compiler import Grammar
-from ..masks import MaskBuffers, apply_bitmask
 from ..processor import BatchProcessor
 from ..request import ConstraintRequest
 from .vllm_common import PluginCore
@@ -95,7 +96,6 @@ class V2Batch:
         self._helper: ThreadPoolExecutor | None = None
         self._handoff: Future[None] | None = None
         self._live: set[int] = set()  # slots that sampled last step: this step's fill
-        self._masks: MaskBuffers | None = None
         pin = self._cuda
         with normal_tensors():
             self._index_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -188,25 +188,9 @@ class V2Batch:
                 self._join(slot, st)
         return proc
 
-    def _buffer(self, vocab_size: int) -> tuple[MaskBuffers, torch.Tensor]:
-        if self._masks is None:
-            rows = int(self.rs.max_num_reqs) * (1 + self.num_spec)
-            self._masks = MaskBuffers(rows, vocab_size)
-        return self._masks, self._masks.acquire()
-
     def _mask(self, logits: torch.Tensor, rows: np.ndarray, slots: list[int]) -> torch.Tensor:
-        """One logits row per request: gather the slots' mask rows into batch order."""
-        proc = self._prepare(slots)
-        bitmask, masked = proc.wait_masks(slots)
-        ready = set(masked)
-        pairs = [(int(r), s) for r, s in zip(rows, slots, strict=True) if s in ready]
-        if not pairs:
-            return logits
-        masks, buffer = self._buffer(proc.vocab_size)
-        picked = bitmask.index_select(0, torch.tensor([s for _, s in pairs]))
-        buffer.index_copy_(0, torch.tensor([r for r, _ in pairs]), picked)
-        apply_bitmask(logits, buffer, vocab_size=proc.vocab_size,
-                      indices=[r for r, _ in pairs], buffers=masks)
+        """One logits row per request: the processor maps slots to batch rows."""
+        self._prepare(slots).apply_mapped(logits, rows.tolist(), slots)
         return logits
 
     def _mask_drafts(self, logits: torch.Tensor, ctx: Any, slots: list[int]) -> torch.Tensor:
@@ -214,31 +198,10 @@ class V2Batch:
         bonus row (``expanded_local_pos`` 0..n); row k's mask follows the first k drafts,
         which are this step's ``input_ids`` of rows 1..k (row 0's input is committed)."""
         expanded = _host(ctx.expanded_idx_mapping)
-        local = _host(ctx.expanded_local_pos)
-        inputs = _host(ctx.input_ids)
-        proc = self._prepare(slots)
-        bitmask, masked = proc.wait_masks(slots)
-        ready = set(masked)
-        masks, buffer = self._buffer(proc.vocab_size)
         sampling = set(slots)
-        by_slot: dict[int, list[tuple[int, int]]] = {}
-        for row, (slot, pos) in enumerate(zip(expanded.tolist(), local.tolist(), strict=True)):
-            if slot in sampling:
-                by_slot.setdefault(int(slot), []).append((int(pos), row))
-        indices: list[int] = []
-        for slot, placed in by_slot.items():
-            out_rows = [row for _, row in sorted(placed)]
-            if slot in ready:
-                buffer[out_rows[0]].copy_(bitmask[slot])
-            else:
-                buffer[out_rows[0]].fill_(-1)
-            drafts = [int(inputs[row]) for row in out_rows[1:]]
-            proc.fill_drafts(slot, drafts, buffer, out_rows)
-            if slot in ready or len(out_rows) > 1:
-                indices += out_rows
-        if indices:
-            apply_bitmask(logits, buffer, vocab_size=proc.vocab_size,
-                          indices=sorted(indices), buffers=masks)
+        rows = [int(s) if int(s) in sampling else -1 for s in expanded.tolist()]
+        self._prepare(slots).apply_drafts(logits, rows, _host(ctx.expanded_local_pos).tolist(),
+                                          _host(ctx.input_ids).tolist())
         return logits
 
     # ------------------------------------------------------------------ internals

@@ -22,6 +22,9 @@ def test_compile_kinds_and_forced_backend(capsys: pytest.CaptureFixture[str]) ->
     assert main(["compile", "[0-9]+", "--kind", "regex", "--backend", "guidance",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["backend"] == "guidance"
+    assert main(["compile", "[0-9]+", "--kind", "regex", "--backend", "llguidance",
+                 "--json"]) == 0  # the alias, as everywhere else
+    assert json.loads(capsys.readouterr().out)["backend"] == "guidance"
     assert main(["compile", '["a", "b"]', "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "choice"
 

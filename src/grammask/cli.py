@@ -20,13 +20,18 @@ from typing import Any
 
 from .compiler import Compiler, running_compiles
 from .errors import GrammarError
-from .spec import GrammarSpec
+from .spec import GrammarSpec, canonical_backend
 from .spec_text import spec_from_text
 from .vocab import load_vocabulary
 
 #: the benchmarks ``grammask bench`` runs (``bench/<name>.py`` of a source checkout)
 BENCHMARKS = ("compile", "mask", "overlap")
 
+
+
+def _backend_arg(value: str) -> str:
+    """A ``--backend`` value with its alias resolved (``llguidance`` -> ``guidance``)."""
+    return str(canonical_backend(value.strip().lower()))
 
 def main(argv: Sequence[str] | None = None) -> int:
     code = _main(argv)
@@ -54,7 +59,9 @@ def _main(argv: Sequence[str] | None) -> int:
     comp.add_argument("spec", help="inline spec text, or a path to a file holding it")
     comp.add_argument("--kind", choices=["json", "regex", "choice", "grammar", "named"],
                       help="named: SPEC is a library grammar's name (grammask grammars)")
-    comp.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "guidance"])
+    comp.add_argument("--backend", default="auto", type=_backend_arg,
+                      choices=["auto", "xgrammar", "guidance"],
+                      help="auto (per-spec routing), xgrammar, or guidance (alias llguidance)")
     comp.add_argument("--tokenizer", default="qwen2.5")
     comp.add_argument("--timeout", type=float, default=30.0)
     comp.add_argument("--json", action="store_true", help="print one JSON object")

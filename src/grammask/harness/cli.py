@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ..spec import canonical_backend
 from . import extras
 from .check import BACKEND_LABELS, CheckConfig, Checker
 from .corpus import GROUPS, Item, ItemKind, load_items, read_instances
@@ -48,7 +49,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--whole", action="append", metavar="NAME", default=[],
                    help="a subset exempt from --sample (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="all", choices=["auto", "xgrammar", "guidance", "all"])
+    p.add_argument("--backend", default="all", choices=["auto", "xgrammar", "guidance", "all"],
+                   type=lambda v: str(canonical_backend(v.strip().lower())),
+                   help="one backend (guidance: alias llguidance), auto routing, or all three")
     p.add_argument("--tokenizer", default="qwen2.5")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="compile budget per spec and backend (Compiler timeout_s)")

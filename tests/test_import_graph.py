@@ -219,6 +219,22 @@ def test_the_checker_finds_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert any(e.deferred and e.source == "cyc.sub.cli" and e.target == "cyc.a" for e in found)
 
 
+def test_only_the_backends_and_their_disk_format_know_the_concrete_adapters() -> None:
+    """Batch fill is a capability of the backend protocol: the mask pipeline, the processor
+    and the integrations name no concrete adapter (only the disk cache, which stores
+    xgrammar's own format, imports ``backends.xgrammar``)."""
+    concrete = {"grammask.backends.xgrammar", "grammask.backends.guidance"}
+    allowed = {"grammask.backends", "grammask.diskcache"}
+    users = sorted({e.source for e in edges() if e.target in concrete
+                    and not any(e.source == a or e.source.startswith(a + ".") for a in allowed)})
+    assert users == [], users
+    for path in (ROOT / "src" / "grammask").rglob("*.py"):
+        if "backends" in path.parts or path.name == "diskcache.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert "XGrammarMatcher" not in text and "GuidanceMatcher" not in text, path
+
+
 if __name__ == "__main__":
     print(report())
     sys.exit(0)

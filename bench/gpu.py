@@ -48,7 +48,7 @@ def apply_vs_memcpy(reps: int) -> list[dict[str, Any]]:
 
 
 def _apply_case(vocab: int, batch: int, dtype: torch.dtype, reps: int) -> dict[str, Any]:
-    from grammask.masks import apply_bitmask
+    from grammask.apply import apply_bitmask
 
     words = (vocab + 31) // 32
     gen = torch.Generator().manual_seed(batch)

@@ -57,9 +57,10 @@ from bench.cases import load_maskbench
 from bench.paths import DEFAULT_CORPUS
 from bench.stats import fmt_ms, machine_info, percentile, render_table, write_json
 from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
+from grammask.apply import apply_bitmask, plan_cpu_apply
 from grammask.backends import Matcher
 from grammask.bitmask import allocate_bitmask
-from grammask.masks import Filler, apply_bitmask, plan_cpu_apply
+from grammask.masks import Filler
 from grammask.processor import BatchProcessor
 
 

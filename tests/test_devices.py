@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
-from grammask.masks import apply_bitmask
+from grammask.apply import apply_bitmask
 from grammask.processor import BatchProcessor
 
 from .helpers import PATIENT

@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
+from grammask.apply import apply_bitmask, plan_cpu_apply
 from grammask.backends import Matcher
-from grammask.masks import (
-    Filler,
-    FillWorker,
-    MaskBuffers,
-    apply_bitmask,
-    plan_cpu_apply,
-    stop_only_row,
-)
+from grammask.masks import Filler, FillWorker, MaskBuffers, stop_only_row
 from grammask.processor import BatchProcessor
 
 from .helpers import feed

@@ -53,21 +53,12 @@ import torch
 
 from . import metrics
 from .agreement import Agreement, Solo
+from .apply import CpuPlan, apply_bitmask, cpu_plannable, plan_cpu_apply
 from .backends.base import Matcher
 from .compiler import Compiler, Grammar
 from .errors import GrammarError
 from .firstmask import READY, VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
-from .masks import (
-    CpuPlan,
-    Filler,
-    FillWorker,
-    MaskBuffers,
-    Ticket,
-    apply_bitmask,
-    cpu_plannable,
-    plan_cpu_apply,
-    stop_only_row,
-)
+from .masks import Filler, FillWorker, MaskBuffers, Ticket, stop_only_row
 from .reasoning import BoundaryGuard, ThinkGate, ThinkMarker
 from .request import ConstraintRequest
 from .spec import GrammarSpec

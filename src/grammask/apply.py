@@ -1,0 +1,266 @@
+"""Masking logits with a filled bitmask: the apply side of a decode step.
+
+- ``plan_cpu_apply`` / ``CpuPlan``: the bitmask expanded into flat logit indices, made on the
+  fill thread (it overlaps the forward) so that the CPU apply on the critical path is only a
+  memset of the rows that allow few tokens, a gather/scatter of their allowed logits, and a
+  scatter of -inf at the refused tokens of the other rows.
+- ``apply_bitmask``: masks logits in place. CPU logits go through such a plan when one is
+  given and fits, else through xgrammar's CPU kernel (rows that allow few tokens memset and
+  restored). CUDA logits use the Triton kernel (untested: no GPU where this was written).
+  ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile``
+  (~24 s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .masks import MaskBuffers
+
+#: Dtypes of the planned CPU apply (as same-width ints: -inf's bit pattern); anything else
+#: goes through the torch fallback.
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: rows with at most this many non-zero words (or a quarter of them) take the memset path
+_SPARSE_WORDS = 64
+_INT_VIEW: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float32: (torch.int32, int(np.array(-np.inf, np.float32).view(np.int32))),
+    torch.float16: (torch.int16, int(np.array(-np.inf, np.float16).view(np.int16))),
+    torch.bfloat16: (torch.int16, -128),  # 0xFF80
+}
+#: Cost model of the planned apply, per logit (measured on this machine, 1 thread): a row
+#: wiped by a memset costs ~1/32 of one scattered index, and a kept logit two indexed
+#: accesses (gather before the memset, scatter after).
+_WIPE_DIVISOR = 32
+
+
+@dataclass(frozen=True, eq=False)
+class CpuPlan:
+    """A bitmask turned into flat logit indices for one logits layout (``plan_cpu_apply``).
+
+    ``keep``: flat indices (``row * stride + token``) of the allowed logits of the *wiped*
+    rows: rows that allow few tokens, which are filled with -inf wholesale (``runs``: their
+    consecutive runs, ``[start, stop)``) after their allowed logits are saved, then restored.
+    ``kill``: flat indices of the refused logits of the other rows, model padding included.
+    Valid for ``rows`` of logits with row stride ``stride`` and width ``width`` only."""
+
+    rows: tuple[int, ...]
+    stride: int
+    width: int
+    covered: int
+    keep: np.ndarray[Any, np.dtype[np.intp]]
+    kill: np.ndarray[Any, np.dtype[np.intp]]
+    runs: tuple[tuple[int, int], ...]
+
+    def fits(self, logits: torch.Tensor, rows: Sequence[int], covered: int) -> bool:
+        return (logits.stride(0) == self.stride and logits.shape[1] == self.width
+                and covered == self.covered and tuple(rows) == self.rows)
+
+
+def _bit_positions(words: np.ndarray[Any, np.dtype[np.uint32]]
+                   ) -> tuple[np.ndarray[Any, np.dtype[np.intp]],
+                              np.ndarray[Any, np.dtype[np.intp]]]:
+    """(row, bit index) of every set bit of a 2-D uint32 array, in row-major order.
+
+    Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path:
+    ~10x faster than on uint8)."""
+    nwords = words.shape[1]
+    at = np.flatnonzero(words != 0)
+    bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").view(np.bool_)
+    found = np.flatnonzero(bits)
+    row, col = np.divmod(at[found >> 5], nwords)
+    return row, col * 32 + (found & 31)
+
+
+def cpu_plannable(logits: torch.Tensor) -> bool:
+    """Whether ``apply_bitmask`` masks these (2-D) logits through a ``CpuPlan``."""
+    return (logits.dim() == 2 and logits.device.type == "cpu"
+            and logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1)
+
+
+def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: int, width: int,
+                   stride: int) -> CpuPlan:
+    """Expand ``bitmask[rows]`` into the indices ``apply_bitmask`` masks CPU logits with.
+
+    The logits' layout (``width`` columns, rows ``stride`` elements apart) is fixed here.
+    Each row takes the cheaper way by its allowed count ``k`` and refused count ``d``:
+    wipe and restore (a memset of the row plus ``2k`` indexed accesses) or scatter -inf at
+    the ``d`` refused tokens. Costs O(rows x words) numpy work; made on the fill thread."""
+    covered = min(width, vocab_size, bitmask.shape[1] * 32)
+    nwords = (covered + 31) // 32
+    order = tuple(rows)
+    index = np.asarray(order, dtype=np.intp)
+    words = bitmask.numpy().view(np.uint32)[index, :nwords]  # a copy
+    tail = np.uint32((1 << (covered % 32)) - 1) if covered % 32 else np.uint32(0xFFFFFFFF)
+    if nwords:
+        words[:, -1] &= tail  # bits at or past ``covered`` never count
+    allowed = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
+    wipe = 2 * allowed + width // _WIPE_DIVISOR < covered - allowed
+    empty = np.zeros(0, dtype=np.intp)
+    keep = kill = empty
+    runs: list[tuple[int, int]] = []
+    if wipe.any():
+        wiped = index[wipe]
+        at, token = _bit_positions(words[wipe])
+        keep = wiped[at] * stride + token
+        start = prev = -2
+        for r in sorted(set(wiped.tolist())):  # fill runs of consecutive rows at once
+            if r != prev + 1:
+                if prev >= 0:
+                    runs.append((start, prev + 1))
+                start = r
+            prev = r
+        runs.append((start, prev + 1))
+    if not wipe.all():
+        scattered = index[~wipe]
+        refused = ~words[~wipe]
+        if nwords:
+            refused[:, -1] &= tail
+        at, token = _bit_positions(refused)
+        kill = scattered[at] * stride + token
+        if width > covered:  # model padding past the mask
+            pad = np.arange(covered, width, dtype=np.intp)
+            kill = np.concatenate([kill, (scattered[:, None] * stride + pad).ravel()])
+    return CpuPlan(order, stride, width, covered, keep, kill, tuple(runs))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: int,
+                  indices: Sequence[int] | None = None,
+                  buffers: MaskBuffers | None = None, plan: CpuPlan | None = None) -> None:
+    """Set ``logits[i, j] = -inf`` where bit ``j`` of ``bitmask[i]`` is clear, in place.
+
+    - ``indices``: only these rows of ``logits`` are masked (row ``i`` of the logits uses row
+      ``i`` of the bitmask); None masks rows ``0 .. logits.shape[0]-1``.
+    - Padding: columns at or past ``vocab_size`` (model padding wider than the mask) become
+      -inf in masked rows; a mask wider than the logits is cut to the logits' width.
+    - Dtypes: fp32/fp16/bf16 through the kernels; other float dtypes through a torch fallback.
+    - Device: CPU logits go through ``plan``, a ``CpuPlan`` made ahead by ``plan_cpu_apply``
+      from this bitmask's current contents (the fill thread does, when the forward leaves it
+      time), when it fits these logits and rows; else through xgrammar's CPU kernel, with
+      rows that allow few tokens memset and restored. CUDA logits copy the (pinned) bitmask to the
+      device and use the Triton kernel: that branch is untested here (no GPU).
+    """
+    if logits.dim() == 1:
+        logits = logits.unsqueeze(0)
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError(f"expected 2-D logits and a 2-D int32 bitmask, got {tuple(logits.shape)}"
+                         f" and {tuple(bitmask.shape)} {bitmask.dtype}")
+    rows = list(range(logits.shape[0])) if indices is None else list(indices)
+    if not rows:
+        return
+    if max(rows) >= min(logits.shape[0], bitmask.shape[0]) or min(rows) < 0:
+        raise ValueError(f"row indices {min(rows)}..{max(rows)} outside logits "
+                         f"{tuple(logits.shape)} / bitmask {tuple(bitmask.shape)}")
+    width = logits.shape[1]
+    covered = min(width, vocab_size, bitmask.shape[1] * 32)
+    if logits.device.type == "cpu":
+        if logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1:
+            if plan is not None and plan.fits(logits, rows, covered):
+                _apply_plan(logits, plan)
+                return  # the plan covers the padding columns
+            # no plan made ahead: planning here would cost more than it saves
+            _apply_cpu(logits, bitmask, covered, rows)
+        else:
+            _apply_torch(logits, bitmask, covered, rows)
+    else:  # GPU path: untested here (no CUDA device on the development machine)
+        device_mask = (buffers.to_device(bitmask, max(rows) + 1, logits.device)
+                       if buffers is not None else
+                       bitmask[:max(rows) + 1].to(logits.device, non_blocking=True))
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=covered,
+                                        indices=None if indices is None else rows,
+                                        backend="triton" if _has_triton() else "torch_native")
+    if width > covered:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index, covered:] = float("-inf")
+
+
+def _apply_plan(logits: torch.Tensor, plan: CpuPlan) -> None:
+    """The critical-path part of the CPU apply: gather, memset, scatter (numpy indexing on
+    a same-width integer view of the logits' storage: exact for every value, NaN included;
+    numpy's indexing costs ~1 us a call where torch's costs ~10 us)."""
+    int_dtype, minus_inf = _INT_VIEW[logits.dtype]
+    stride = plan.stride
+    # the rows' storage as one flat view (rows may be strided apart, columns are not)
+    flat = logits.detach().as_strided(((logits.shape[0] - 1) * stride + logits.shape[1],),
+                                      (1,), logits.storage_offset())
+    view = flat.view(int_dtype).numpy()
+    keep = plan.keep
+    saved = view[keep] if keep.size else None
+    for start, stop in plan.runs:
+        logits[start:stop].fill_(float("-inf"))
+    if saved is not None:
+        view[keep] = saved
+    if plan.kill.size:
+        view[plan.kill] = minus_inf
+
+
+def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
+               rows: list[int]) -> None:
+    """CPU apply, split by how much a row allows.
+
+    xgrammar's kernel skips all-ones words but writes -inf one element at a time, so it is
+    fast for rows that allow most tokens (free text) and slow for the common structural rows
+    that allow a handful. Those *sparse* rows are instead saved at their allowed ids, filled
+    with -inf wholesale (a memset, the cheapest write there is) and restored. The index work
+    is done in numpy: its calls cost ~1 us where torch's cost ~10 us."""
+    nwords = (covered + 31) // 32
+    words = bitmask.numpy()[rows, :nwords]
+    flags = np.count_nonzero(words, axis=1) <= max(_SPARSE_WORDS, nwords // 4)
+    sparse_rows = [r for r, s in zip(rows, flags.tolist(), strict=True) if s]
+    if len(sparse_rows) < len(rows):
+        from xgrammar.kernels.apply_token_bitmask_inplace_cpu import (
+            apply_token_bitmask_inplace_cpu,
+        )
+
+        apply_token_bitmask_inplace_cpu(
+            logits, bitmask, covered, [r for r, s in zip(rows, flags.tolist(), strict=True)
+                                       if not s])
+        if not sparse_rows:
+            return
+        words = words[flags]
+    at = np.flatnonzero(words)
+    bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").reshape(-1, 32)
+    pair, bit = np.nonzero(bits)
+    at = at[pair]
+    token = (at % nwords) * 32 + bit
+    if covered % 32:
+        keep = token < covered
+        token, at = token[keep], at[keep]
+    stride = logits.stride(0)
+    index = np.asarray(sparse_rows, dtype=np.int64)[at // nwords] * stride + token
+    # the rows' storage as one flat view (rows may be strided apart, columns are not)
+    flat = logits.as_strided(((logits.shape[0] - 1) * stride + logits.shape[1],), (1,),
+                             logits.storage_offset())
+    index_t = torch.from_numpy(index)
+    saved = flat.take(index_t)
+    start = prev = sparse_rows[0]
+    for r in [*sparse_rows[1:], -1]:  # fill runs of consecutive rows at once
+        if r != prev + 1:
+            logits[start:prev + 1].fill_(float("-inf"))
+            start = r
+        prev = r
+    flat.put_(index_t, saved)
+
+
+def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
+                 rows: list[int]) -> None:
+    """Reference path for dtypes or layouts the kernel does not take."""
+    index = torch.tensor(rows, device=logits.device)
+    words = bitmask.to(logits.device)[index].to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(32, dtype=torch.int64, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :covered].bool()
+    block = logits[index, :covered]
+    block.masked_fill_(~allowed, float("-inf"))
+    logits[index, :covered] = block
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

@@ -31,19 +31,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tests.e2e.specs import LLG_SCHEMA, REGEX, XG_SCHEMA
+
 from bench.stats import fmt_ms, machine_info, render_table, write_json
 
-XG_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["n", "ok", "color"], "additionalProperties": False}
-LLG_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
-                   "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"}},
-    "required": ["name", "code"], "additionalProperties": False}
-REGEX = r"(ab|cd)[0-9]{1,3}(-[a-z]{2})?"
 CHOICES = ["alpha", "beta", "gamma delta"]
 
 

@@ -203,9 +203,10 @@ def test_a_broken_llguidance_lexer_does_not_break_later_requests(compiler: Compi
     assert all(broken.accept(t) for t in ids[:112])
     bitmask = allocate_bitmask(1, qwen25.vocab_size)
     broken.fill(bitmask, 0)
-    if not broken.native.is_error():
-        pytest.skip("llguidance no longer hits its lexer limit here: nothing to rebuild")
+    # llguidance 1.7 (pinned) hits its limit here; a release without it must revisit this test
+    assert broken.native.is_error(), "llguidance no longer breaks its lexer on this schema"
     assert broken.is_terminated()  # the broken request ends (its mask: stop tokens only)
     fresh = grammar.matcher()
+    assert grammar.backend_grammar.rebuilds == 1  # type: ignore[attr-defined]
     assert all(fresh.accept(t) for t in ids), "the next request inherited the broken lexer"
     assert fresh.accept(qwen25.stop_ids[0]) and fresh.is_terminated()

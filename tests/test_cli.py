@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from bench.stress import nested_one_of
 
 from grammask.cli import main
 
@@ -45,15 +46,6 @@ def test_bad_spec_exits_nonzero(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["error"] == "InvalidSchemaError"
 
 
-def _nested_one_of(depth: int, width: int) -> dict[str, object]:
-    node: dict[str, object] = {"type": "string", "pattern": "[a-z]{2,8}@[a-z]+\\.com"}
-    for d in range(depth):
-        node = {"oneOf": [{"type": "object", "properties": {
-            f"k{d}_{i}": node, "e": {"type": "string", "format": "email"}},
-            "required": [f"k{d}_{i}"]} for i in range(width)]}
-    return node
-
-
 #: ``python -m grammask.cli`` whose xgrammar compiles never end (a runaway on demand, on any
 #: machine): the compile blocks forever, so only the program's own exit can end it
 _RUNAWAY_CLI = """
@@ -82,7 +74,7 @@ def test_compile_exits_promptly_after_a_timeout(tmp_path: object) -> None:
     from pathlib import Path
 
     path = Path(str(tmp_path)) / "slow.json"
-    path.write_text(json.dumps(_nested_one_of(6, 3)))
+    path.write_text(json.dumps(nested_one_of(6, 3, "k")))
     proc = subprocess.Popen([sys.executable, "-c", _RUNAWAY_CLI, "compile", str(path),
                              "--backend", "xgrammar", "--timeout", "1"],
                             stderr=subprocess.PIPE, text=True)

@@ -10,9 +10,9 @@ m = grammar.matcher(); m.accept(token_id); m.fill(bitmask, row)
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
+from . import compiler
 from .bitmask import allocate_bitmask, allowed_ids
 from .compiler import Compiler, Grammar, Stats
 from .errors import (
@@ -71,9 +71,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    """``grammask.Engine``, the compile service's old name: ``Compiler``, with a warning."""
+    """``grammask.Engine``, the compile service's old name (``grammask.compiler`` warns)."""
     if name == "Engine":
-        warnings.warn("grammask.Engine is now grammask.Compiler", DeprecationWarning,
-                      stacklevel=2)
-        return Compiler
+        return compiler.deprecated_engine()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -532,12 +532,13 @@ class Compiler:
         Walks the plan's attempts (refusals only: an internal error is not the spec's
         fault), so admission refuses exactly what no compile could serve; returns the attempt
         that passed. Raises the routed backend's error when none does."""
+        spec = self._effective(spec)
         first: GrammarError | None = None
         for step in self.plan(spec).attempts:
             if "refused" not in step.after:
                 continue
             try:
-                get_backend(step.backend).check(self._effective(spec), lenient=step.lenient)
+                get_backend(step.backend).check(spec, lenient=step.lenient)
             except GrammarError as exc:
                 first = first or exc
                 continue
@@ -865,10 +866,16 @@ if TYPE_CHECKING:
     Engine = Compiler  #: deprecated: ``Compiler`` (at run time ``__getattr__`` warns)
 
 
+def deprecated_engine() -> type[Compiler]:
+    """``Compiler`` under its old name ``Engine``: a module ``__getattr__``'s answer, with a
+    DeprecationWarning pointing at the code that asked for it."""
+    warnings.warn("grammask.Engine is now grammask.Compiler", DeprecationWarning,
+                  stacklevel=3)
+    return Compiler
+
+
 def __getattr__(name: str) -> Any:
     """``Engine``, the compile service's old name: ``Compiler``, with a DeprecationWarning."""
     if name == "Engine":
-        warnings.warn("grammask.Engine is now grammask.Compiler", DeprecationWarning,
-                      stacklevel=2)
-        return Compiler
+        return deprecated_engine()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

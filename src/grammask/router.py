@@ -221,13 +221,24 @@ def _hedge(spec: GrammarSpec, features: dict[str, str], decision: Route) -> Atte
     if spec.kind != "json_schema" or spec.backend is not None:
         return None
     other: BackendName = "guidance" if decision.backend == "xgrammar" else "xgrammar"
-    gaps = _gaps(features, XGRAMMAR_GAPS if other == "xgrammar" else GUIDANCE_GAPS)
-    lenient = other == "guidance" and (bool(gaps) or any(
-        n in GUIDANCE_LENIENT_SAFE for n in features))
-    gaps += [f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS]
-    if spec.strict and any(g in XGRAMMAR_GAPS or g in GUIDANCE_GAPS for g in gaps):
+    gaps, lenient = _on_backend(other, features)
+    if spec.strict and _real_gaps(gaps):
         return None
     return Attempt(other, lenient=lenient, unenforced=tuple(gaps))
+
+
+def _on_backend(backend: BackendName, features: dict[str, str]) -> tuple[list[str], bool]:
+    """What ``backend`` leaves unenforced of these features, and whether llguidance needs its
+    lenient mode for them (a forced backend, or the other backend of a plan)."""
+    gaps = _gaps(features, XGRAMMAR_GAPS if backend == "xgrammar" else GUIDANCE_GAPS)
+    lenient = backend == "guidance" and (bool(gaps) or any(
+        n in GUIDANCE_LENIENT_SAFE for n in features))
+    return gaps + [f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS], lenient
+
+
+def _real_gaps(gaps: list[str]) -> bool:
+    """Gaps a backend has (strict mode refuses them), not the ones both share."""
+    return any(g in XGRAMMAR_GAPS or g in GUIDANCE_GAPS for g in gaps)
 
 
 def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
@@ -310,11 +321,8 @@ def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference) -> 
 def _forced(spec: GrammarSpec, features: dict[str, str]) -> Route:
     backend = spec.backend
     assert backend is not None
-    gaps = _gaps(features, XGRAMMAR_GAPS if backend == "xgrammar" else GUIDANCE_GAPS)
-    lenient = backend == "guidance" and (bool(gaps) or any(
-        n in GUIDANCE_LENIENT_SAFE for n in features))
-    gaps += [f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS]
-    if gaps and spec.strict and any(g in XGRAMMAR_GAPS or g in GUIDANCE_GAPS for g in gaps):
+    gaps, lenient = _on_backend(backend, features)
+    if spec.strict and _real_gaps(gaps):
         raise UnsupportedError(f"{backend} does not enforce {_names(gaps)}",
                                where=_first_pointer(features, gaps))
     return Route(backend, "backend forced by the request", unenforced=tuple(gaps),

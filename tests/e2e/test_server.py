@@ -19,24 +19,11 @@ import pytest
 from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json, check_lark, check_regex, json_prefix_ok
 from tests.e2e.server import MODEL_NAME, Server, xargs
+from tests.e2e.specs import LLG_SCHEMA, REGEX, XG_SCHEMA
 
 REPS = 5
 MESSAGES = [{"role": "user", "content": "Answer in the requested format."}]
 
-#: both backends enforce every keyword, no free text: auto routes it to xgrammar
-XG_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "ok": {"type": "boolean"},
-                   "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["n", "ok", "color"], "additionalProperties": False}
-#: length-bounded strings: auto routes it to llguidance (xgrammar admits raw control chars)
-LLG_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
-                   "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"}},
-    "required": ["name", "code"], "additionalProperties": False}
-REGEX = r"(ab|cd)[0-9]{1,3}(-[a-z]{2})?"
 CHOICES = ["alpha", "beta", "gamma delta", "€uro"]
 GBNF = 'root ::= "x" [0-9] [0-9]? ("+" [0-9])*'
 GBNF_REGEX = r"x[0-9][0-9]?(\+[0-9])*"

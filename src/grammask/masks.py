@@ -22,7 +22,6 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -117,15 +116,14 @@ class Ticket(Generic[T]):
 
 
 class FillWorker:
-    """A dedicated thread that runs submitted jobs in order; results come back as futures
-    (``submit``) or tickets (``run``: the per-step hand-off, cheaper).
+    """A dedicated thread that runs queued jobs in order; results come back as ``Ticket``s.
 
     Jobs run without any lock of ours held, so the caller's thread is free to run the forward.
     """
 
     def __init__(self, name: str = "grammask-fill") -> None:
         self._jobs: queue.SimpleQueue[
-            tuple[Callable[[], Any], Future[Any] | Ticket[Any]] | None] = queue.SimpleQueue()
+            tuple[Callable[[], Any], Ticket[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=_work, args=(self._jobs,), name=name,
                                         daemon=True)
         self._thread.start()
@@ -136,15 +134,8 @@ class FillWorker:
     def thread_id(self) -> int | None:
         return self._thread.ident
 
-    def submit(self, job: Callable[[], T]) -> Future[T]:
-        if not self._finalizer.alive:
-            raise RuntimeError("the fill worker is closed")
-        future: Future[T] = Future()
-        self._jobs.put((job, future))
-        return future
-
     def run(self, job: Callable[[], T]) -> Ticket[T]:
-        """Like ``submit``, with a ``Ticket`` (no cancel, no callbacks) for the result."""
+        """Queue ``job``; its result (or exception) comes back through the ``Ticket``."""
         if not self._finalizer.alive:
             raise RuntimeError("the fill worker is closed")
         ticket: Ticket[T] = Ticket()
@@ -157,27 +148,18 @@ class FillWorker:
             self._thread.join(timeout)
 
 
-def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | Ticket[Any]] | None]
-          ) -> None:
+def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Ticket[Any]] | None]) -> None:
     while True:
         item = jobs.get()
         if item is None:
             return
-        job, future = item
-        if isinstance(future, Ticket):
-            try:
-                value = job()
-            except BaseException as exc:  # handed to whoever waits on the ticket
-                future._finish(None, exc)
-            else:
-                future._finish(value, None)
-            continue
-        if not future.set_running_or_notify_cancel():
-            continue
+        job, ticket = item
         try:
-            future.set_result(job())
-        except BaseException as exc:  # handed to whoever waits on the future
-            future.set_exception(exc)
+            value = job()
+        except BaseException as exc:  # handed to whoever waits on the ticket
+            ticket._finish(None, exc)
+        else:
+            ticket._finish(value, None)
 
 
 class Filler:

@@ -74,6 +74,10 @@ FIRST_MASK_WAIT = _histogram(
     "How long a row's first mask waited for its grammar (the batch waits too)", ("outcome",))
 HEDGES = _counter(
     "grammask_hedges", "First masks that started the other backend's compile", ("served_by",))
+REQUESTS = _counter(
+    "grammask_requests", "Constrained requests the plugin served, by where the constraint "
+    "came from (structured_outputs: vLLM's own fields, the drop-in; grammask: its own keys)",
+    ("source", "kind"))
 FILL_SECONDS = _histogram(
     "grammask_fill_seconds", "Mask work per decode step on the fill thread (advance + fill)")
 

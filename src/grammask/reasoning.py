@@ -10,6 +10,8 @@ the grammar. Per request a ``ThinkGate`` watches the output tokens for the end m
   boundaries such as ``<|im_start|>``) that already closed thinking, e.g. the
   ``<think>\\n\\n</think>\\n\\n`` a chat template writes when thinking is disabled, makes the
   request constrained from its first token. A ``</think>`` of an earlier turn does not count.
+  A raw prompt with no turn token and no thinking opener (``/v1/completions``) never entered
+  reasoning: constrained from its first token too.
 - ``thinking=False`` (per request) constrains from the first token regardless.
 
 While thinking the matcher is neither masked nor advanced. The tokens that follow the marker in
@@ -172,15 +174,21 @@ class ThinkGate:
 
 def _closed_in_prompt(marker: ThinkMarker, tokens: Sequence[bytes],
                       prompt_ids: Iterable[int]) -> bool:
-    """Whether the last turn of the prompt already ended thinking.
+    """Whether the last turn of the prompt already ended thinking, or never opened it.
 
     Only the part after the last turn boundary or thinking opener is scanned (found from the
-    end, so a long conversation costs little)."""
+    end, so a long conversation costs little). A prompt with neither a turn token nor a
+    thinking opener (a raw ``/v1/completions`` prompt, where no chat template ran) never
+    entered reasoning: it is constrained from its first token. vLLM's engine waits for an end
+    marker that never comes there and serves such requests unconstrained (vLLM #57726). This
+    needs the vocabulary to have turn tokens; without any, every prompt would look raw."""
     ids = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
     boundaries = marker.reset_ids | marker.start_ids
     start = len(ids)
     while start > 0 and int(ids[start - 1]) not in boundaries:
         start -= 1
+    if start == 0 and ids and marker.reset_ids:
+        return True
     last_turn = [int(t) for t in ids[start:]]
     if marker.end_bytes is None:
         return marker.end_id in last_turn

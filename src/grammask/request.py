@@ -12,6 +12,7 @@ travels as a JSON string under one key and the switches as flat keys beside it:
 | ``grammask_thinking`` | ``auto`` (default: mask after the thinking end marker) or        |
 |                       | ``off`` (constrain from the first generated token)               |
 | ``grammask_think_end``| override the thinking end marker (text, e.g. ``</think>``)       |
+| ``grammask_source``   | set by the drop-in: ``structured_outputs`` (vLLM's own fields)   |
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from .errors import InvalidSpecError
 from .spec import GrammarSpec
 
 EXTRA_ARGS_KEY = "grammask"
-FLAT_KEYS = ("grammask_backend", "grammask_strict", "grammask_thinking", "grammask_think_end")
+FLAT_KEYS = ("grammask_backend", "grammask_strict", "grammask_thinking", "grammask_think_end",
+             "grammask_source")
+#: Where a request's constraint came from: grammask's own keys, or vLLM's structured outputs.
+SOURCES = ("grammask", "structured_outputs")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class ConstraintRequest:
     spec: GrammarSpec
     thinking: bool = True
     think_end: str | None = None
+    source: str = "grammask"
 
 
 def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None:
@@ -84,7 +89,11 @@ def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest 
     if think_end is not None and (not isinstance(think_end, str) or not think_end):
         raise InvalidSpecError("grammask_think_end must be a non-empty string",
                                where="grammask_think_end")
-    return ConstraintRequest(spec, thinking=thinking, think_end=think_end)
+    source = extra_args.get("grammask_source", "grammask")
+    if source not in SOURCES:
+        raise InvalidSpecError(f"grammask_source must be one of {', '.join(SOURCES)}",
+                               where="grammask_source")
+    return ConstraintRequest(spec, thinking=thinking, think_end=think_end, source=source)
 
 
 def _flag(value: object, what: str) -> bool:

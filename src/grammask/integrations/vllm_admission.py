@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
@@ -21,6 +22,7 @@ from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
 from ..vocab import Vocabulary
 from .vllm_compiler import use_vllm_logging
+from .vllm_dropin import DropIn, field_of, log_status, status, take_over
 from .vllm_settings import Settings, _tp_size, describe_settings, load_settings
 
 log = logging.getLogger("grammask")
@@ -122,21 +124,75 @@ def _caller_vllm_config(max_depth: int = 12) -> Any:
     return None
 
 
-def validate_sampling_params(sampling_params: Any) -> None:
-    """``validate_params`` of the plugin: a 400 for a bad constraint, before vLLM's engine.
+def dropin_for(config: Any, settings: Settings) -> DropIn:
+    """The drop-in decision for this server (once per config; logged when first made)."""
+    key = (id(config), settings)
+    with _DROPIN_LOCK:
+        found = _DROPIN.get(key)
+        if found is None or found[0] is not config:
+            found = (config, status(config, settings))
+            _DROPIN[key] = found
+            log_status(found[1], "API server")
+    return found[1]
 
-    Cost: nothing for requests without grammask keys; else a cached parse and
+
+def _opt_out(sampling_params: Any, so: Any) -> None:
+    """``vllm_xargs: {"grammask_structured_outputs": "vllm"}``: this request's structured
+    outputs go to vLLM's engine (A/B comparisons on one server); the key is removed."""
+    from vllm.exceptions import VLLMValidationError
+
+    extra = dict(sampling_params.extra_args)
+    value = extra.pop(OPT_OUT_KEY)
+    if value != "vllm":
+        raise VLLMValidationError(f"{OPT_OUT_KEY} takes only 'vllm', got {value!r}",
+                                  parameter=OPT_OUT_KEY)
+    if so is None or _request_key(extra) is not None:
+        raise VLLMValidationError(f"{OPT_OUT_KEY} needs vLLM structured outputs and no "
+                                  "grammask constraint", parameter=OPT_OUT_KEY)
+    sampling_params.extra_args = extra or None
+
+
+#: Per request: leave this request's structured outputs to vLLM's engine.
+OPT_OUT_KEY = "grammask_structured_outputs"
+_DROPIN: dict[tuple[int, Settings], tuple[Any, DropIn]] = {}
+_DROPIN_LOCK = threading.Lock()
+
+
+def validate_sampling_params(sampling_params: Any) -> None:
+    """``validate_params`` of the plugin: takes over vLLM's structured outputs (the drop-in)
+    and refuses a bad constraint with a 400 naming the field, before vLLM's engine.
+
+    Cost: nothing for requests without a constraint; else a cached parse and
     ``Compiler.check`` (routing plus the backend's own syntax check, no tokenizer compile)."""
+    so = getattr(sampling_params, "structured_outputs", None)
     extra = getattr(sampling_params, "extra_args", None)
-    if not extra:
+    if extra and OPT_OUT_KEY in extra:
+        _opt_out(sampling_params, so)
         return
-    key = _request_key(extra)
-    if key is None:
+    key = _request_key(extra) if extra else None
+    if so is None and key is None:
         return
     from vllm.exceptions import VLLMValidationError
 
     config = _caller_vllm_config()
     settings = _frontend_settings(config)
+    if so is not None:
+        if key is not None:
+            raise VLLMValidationError(
+                "a request carries either vLLM structured_outputs or a grammask constraint, "
+                "not both", parameter=EXTRA_ARGS_KEY)
+        drop = dropin_for(config, settings)
+        if not drop.on:
+            return  # vLLM's engine serves it; the start-up log said why
+        kind = "structured_outputs"
+        try:
+            kind = field_of(take_over(sampling_params, drop))
+            _checked(_request_key(sampling_params.extra_args) or "", settings.backend,
+                     settings.prefer)
+        except GrammarError as exc:
+            raise VLLMValidationError(f"grammask: {kind}: {exc}", parameter=kind) from None
+        return
+    assert key is not None
     if _speculative_on_v1(config):
         raise VLLMValidationError(
             "grammask cannot mask speculative decoding on vLLM's V1 model runner (vLLM skips "
@@ -147,10 +203,6 @@ def validate_sampling_params(sampling_params: Any) -> None:
         raise VLLMValidationError(
             "grammask is disabled on this server (setting enabled=false: GRAMMASK_ENABLED=0 "
             "or --additional-config)", parameter=EXTRA_ARGS_KEY)
-    if getattr(sampling_params, "structured_outputs", None) is not None:
-        raise VLLMValidationError(
-            "a request carries either vLLM structured_outputs or a grammask constraint, "
-            "not both", parameter=EXTRA_ARGS_KEY)
     try:
         _checked(key, settings.backend, settings.prefer)
     except GrammarError as exc:

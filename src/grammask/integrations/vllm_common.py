@@ -51,6 +51,8 @@ from .vllm_compiler import (  # _ENGINES, shared_engine: the old names, kept
     use_vllm_logging,
     vocabulary_from_vllm,
 )
+from .vllm_dropin import log_status
+from .vllm_dropin import status as dropin_status
 from .vllm_settings import (
     SETTINGS,
     Settings,
@@ -102,6 +104,9 @@ class PluginCore:
         log.info("grammask %s loaded on vLLM's %s model runner (%s); %s", __version__,
                  kind.upper(), "active" if self.active else "DISABLED",
                  describe_settings(self.settings))
+        self.dropin = dropin_status(vllm_config, self.settings)
+        log_status(self.dropin, f"{kind.upper()} model runner")
+        self._foreign_warned = False
         if not self.active:
             return
         self.compiler = shared_compiler(vllm_config, self.settings)
@@ -160,12 +165,18 @@ class PluginCore:
         row alone errors (stop-only mask) and the batch goes on."""
         if not self.active:
             return None, None
+        if (self.dropin.on and not self._foreign_warned
+                and getattr(sampling_params, "structured_outputs", None) is not None):
+            self._foreign_warned = True  # validate_params did not run on it (another path)
+            log.warning("grammask: a request reached the engine with vLLM structured_outputs "
+                        "still set; vLLM's engine serves it, not grammask")
         try:
             request = request_of(getattr(sampling_params, "extra_args", None))
         except GrammarError as exc:
             return _invalid(exc)
         if request is None:
             return None, None
+        metrics.REQUESTS.labels(source=request.source, kind=request.spec.kind).inc()
         assert self.compiler is not None
         try:
             return request, self.compiler.compile_async(request.spec)

@@ -23,6 +23,8 @@ class Settings:
     ``--additional-config '{"grammask": {"x": ...}}'`` (which wins over the env)."""
 
     enabled: bool = True
+    structured_outputs: str = "grammask"
+    json_whitespace: str = "compact"
     backend: str = "auto"
     prefer: str = "auto"
     cache_mb: int = 512
@@ -66,6 +68,15 @@ def _choice(*options: str) -> Callable[[object], str]:
     return parse
 
 
+def _word(*options: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        text = str(value).strip().lower()
+        if text not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {value!r}")
+        return text
+    return parse
+
+
 def _positive(kind: type[int] | type[float]) -> Callable[[object], float]:
     def parse(value: object) -> float:
         if isinstance(value, bool):
@@ -102,6 +113,12 @@ def _think_end(value: object) -> str:
 #: field -> (parser, one-line meaning); the docs table is generated from the same words.
 SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "enabled": (_bool, "0 makes the plugin inert; requests with grammask keys get a 400"),
+    "structured_outputs": (_word("grammask", "vllm"), "who serves vLLM's own structured "
+                           "outputs (response_format, structured_outputs, tools, text.format): "
+                           "grammask (the drop-in) or vllm (its engine, as without grammask)"),
+    "json_whitespace": (_word("compact", "any"), "JSON whitespace of those requests when "
+                        "they set no whitespace option: compact (no whitespace between "
+                        "tokens, so a weak model cannot run to max_tokens on it) or any"),
     "backend": (_choice("auto", "xgrammar", "guidance"),
                 "backend for requests that do not name one (auto: per-request routing)"),
     "prefer": (_choice("auto", "xgrammar", "guidance"),

@@ -1,0 +1,191 @@
+"""The drop-in: grammask serves vLLM's own structured outputs, and vLLM's engine stays out.
+
+Whatever vLLM turns into ``SamplingParams.structured_outputs`` (``response_format``, the
+``structured_outputs`` body field, tool calling's schemas and structural tags, the Responses
+API's ``text.format``, ``/v1/completions``, offline ``LLM.generate``) reaches the logits
+processors' ``validate_params`` hook in the API server, on the request's own params, before
+``InputProcessor`` copies them for the engine (vLLM 0.32 and 0.33). There ``take_over``
+moves the constraint into ``extra_args["grammask"]`` and clears ``structured_outputs``: vLLM's
+engine then neither compiles nor masks it, and grammask's plugin does both.
+
+Why this hook: it is the public logits-processor contract (no patched vLLM function), it sees
+every entry point, and a refusal there is vLLM's own HTTP 400. ``status`` checks at start-up
+that the installed vLLM is one whose flow this relies on (the version line, and exactly the
+``StructuredOutputsParams`` fields translated here); otherwise, and where grammask cannot
+serve the configuration (speculative decoding on the V1 runner, a vLLM backend grammask does
+not have, the setting ``structured_outputs=vllm``), the requests stay with vLLM's engine and
+the start-up log says why. It never half-works: both processes decide from the same inputs.
+
+The request's params object is changed in place (vLLM's own ``verify`` does the same to
+``_backend``); a params object reused for another request still carries the constraint, now
+under ``extra_args``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import GrammarError
+from ..request import EXTRA_ARGS_KEY
+from .vllm_settings import Settings
+
+log = logging.getLogger("grammask")
+
+#: vLLM lines whose admission flow (validate_params on the request's params, before the copy
+#: for the engine) the drop-in was written against and tested on.
+SUPPORTED_VLLM = ("0.32.", "0.33.")
+#: ``StructuredOutputsParams`` fields the translation knows; any other field could be a
+#: constraint option grammask would ignore, so the drop-in stays off.
+KNOWN_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object",
+                          "disable_any_whitespace", "disable_additional_properties",
+                          "whitespace_pattern", "structural_tag", "_backend",
+                          "_backend_was_auto"})
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+#: vLLM's server-wide backend names that map onto grammask's own.
+BACKENDS = {"auto": None, "xgrammar": "xgrammar", "guidance": "guidance"}
+#: Marks a request that came in through vLLM's structured outputs (metrics, thinking rule).
+SOURCE_KEY = "grammask_source"
+
+
+@dataclass(frozen=True)
+class DropIn:
+    """Whether grammask serves vLLM's structured outputs on this server, and why (not)."""
+
+    on: bool
+    reason: str
+    backend: str | None = None  # the server's vLLM backend as grammask's default, or None
+    thinking: bool = False  # a reasoning parser gates the masks (and not enable_in_reasoning)
+    think_end: str | None = None  # the parser's end-of-reasoning text (``</think>``)
+    compact_json: bool = True
+
+
+def status(vllm_config: Any, settings: Settings) -> DropIn:
+    """Decide once per process, from the config alone (the API server and the engine agree)."""
+    if settings.structured_outputs != "grammask":
+        return DropIn(False, "setting structured_outputs=vllm: vLLM's engine serves them")
+    if not settings.enabled:
+        return DropIn(False, "grammask is disabled (enabled=false)")
+    mismatch = _vllm_mismatch()
+    if mismatch:
+        return DropIn(False, mismatch)
+    if vllm_config is None:
+        return DropIn(False, "the server's vLLM config was not found at admission")
+    if getattr(vllm_config, "speculative_config", None) and not getattr(
+            vllm_config, "use_v2_model_runner", False):
+        return DropIn(False, "speculative decoding on vLLM's V1 model runner skips custom "
+                             "logits processors; vLLM's engine serves structured outputs")
+    so = getattr(vllm_config, "structured_outputs_config", None)
+    name = str(getattr(so, "backend", "auto") or "auto")
+    if name not in BACKENDS:
+        return DropIn(False, f"--structured-outputs-config backend={name} is not one of "
+                             f"grammask's ({', '.join(BACKENDS)}); vLLM's engine serves it")
+    backend = BACKENDS[name] or (None if settings.backend == "auto" else settings.backend)
+    parser = str(getattr(so, "reasoning_parser", "") or "")
+    thinking = bool(parser) and not bool(getattr(so, "enable_in_reasoning", False))
+    think_end = None
+    if thinking:
+        think_end, why = reasoning_end(vllm_config, parser)
+        if think_end is None:
+            return DropIn(False, f"--reasoning-parser {parser}: {why}; vLLM's engine serves "
+                                 "structured outputs")
+    compact = bool(getattr(so, "disable_any_whitespace", False)) or (
+        settings.json_whitespace == "compact")
+    gate = (f"masks after {think_end!r}, where reasoning parser {parser} ends reasoning"
+            if thinking else "masks from the first token")
+    spaces = "compact" if compact else "any"
+    how = f"backend {backend or 'auto'}, {gate}, JSON whitespace {spaces}"
+    return DropIn(True, f"grammask serves vLLM's structured outputs ({how})", backend=backend,
+                  thinking=thinking, think_end=think_end, compact_json=compact)
+
+
+def reasoning_end(vllm_config: Any, parser: str) -> tuple[str | None, str]:
+    """The text at which vLLM's reasoning parser ends reasoning (masks start after it)."""
+    try:
+        from vllm.reasoning import ReasoningParserManager
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        cls = ReasoningParserManager.get_reasoning_parser(parser)
+        end = cls(cached_tokenizer_from_config(vllm_config.model_config)).reasoning_end_str
+    except Exception as exc:  # a parser that cannot be built here
+        return None, f"the parser could not be built ({type(exc).__name__}: {exc})"
+    if not isinstance(end, str) or not end:
+        return None, "the parser ends reasoning without a fixed end text grammask can match"
+    return end, ""
+
+
+def _vllm_mismatch() -> str:
+    """Empty when the installed vLLM is one the drop-in's mechanism holds for."""
+    try:
+        import vllm
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError as exc:  # pragma: no cover - the plugin needs vLLM to load at all
+        return f"vLLM is not importable ({exc})"
+    found = str(getattr(vllm, "__version__", "?"))
+    if not found.startswith(SUPPORTED_VLLM):
+        return (f"vLLM {found} is not a line the drop-in was built for "
+                f"({', '.join(v + 'x' for v in SUPPORTED_VLLM)}); vLLM's engine serves "
+                "structured outputs")
+    fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    if fields != KNOWN_FIELDS:
+        return (f"vLLM {found}'s StructuredOutputsParams has fields grammask does not "
+                f"translate ({sorted(fields ^ KNOWN_FIELDS)}); vLLM's engine serves them")
+    return ""
+
+
+def translate(so: Any, drop: DropIn) -> dict[str, Any]:
+    """The grammask object (a vLLM ``structured_outputs`` dict) for one request."""
+    given = [k for k in KINDS if getattr(so, k, None) not in (None, False)]
+    if len(given) != 1:
+        raise GrammarError(f"structured outputs need exactly one of {', '.join(KINDS)}, "
+                           f"got {given or 'none'}", where="structured_outputs")
+    kind = given[0]
+    value = getattr(so, kind)
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc.msg}",
+                               where=f"structured_outputs.json line {exc.lineno} column "
+                                     f"{exc.colno}") from None
+    out: dict[str, Any] = {kind: value}
+    if kind in ("json", "json_object"):
+        pattern = getattr(so, "whitespace_pattern", None)
+        if pattern:
+            out["whitespace_pattern"] = pattern
+        elif getattr(so, "disable_any_whitespace", False) or drop.compact_json:
+            out["disable_any_whitespace"] = True
+    if kind == "json":  # keys beyond the schema's only where it allows them (both settings)
+        out["extra_properties"] = False
+    if drop.backend is not None:
+        out["backend"] = drop.backend
+    return out
+
+
+def take_over(sampling_params: Any, drop: DropIn) -> str:
+    """Move the request's structured outputs under ``extra_args`` (vLLM's engine skips it);
+    returns the kind. Raises ``GrammarError`` naming the field for a malformed one."""
+    so = sampling_params.structured_outputs
+    obj = translate(so, drop)
+    kind = next(iter(obj))
+    extra = dict(sampling_params.extra_args or {})
+    extra[EXTRA_ARGS_KEY] = json.dumps(obj, ensure_ascii=False)
+    extra["grammask_thinking"] = "auto" if drop.thinking else "off"
+    if drop.think_end is not None:
+        extra["grammask_think_end"] = drop.think_end
+    extra[SOURCE_KEY] = "structured_outputs"
+    sampling_params.extra_args = extra
+    sampling_params.structured_outputs = None
+    return kind
+
+
+def field_of(kind: str) -> str:
+    """The request field an error names: vLLM folds every front end into these."""
+    return f"structured_outputs.{kind}"
+
+
+def log_status(drop: DropIn, where: str) -> None:
+    (log.info if drop.on else log.warning)("grammask (%s): %s", where, drop.reason)

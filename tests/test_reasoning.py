@@ -100,6 +100,36 @@ def test_think_end_of_an_earlier_turn_does_not_count(qwen36: Vocabulary,
     assert ThinkGate(marker, qwen36.tokens, prompt_ids=reopened).thinking
 
 
+@pytest.mark.parametrize(("parts", "thinking"), [
+    (("Write one JSON object: ",), False),  # raw /v1/completions text: never entered reasoning
+    ((IM_START, "assistant\n"), True),  # a chat template opened the answer: the model thinks
+    (("Solve it step by step.", THINK, "\n"), True),  # raw text that opens thinking itself
+    ((IM_START, "assistant\n", THINK, "\n"), True),
+    ((IM_START, "assistant\n", THINK, "\n\n", END_THINK, "\n\n"), False),  # closed by the template
+    ((), True),  # no prompt given: the gate waits for the marker
+])
+def test_the_prompt_decides_where_the_constraint_starts(
+        qwen36: Vocabulary, marker: ThinkMarker, parts: tuple[str | int, ...],
+        thinking: bool) -> None:
+    prompt = chat(qwen36, *parts)
+    if parts and isinstance(parts[0], int):
+        prompt = user_turn(qwen36) + prompt
+    gate = ThinkGate(marker, qwen36.tokens, prompt_ids=prompt)
+    assert gate.thinking is thinking and gate.from_prompt is not thinking
+    if not thinking:  # constrained from the first generated token
+        assert gate.feed([11, 12]) == [11, 12]
+
+
+def test_a_raw_prompt_counts_only_where_the_vocabulary_has_turn_tokens(
+        qwen36: Vocabulary, marker: ThinkMarker) -> None:
+    """Without turn tokens every prompt would look raw: such a vocabulary keeps the old rule."""
+    assert marker.reset_ids
+    no_turns = ThinkMarker(marker.end_id, None, marker.start_ids, frozenset())
+    prompt = qwen36.encode("Write one JSON object: ")
+    assert not ThinkGate(marker, qwen36.tokens, prompt_ids=prompt).thinking
+    assert ThinkGate(no_turns, qwen36.tokens, prompt_ids=prompt).thinking
+
+
 def test_per_request_switch_constrains_from_the_start(qwen36: Vocabulary,
                                                       marker: ThinkMarker) -> None:
     prompt = chat(qwen36, IM_START, "assistant\n", THINK, "\n")

@@ -151,6 +151,8 @@ def translate(so: Any, drop: DropIn) -> dict[str, Any]:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc.msg}",
                                where=f"structured_outputs.json line {exc.lineno} column "
                                      f"{exc.colno}") from None
+    if kind == "structural_tag" and drop.compact_json:
+        value = bounded_whitespace(value)
     out: dict[str, Any] = {kind: value}
     if kind in ("json", "json_object"):
         pattern = getattr(so, "whitespace_pattern", None)
@@ -163,6 +165,38 @@ def translate(so: Any, drop: DropIn) -> dict[str, Any]:
     if drop.backend is not None:
         out["backend"] = drop.backend
     return out
+
+
+#: Whitespace characters a structural tag's JSON content may put between two JSON tokens when
+#: it sets no bound: one keeps ``{"a": 1, "b": 2}`` (what models write) and ends the run a
+#: weak model would make (xgrammar's structural tags have no compact mode; 0 is refused).
+TAG_WHITESPACE = 1
+
+
+def bounded_whitespace(tag: Any) -> Any:
+    """The structural tag with ``max_whitespace_cnt`` set on each JSON content without one
+    (vLLM's tool-call tags leave it unset); text stays text, objects stay objects."""
+    try:
+        parsed = json.loads(tag) if isinstance(tag, str) else tag
+    except json.JSONDecodeError:  # the spec check names the error
+        return tag
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        if (out.get("type") == "json_schema" and out.get("max_whitespace_cnt") is None
+                and out.get("style") in (None, "json")):
+            out["max_whitespace_cnt"] = TAG_WHITESPACE
+        return out
+
+    try:
+        bounded = walk(parsed)
+    except RecursionError:  # absurdly deep: left as it is, the spec check refuses it
+        return tag
+    return json.dumps(bounded, ensure_ascii=False) if isinstance(tag, str) else bounded
 
 
 def take_over(sampling_params: Any, drop: DropIn) -> str:

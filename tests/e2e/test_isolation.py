@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from tests.e2e.conftest import StartServer
@@ -55,7 +56,8 @@ def server(start_server: StartServer, qwen25_dir: Path) -> Iterator[Server]:
     yield start_server("qwen25-tp2", qwen25_dir,
                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
                             "PROMETHEUS_MULTIPROC_DIR": metrics_dir},
-                       args=["--tensor-parallel-size", "2"])
+                       args=["--tensor-parallel-size", "2", "--enable-auto-tool-choice",
+                             "--tool-call-parser", "hermes"])
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +89,44 @@ def test_two_ranks_serve_every_backend(client: Any) -> None:
             check_json(text, finish, what, must_stop=True)
         else:
             check_regex(what, text, finish)
+
+
+def test_two_ranks_serve_standard_requests(client: Any, server: Server) -> None:
+    """The drop-in at TP=2: response_format, the structured_outputs field and a strict tool
+    call, standard fields only; grammask's counter shows it served them."""
+    from tests.e2e.standard import (
+        WEATHER_PARAMS,
+        response_format,
+        served_by_grammask,
+        weather_tool,
+    )
+
+    def one(job: tuple[str, int]) -> Any:
+        kind, seed = job
+        kw: dict[str, Any] = {
+            "json": {"response_format": response_format(SCHEMA, strict=False)},
+            "regex": {"extra_body": {"structured_outputs": {"regex": REGEX}}},
+            "tool": {"tools": [weather_tool(strict=True)], "tool_choice": "required",
+                     "parallel_tool_calls": False},
+        }[kind]
+        return client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=64, temperature=1.0, seed=seed,
+            **kw).choices[0]
+
+    jobs = [(kind, seed) for kind in ("json", "regex", "tool") for seed in range(3)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        choices, counts = served_by_grammask(server, lambda: list(pool.map(one, jobs)))
+    for (kind, _), c in zip(jobs, choices, strict=True):
+        if kind == "json":
+            check_json(c.message.content or "", c.finish_reason, SCHEMA, must_stop=True)
+        elif kind == "regex":
+            check_regex(REGEX, c.message.content or "", c.finish_reason)
+        else:
+            assert c.message.tool_calls and len(c.message.tool_calls) == 1, c
+            jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments),
+                                WEATHER_PARAMS)
+    # each rank's processor counts the request: both ranks served all nine
+    assert counts == {"json_schema": 6, "regex": 6, "structural_tag": 6}, counts
 
 
 def _stream(client: Any, spec: dict[str, Any], seed: int, max_tokens: int = 48

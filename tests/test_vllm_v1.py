@@ -399,7 +399,7 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, compiler: Co
                 r.remove(victim)
                 if rng.random() < 0.5:  # preempted and resumed at once: replay
                     req = live[victim]
-                    r.add(victim, _xargs_of(req), [1, 2], output=list(req.truth))
+                    r.add(victim, _xargs_of(req), [IM_START, 1, 2], output=list(req.truth))
                     counts["resumed"] += 1
                 else:
                     del live[victim]
@@ -412,7 +412,7 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, compiler: Co
                 if c is not None:
                     req.ref = RawReference.of(grammars[c], vocab)
                 live[rid] = req
-                r.add(rid, _xargs_of(req), [1, 2, 3])
+                r.add(rid, _xargs_of(req), [IM_START, 1, 2, 3])
             if not live:
                 continue
             swap = (0, 1) if len(live) > 1 and rng.random() < 0.3 else None

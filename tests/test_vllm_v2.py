@@ -359,7 +359,7 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, compiler: Co
                 r.remove(victim)
                 if rng.random() < 0.5:  # preempted, resumed at once (maybe another slot)
                     req = live[victim]
-                    r.add(victim, _xargs_of(req), [1, 2], output=list(req.truth))
+                    r.add(victim, _xargs_of(req), [IM_START, 1, 2], output=list(req.truth))
                     counts["resumed"] += 1
                 else:
                     del live[victim]
@@ -371,7 +371,8 @@ def test_random_batch_churn_matches_reference_matchers(runner: Any, compiler: Co
                 req.gate_open = req.thinking
                 req.ref = None if c is None else RawReference.of(grammars[c], vocab)
                 live[rid] = req
-                slot = r.add(rid, _xargs_of(req), list(range(10, 10 + rng.randint(1, 12))))
+                slot = r.add(rid, _xargs_of(req),
+                             [IM_START, *range(10, 10 + rng.randint(1, 12))])
                 counts["recycled"] += slot in used_slots
                 used_slots.add(slot)
             if not live:

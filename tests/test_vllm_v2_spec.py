@@ -22,6 +22,7 @@ import torch
 from .vllm_fixtures import (
     CONSTRAINTS,
     END_THINK,
+    IM_START,
     VOCAB,
     allowed,
     cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
@@ -188,7 +189,7 @@ def test_masks_at_every_draft_position_match_the_reference() -> None:
                     req.ref = RawReference.of(grammars[c], vocab)
                 live[rid] = req
                 r.add(rid, None if c is None else xargs(
-                    CONSTRAINTS[c][0], thinking="auto" if thinking else "off"), [1, 2, 3])
+                    CONSTRAINTS[c][0], thinking="auto" if thinking else "off"), [IM_START, 1, 2, 3])
             if not live:
                 continue
             order = sorted(live)

@@ -36,7 +36,7 @@ TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi
 ON = DropIn(True, "test: on")  # compact JSON, no backend, no thinking: the defaults
 
 
-def stand_in(*, backend: str = "auto", speculative: Any = None, v2: bool = False,
+def stand_in(*, backend: Any = "auto", speculative: Any = None, v2: bool = False,
              model_config: Any = None, additional_config: Any = None,
              **structured: Any) -> SimpleNamespace:
     """A stand-in for vLLM's ``VllmConfig``: ``status`` and the admission hook read only
@@ -110,6 +110,46 @@ def test_json_whitespace_any_leaves_whitespace_flexible() -> None:
                     Settings(json_whitespace="any"))
     assert server.compact_json is True
     assert spec_of(translate(StructuredOutputsParams(json=SCHEMA), server)).any_whitespace is False
+
+
+def tag_around(content: dict[str, Any]) -> dict[str, Any]:
+    """A structural tag as vLLM's tool calling writes one: JSON content between markers."""
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<a>"],
+        "tags": [{"begin": "<a>", "content": content, "end": "</a>"}]}}
+
+
+def test_a_structural_tags_json_content_gets_bounded_whitespace(compiler: Any) -> None:
+    """vLLM's tool-call tags set no whitespace bound; compact (the default) bounds it to one
+    character, which the compiled grammar enforces; the setting ``any`` leaves the tag as is,
+    and a bound the tag sets itself is kept."""
+    tag = tag_around({"type": "json_schema", "json_schema": SCHEMA})
+    so = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    obj = translate(so, ON)
+    assert isinstance(obj["structural_tag"], str)  # text stays text
+    content = json.loads(obj["structural_tag"])["format"]["tags"][0]["content"]
+    assert content == {"type": "json_schema", "json_schema": SCHEMA, "max_whitespace_cnt": 1}
+    loose = DropIn(True, "test: any", compact_json=False)
+    assert translate(so, loose) == {"structural_tag": json.dumps(tag)}
+    own = tag_around({"type": "json_schema", "json_schema": SCHEMA, "max_whitespace_cnt": 4})
+    assert json.loads(translate(StructuredOutputsParams(structural_tag=json.dumps(own)), ON)[
+        "structural_tag"]) == own
+
+    def accepts(obj: dict[str, Any], text: str) -> bool:
+        matcher = compiler.compile(spec_of(obj)).matcher()
+        return all(matcher.accept(t) for t in compiler.vocab.encode(text))
+
+    assert accepts(obj, 'x<a>{"n": 1}</a>') and not accepts(obj, 'x<a>{"n":   1}</a>')
+    assert accepts(translate(so, loose), 'x<a>{"n":   1}</a>')
+
+
+def test_bounded_whitespace_leaves_the_schemas_own_values_alone() -> None:
+    value = {"type": "json_schema"}  # data the output must equal, not a tag node
+    schema = {"type": "object", "properties": {"kind": {"const": value}}, "required": ["kind"]}
+    tag = tag_around({"type": "json_schema", "json_schema": schema})
+    obj = translate(StructuredOutputsParams(structural_tag=json.dumps(tag)), ON)
+    content = json.loads(obj["structural_tag"])["format"]["tags"][0]["content"]
+    assert content["json_schema"] == schema
 
 
 def test_extra_properties_are_closed_even_when_vllm_would_allow_them() -> None:
@@ -260,9 +300,9 @@ def test_a_parser_without_an_end_text_keeps_vllms_engine(model_config: Any,
     from vllm.reasoning import ReasoningParserManager
     from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
 
-    class Endless(DeepSeekR1ReasoningParser):  # type: ignore[misc]
+    class Endless(DeepSeekR1ReasoningParser):
         @property
-        def reasoning_end_str(self) -> str | None:
+        def reasoning_end_str(self) -> str | None:  # type: ignore[override]
             return None
 
     monkeypatch.setitem(ReasoningParserManager.reasoning_parsers, "grammask_test_endless",
@@ -374,11 +414,10 @@ def test_the_per_request_opt_out_leaves_vllms_engine_serving(
                         extra_args={"grammask_structured_outputs": "vllm", "other": 1})
     vllm_admission.validate_sampling_params(sp)
     assert sp.structured_outputs is so and sp.structured_outputs.regex == "a+"
-    assert sp.extra_args == {"other": 1}  # the key is removed, the rest kept
-    alone = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"),
-                           extra_args={"grammask_structured_outputs": "vllm"})
-    vllm_admission.validate_sampling_params(alone)
-    assert alone.structured_outputs is not None and not alone.extra_args
+    # the key stays (a reused params object keeps opting out) and the engine side reads it
+    # as no grammask constraint
+    assert sp.extra_args == {"grammask_structured_outputs": "vllm", "other": 1}
+    assert vllm_admission.request_of(sp.extra_args) is None
 
 
 @pytest.mark.parametrize(("so", "extra"), [
@@ -396,8 +435,6 @@ def test_a_wrong_opt_out_is_refused(admission: SimpleNamespace,
     assert info.value.parameter == "grammask_structured_outputs"
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: the opt-out is popped from the caller's "
-                   "params, so a reused SamplingParams is taken over from its second request")
 def test_the_opt_out_holds_for_a_reused_params_object(admission: SimpleNamespace) -> None:
     """``LLM.generate(prompts, params)`` validates one params object once per prompt
     (vLLM's ``_params_to_seq`` repeats it): every prompt asked for vLLM's engine."""

@@ -180,6 +180,38 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
         logits[index, covered:] = float("-inf")
 
 
+def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
+                       pairs: Sequence[tuple[int, int]], *, vocab_size: int) -> int:
+    """The grammar wins: a masked logits row with no finite logit left (the host's own
+    processors forbade every token the grammar allows: ``min_tokens`` hiding the stop a
+    finished grammar needs, ``allowed_token_ids``, ``bad_words``, a ``logit_bias``) gets the
+    grammar's tokens back at logit 0, uniform among them, so the sampler never picks an
+    arbitrary token. ``pairs``: (logits row, bitmask row), already masked.
+
+    Returns how many rows were restored (CPU); on a device it does not synchronise to count
+    and returns -1. Cost: one pass over the listed rows (hosts list only rows whose requests
+    carry such options)."""
+    if not pairs:
+        return 0
+    at = torch.tensor([a for a, _ in pairs], device=logits.device)
+    sub = logits.index_select(0, at)
+    empty = torch.isneginf(sub).all(dim=-1)
+    on_cpu = logits.device.type == "cpu"
+    if on_cpu and not bool(empty.any()):
+        return 0
+    width = logits.shape[1]
+    covered = min(width, vocab_size, bitmask.shape[1] * 32)
+    bits = bitmask.index_select(0, torch.tensor([r for _, r in pairs])).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(pairs), -1)[:, :covered]
+    if covered < width:
+        allowed = torch.nn.functional.pad(allowed, (0, width - covered), value=False)
+    restored = torch.where(empty.unsqueeze(-1) & allowed,
+                           torch.zeros((), dtype=sub.dtype, device=sub.device), sub)
+    logits.index_copy_(0, at, restored)
+    return int(empty.sum()) if on_cpu else -1
+
+
 def _apply_plan(logits: torch.Tensor, plan: CpuPlan) -> None:
     """The critical-path part of the CPU apply: gather, memset, scatter (numpy indexing on
     a same-width integer view of the logits' storage: exact for every value, NaN included;

@@ -74,6 +74,10 @@ FIRST_MASK_WAIT = _histogram(
     "How long a row's first mask waited for its grammar (the batch waits too)", ("outcome",))
 HEDGES = _counter(
     "grammask_hedges", "First masks that started the other backend's compile", ("served_by",))
+HOST_CONFLICTS = _counter(
+    "grammask_host_conflicts", "Rows the host's own processors (min_tokens, allowed_token_ids, "
+    "bad_words, logit_bias) left with no token the grammar allows: its tokens were restored "
+    "(counted on CPU logits only)")
 REQUESTS = _counter(
     "grammask_requests", "Constrained requests the plugin served, by where the constraint "
     "came from (structured_outputs: vLLM's own fields, the drop-in; grammask: its own keys)",

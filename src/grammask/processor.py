@@ -53,7 +53,13 @@ import torch
 
 from . import metrics
 from .agreement import Agreement, Solo
-from .apply import CpuPlan, apply_bitmask, cpu_plannable, plan_cpu_apply
+from .apply import (
+    CpuPlan,
+    apply_bitmask,
+    cpu_plannable,
+    plan_cpu_apply,
+    restore_empty_rows,
+)
 from .backends.base import Matcher
 from .compiler import Compiler, Grammar
 from .errors import GrammarError
@@ -100,6 +106,7 @@ class _Row:
         self.error: str | None = None
         self.need_since: float | None = None
         self.late = False  # a placeholder stopped the last read
+        self.host_masks = False  # the host's own processors may forbid its tokens too
 
     def fail(self, message: str, cause: str = "other") -> None:
         """Enter the sticky error state; ``cause`` is the metric label (compile, late,
@@ -182,11 +189,14 @@ class BatchProcessor:
     # ------------------------------------------------------------------ batch membership
     def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
             prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None, *,
-            grammar: Grammar | Future[Grammar] | None = None) -> None:
+            grammar: Grammar | Future[Grammar] | None = None, host_masks: bool = False) -> None:
         """Put a request in ``row`` (replacing whatever was there); None = unconstrained.
 
         The compile starts now unless ``grammar`` (compiled, or a future of one) is given.
         ``output_ids``: a live list the host appends to, or None to use ``advance``.
+        ``host_masks``: the host's own processors forbid tokens of this request before ours
+        (vLLM's min_tokens, allowed_token_ids, bad_words, logit_bias): when they leave none of
+        the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
         Raises only for host mistakes (row out of range, wrong request type)."""
         self._check_row(row)
         self._mutate()
@@ -202,6 +212,7 @@ class BatchProcessor:
         owned = output_ids is None
         self._rows[row] = r = _Row(request, pending, None,
                                    [] if output_ids is None else output_ids, owned)
+        r.host_masks = host_masks
         try:
             r.gate = self._gate(request, prompt_ids)
         except Exception as exc:  # a bad marker or prompt: this row alone fails
@@ -297,6 +308,16 @@ class BatchProcessor:
         if rows:
             apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
                           buffers=self._buffers, plan=plan)
+            self._restore(logits, bitmask, [(i, i) for i in rows])
+
+    def _restore(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                 pairs: Sequence[tuple[int, int]]) -> None:
+        """The grammar wins over the host's own processors (rows that asked for it)."""
+        risky = [(at, row) for at, row in pairs
+                 if (r := self._rows.get(row)) is not None and r.host_masks]
+        if risky and (n := restore_empty_rows(logits, bitmask, risky,
+                                              vocab_size=self.vocab_size)) > 0:
+            metrics.HOST_CONFLICTS.inc(n)
 
     def _plan_fits(self, window_ms: float) -> bool:
         """Whether the next job should also plan the CPU apply: only while the job, planning
@@ -375,6 +396,7 @@ class BatchProcessor:
         buffer.index_copy_(0, torch.tensor([at for at, _ in pairs]), picked)
         apply_bitmask(logits, buffer, vocab_size=self.vocab_size,
                       indices=sorted(at for at, _ in pairs), buffers=masks)
+        self._restore(logits, bitmask, pairs)
 
     def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
                      positions: Sequence[int], inputs: Sequence[int]) -> None:

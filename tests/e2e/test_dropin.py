@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -268,3 +269,59 @@ def test_a_request_can_ask_for_vllms_engine(server: Server, client: Any) -> None
         "vllm_xargs": {"grammask_structured_outputs": "vllm"}})[0]
     check_regex(REGEX, text, finish)  # vLLM's engine enforces a regex too
     assert served(server) == before
+
+
+# ------------------------------------------------------- the host's own processors
+CHOICE = ["red", "green"]
+
+
+def _conflicts(server: Server) -> float:
+    base = server.base_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("grammask_host_conflicts_total"))
+
+
+@pytest.mark.parametrize(("options", "pattern", "conflict"), [
+    ({"min_tokens": 8}, "red|green", True),
+    ({"allowed_token_ids": [87, 88, 89]}, "[a-c]{3}", True),  # x, y, z: none allowed
+    ({"bad_words": ["red", "green"]}, "red|green", False),
+    ({"ignore_eos": True}, "red|green", False),
+], ids=["min_tokens", "allowed_token_ids", "bad_words", "ignore_eos"])
+def test_host_processors_never_let_an_invalid_token_through(
+        server: Server, client: Any, options: dict[str, Any], pattern: str,
+        conflict: bool) -> None:
+    """vLLM's own processors run before grammask's mask. Where they leave no token the
+    grammar allows, the grammar wins: its tokens come back (and the stop, once it is
+    complete); the text is never outside the constraint. (vLLM's engine, same requests:
+    min_tokens and bad_words 'green' stop; allowed_token_ids a 500; ignore_eos free text
+    after the grammar ended.)"""
+    so = ({"regex": pattern} if "allowed_token_ids" in options else {"choice": CHOICE})
+    before = _conflicts(server)
+    for seed in (1, 2):
+        c = chat(client, seed, max_tokens=20, extra_body={"structured_outputs": so, **options})
+        text = c.message.content or ""
+        assert re.fullmatch(pattern, text), (c.finish_reason, text)
+        assert c.finish_reason == ("length" if options.get("ignore_eos") else "stop")
+    if conflict:
+        assert _conflicts(server) > before  # the grammar-wins path did the work
+
+
+def test_logit_bias_against_every_allowed_token(client: Any) -> None:
+    """The most negative bias vLLM accepts on every first token of the choices: still a
+    choice (the bias is finite, so the mask leaves those tokens their relative order)."""
+    ids = {str(t) for word in CHOICE for t in _first_tokens(client, word)}
+    c = chat(client, 3, max_tokens=8, logit_bias={t: -100 for t in ids},
+             extra_body={"structured_outputs": {"choice": CHOICE}})
+    assert c.message.content in CHOICE and c.finish_reason == "stop", c
+
+
+def _first_tokens(client: Any, word: str) -> list[int]:
+    """The first token id of ``word`` by the server's own tokenizer (``/tokenize``)."""
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    request = urllib.request.Request(
+        f"{base}/tokenize", data=json.dumps({"model": MODEL_NAME, "prompt": word}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return [int(json.loads(reply.read())["tokens"][0])]

@@ -22,7 +22,7 @@ from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
 from ..vocab import Vocabulary
 from .vllm_compiler import use_vllm_logging
-from .vllm_dropin import DropIn, field_of, log_status, status, take_over
+from .vllm_dropin import OPT_OUT_KEY, DropIn, field_of, log_status, status, take_over
 from .vllm_settings import Settings, _tp_size, describe_settings, load_settings
 
 log = logging.getLogger("grammask")
@@ -35,8 +35,8 @@ REQUEST_KEYS = (EXTRA_ARGS_KEY, *FLAT_KEYS)
 def _request_key(extra_args: Mapping[str, Any]) -> str | None:
     """A hashable rendering of the grammask keys of ``extra_args`` (None: not ours); keys
     with the ``grammask`` prefix that grammask does not know are kept, to be refused."""
-    present = {k: v for k, v in extra_args.items()
-               if k in REQUEST_KEYS or (isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY))}
+    present = {k: v for k, v in extra_args.items() if k != OPT_OUT_KEY and (
+        k in REQUEST_KEYS or (isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY)))}
     if not present:
         return None
     return json.dumps(present, sort_keys=True, default=repr)
@@ -138,7 +138,8 @@ def dropin_for(config: Any, settings: Settings) -> DropIn:
 
 def _opt_out(sampling_params: Any, so: Any) -> None:
     """``vllm_xargs: {"grammask_structured_outputs": "vllm"}``: this request's structured
-    outputs go to vLLM's engine (A/B comparisons on one server); the key is removed."""
+    outputs go to vLLM's engine (A/B comparisons on one server). The key stays (a params
+    object vLLM reuses for several prompts keeps opting out); the engine side ignores it."""
     from vllm.exceptions import VLLMValidationError
 
     extra = dict(sampling_params.extra_args)
@@ -149,11 +150,8 @@ def _opt_out(sampling_params: Any, so: Any) -> None:
     if so is None or _request_key(extra) is not None:
         raise VLLMValidationError(f"{OPT_OUT_KEY} needs vLLM structured outputs and no "
                                   "grammask constraint", parameter=OPT_OUT_KEY)
-    sampling_params.extra_args = extra or None
 
 
-#: Per request: leave this request's structured outputs to vLLM's engine.
-OPT_OUT_KEY = "grammask_structured_outputs"
 _DROPIN: dict[tuple[int, Settings], tuple[Any, DropIn]] = {}
 _DROPIN_LOCK = threading.Lock()
 

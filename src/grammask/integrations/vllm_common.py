@@ -51,7 +51,7 @@ from .vllm_compiler import (  # _ENGINES, shared_engine: the old names, kept
     use_vllm_logging,
     vocabulary_from_vllm,
 )
-from .vllm_dropin import log_status
+from .vllm_dropin import OPT_OUT_KEY, log_status
 from .vllm_dropin import status as dropin_status
 from .vllm_settings import (
     SETTINGS,
@@ -73,7 +73,8 @@ RunnerKind = Literal["v1", "v2"]
 __all__ = ["FQCN", "REQUEST_KEYS", "SETTINGS", "_COMPILERS", "_ENGINES", "PluginCore", "RunnerKind",
            "Settings", "_caller_vllm_config", "_checked", "_checker", "_frontend_settings",
            "_parsed", "_request_key", "_settings_of", "_speculative_on_v1", "_tp_rank", "_tp_size",
-           "describe_settings", "load_settings", "request_of", "settings_for", "settings_table",
+           "describe_settings", "host_masks", "load_settings", "request_of", "settings_for",
+           "settings_table",
            "shared_compiler", "shared_engine", "use_vllm_logging", "validate_sampling_params",
            "vocabulary_from_vllm"]
 
@@ -166,7 +167,8 @@ class PluginCore:
         if not self.active:
             return None, None
         if (self.dropin.on and not self._foreign_warned
-                and getattr(sampling_params, "structured_outputs", None) is not None):
+                and getattr(sampling_params, "structured_outputs", None) is not None
+                and OPT_OUT_KEY not in (getattr(sampling_params, "extra_args", None) or {})):
             self._foreign_warned = True  # validate_params did not run on it (another path)
             log.warning("grammask: a request reached the engine with vLLM structured_outputs "
                         "still set; vLLM's engine serves it, not grammask")
@@ -191,6 +193,14 @@ class PluginCore:
         if self._proc is not None:
             self._proc.close()
             self._proc = None
+
+
+def host_masks(sampling_params: Any) -> bool:
+    """Whether vLLM's own processors forbid tokens of this request before grammask masks
+    (they run first on both runners): ``min_tokens`` (the stop tokens), ``allowed_token_ids``,
+    ``bad_words``, ``logit_bias``. Its rows then get the grammar-wins check."""
+    return any(bool(getattr(sampling_params, name, None)) for name in
+               ("min_tokens", "allowed_token_ids", "bad_words", "logit_bias"))
 
 
 def _invalid(exc: GrammarError) -> tuple[ConstraintRequest, Future[Grammar]]:

@@ -49,6 +49,8 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 BACKENDS = {"auto": None, "xgrammar": "xgrammar", "guidance": "guidance"}
 #: Marks a request that came in through vLLM's structured outputs (metrics, thinking rule).
 SOURCE_KEY = "grammask_source"
+#: Per request (``vllm_xargs``): leave this request's structured outputs to vLLM's engine.
+OPT_OUT_KEY = "grammask_structured_outputs"
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ def bounded_whitespace(tag: Any) -> Any:
             return [walk(v) for v in node]
         if not isinstance(node, dict):
             return node
-        out = {k: walk(v) for k, v in node.items()}
+        # a json_schema's own values (a const, an enum) are data, never tag structure
+        out = {k: v if k == "json_schema" else walk(v) for k, v in node.items()}
         if (out.get("type") == "json_schema" and out.get("max_whitespace_cnt") is None
                 and out.get("style") in (None, "json")):
             out["max_whitespace_cnt"] = TAG_WHITESPACE

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from .vllm_common import FQCN, PluginCore
+from .vllm_common import FQCN, PluginCore, host_masks
 
 __all__ = ["FQCN", "V1Batch"]
 
@@ -56,7 +56,7 @@ class V1Batch:
                 request, grammar = core.request(params)
                 if request is not None:
                     core.processor().add(index, request, prompt or (), output,
-                                         grammar=grammar)
+                                         grammar=grammar, host_masks=host_masks(params))
                 elif proc is not None:
                     proc.remove(index)  # the row may still hold a previous occupant
             proc = core.proc_or_none

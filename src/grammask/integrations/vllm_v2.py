@@ -42,7 +42,7 @@ from ..bitmask import normal_tensors
 from ..compiler import Grammar
 from ..processor import BatchProcessor
 from ..request import ConstraintRequest
-from .vllm_common import PluginCore
+from .vllm_common import PluginCore, host_masks
 
 log = logging.getLogger("grammask")
 
@@ -62,6 +62,7 @@ class _Slot:
     added: bool = False  # in the processor
     missing: tuple[int, int] | None = None  # positions left as placeholders (slow path)
     failed: str | None = None  # the helper lost this slot's tokens: fail it in the processor
+    host_masks: bool = False  # vLLM's own processors may forbid its tokens (grammar wins)
 
 
 @dataclass
@@ -129,7 +130,8 @@ class V2Batch:
         prefill_len = int(self.rs.prefill_len.np[slot])
         wants_prompt = request.thinking and (request.think_end is not None
                                              or core.default_marker)
-        self._slots[slot] = _Slot(request, grammar, prompt_len, prefill_len, wants_prompt)
+        self._slots[slot] = _Slot(request, grammar, prompt_len, prefill_len, wants_prompt,
+                                  host_masks=host_masks(sampling_params))
         self._tracked[slot] = True
         self._prefill[slot] = prefill_len
         return True
@@ -300,7 +302,8 @@ class V2Batch:
         if not st.fetched:  # needed before any copy ran (no apply_staged_writes yet)
             self._fetch_now(slot, st)
         proc = self.core.processor()
-        proc.add(slot, st.request, st.prompt, st.output, grammar=st.grammar)
+        proc.add(slot, st.request, st.prompt, st.output, grammar=st.grammar,
+                 host_masks=st.host_masks)
         st.added = True
         if st.failed is not None:
             proc.fail(slot, st.failed)

@@ -1,0 +1,73 @@
+"""The grammar wins over the host's own processors: a row they left with no token the
+grammar allows gets the grammar's tokens back, never an arbitrary one (``host_masks`` rows).
+Expected masks come from the raw backend (``RawReference``), not from grammask."""
+
+from __future__ import annotations
+
+import torch
+
+from grammask import Compiler, GrammarSpec, Vocabulary
+from grammask.processor import BatchProcessor
+
+from .helpers import RawReference
+
+CHOICE = GrammarSpec.choice(["red", "green"], backend="xgrammar")
+
+
+def _host_forbids(logits: torch.Tensor, row: int, ids: list[int]) -> None:
+    """What vLLM's min_tokens / allowed_token_ids / bad_words do before our mask."""
+    logits[row, ids] = float("-inf")
+
+
+def test_min_tokens_against_a_finished_grammar(compiler: Compiler, qwen25: Vocabulary) -> None:
+    """Row 0 finished "green" (only stops allowed) and the host hides the stops (min_tokens):
+    the stops come back. Row 1, the same without ``host_masks``, is left as the host made
+    it (the documented cost: hosts flag rows whose options can forbid tokens). Row 2 keeps
+    an allowed token the host did not touch: unchanged."""
+    grammar = compiler.compile(CHOICE)
+    done = [*qwen25.encode("green")]
+    proc = BatchProcessor(compiler, max_batch=3)
+    try:
+        for row, flag in ((0, True), (1, False)):
+            proc.add(row, CHOICE, output_ids=list(done), grammar=grammar, host_masks=flag)
+        proc.add(2, CHOICE, output_ids=[], grammar=grammar, host_masks=True)
+        ref_done = RawReference.of(grammar, qwen25)
+        for t in done:
+            assert ref_done.accept(t)
+        stops = sorted(ref_done.allowed().nonzero().flatten().tolist())
+        assert stops and all(t in qwen25.stop_ids for t in stops)
+        proc.step()
+        logits = torch.zeros(3, qwen25.vocab_size)
+        _host_forbids(logits, 0, list(qwen25.stop_ids))
+        _host_forbids(logits, 1, list(qwen25.stop_ids))
+        _host_forbids(logits, 2, qwen25.encode("red")[:1])
+        proc.apply(logits)
+        assert sorted(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == stops
+        assert float(logits[0, stops[0]]) == 0.0
+        assert not torch.isfinite(logits[1]).any()
+        fresh = RawReference.of(grammar, qwen25).allowed()
+        fresh[qwen25.encode("red")[0]] = False
+        assert torch.equal(torch.isfinite(logits[2]), fresh)
+    finally:
+        proc.close()
+
+
+def test_allowed_token_ids_disjoint_from_the_grammar(compiler: Compiler,
+                                                     qwen25: Vocabulary) -> None:
+    """The host allows only tokens the grammar refuses: the grammar's first tokens come back
+    (uniform), the host's tokens stay out."""
+    spec = GrammarSpec.regex("[a-c]{3}", backend="guidance")
+    grammar = compiler.compile(spec)
+    host_ids = [qwen25.token_id(t) for t in ("x", "y", "z")]
+    proc = BatchProcessor(compiler, max_batch=1)
+    try:
+        proc.add(0, spec, output_ids=[], grammar=grammar, host_masks=True)
+        proc.step()
+        logits = torch.full((1, qwen25.vocab_size), float("-inf"))
+        logits[0, host_ids] = 1.0
+        proc.apply(logits)
+        want = RawReference.of(grammar, qwen25).allowed()
+        assert torch.equal(torch.isfinite(logits[0]), want)
+        assert not torch.isfinite(logits[0, host_ids]).any()
+    finally:
+        proc.close()

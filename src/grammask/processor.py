@@ -62,6 +62,7 @@ from .apply import (
 )
 from .backends.base import Matcher
 from .compiler import Compiler, Grammar
+from .digests import MaskDigests, row_key
 from .errors import GrammarError
 from .firstmask import READY, VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
 from .masks import Filler, FillWorker, MaskBuffers, Ticket, stop_only_row
@@ -183,6 +184,8 @@ class BatchProcessor:
         self._cpu_layout: tuple[int, int] | None = None
         self._stepped_at = 0.0  # when the last step's job was handed over
         self._steps = 0
+        #: per-rank mask digests (a debug setting; ``digests.py``), None: off
+        self.digests: MaskDigests | None = None
         #: Mask rows filled by the backends so far (work done, for metrics and tests).
         self.rows_filled = 0
 
@@ -306,9 +309,19 @@ class BatchProcessor:
         self._cpu_layout = ((logits.shape[1], logits.stride(0))
                             if cpu_plannable(logits) and self._plan_fits(window_ms) else None)
         if rows:
+            if self.digests is not None:
+                self._record(bitmask, rows)
+                plan = None if self.digests.fault else plan
             apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
                           buffers=self._buffers, plan=plan)
             self._restore(logits, bitmask, [(i, i) for i in rows])
+
+    def _record(self, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Mask digests for comparing ranks (``digests.py``; a debug setting)."""
+        assert self.digests is not None
+        self.digests.observe(bitmask, [
+            (i, row_key(r.request.spec.key, r.output[:r.seen]) if r is not None else "?")
+            for i in rows for r in [self._rows.get(i)]])
 
     def _restore(self, logits: torch.Tensor, bitmask: torch.Tensor,
                  pairs: Sequence[tuple[int, int]]) -> None:
@@ -391,6 +404,8 @@ class BatchProcessor:
                  if row in ready]
         if not pairs:
             return
+        if self.digests is not None:
+            self._record(bitmask, [row for _, row in pairs])
         masks, buffer = self._mapped_buffer(logits.shape[0])
         picked = bitmask.index_select(0, torch.tensor([row for _, row in pairs]))
         buffer.index_copy_(0, torch.tensor([at for at, _ in pairs]), picked)

@@ -3,6 +3,11 @@
 The server runs from the vLLM venv (``GRAMMASK_VLLM_PYTHON``, default ``.venv-vllm`` made by
 ``make vllm-venv``), binds 127.0.0.1 on a free port, logs to a file, and is always stopped
 by its process group (SIGTERM, then SIGKILL after a grace period).
+
+Each server gets a fresh private disk cache for grammask's compiled grammars (a 0700 temp
+dir, ``Server.disk_cache``, removed when it stops), so no earlier run's cache can change a
+result; a caller that passes ``GRAMMASK_DISK_CACHE`` in ``env`` (a test about the cache)
+gets exactly that instead.
 """
 
 from __future__ import annotations
@@ -10,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +63,9 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_s = 0.0
         self._t0 = 0.0
+        #: this server's own disk-cache dir (None until launched, or when ``env`` names one)
+        self.disk_cache: Path | None = None
+        self._disk_cache_cleanup: weakref.finalize[..., Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Server:
@@ -74,9 +85,10 @@ class Server:
                     # tests.vllm_fixtures sets WARNING for in-process tests; servers log INFO
                     # (grammask's start-up and routing lines are INFO)
                     "VLLM_LOGGING_LEVEL": "INFO",
-                    # the plugin's disk cache (on by default) in the build dir, not in $HOME
-                    "GRAMMASK_DISK_CACHE": str(ROOT / "out" / "server-disk-cache"),
                     **self.extra_env})
+        if "GRAMMASK_DISK_CACHE" not in self.extra_env:
+            # the plugin's disk cache (on by default): this server's own, never $HOME's
+            env["GRAMMASK_DISK_CACHE"] = str(self._fresh_disk_cache())
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model), "--served-model-name", MODEL_NAME,
                "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
@@ -115,7 +127,29 @@ class Server:
                     return
             time.sleep(1.0)
 
+    def _fresh_disk_cache(self) -> Path:
+        """A new private (0700) dir for this launch, removed by ``stop`` (or at exit)."""
+        self._remove_disk_cache()
+        path = Path(tempfile.mkdtemp(prefix="grammask-e2e-disk-cache-"))
+        path.chmod(0o700)
+        self.disk_cache = path
+        self._disk_cache_cleanup = weakref.finalize(self, shutil.rmtree, str(path),
+                                                    ignore_errors=True)
+        return path
+
+    def _remove_disk_cache(self) -> None:
+        cleanup, self._disk_cache_cleanup = self._disk_cache_cleanup, None
+        self.disk_cache = None
+        if cleanup is not None:
+            cleanup()
+
     def stop(self, grace_s: float = 20.0) -> None:
+        try:
+            self._stop_processes(grace_s)
+        finally:
+            self._remove_disk_cache()  # after the processes: none is writing to it
+
+    def _stop_processes(self, grace_s: float) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return

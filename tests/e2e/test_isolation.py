@@ -10,6 +10,7 @@ dependent, so it goes through grammask's agreement (an all-gather over the ranks
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from grammask import digests
 from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json, check_regex
 from tests.e2e.server import MODEL_NAME, ROOT, Server, xargs
@@ -50,12 +52,20 @@ def nested_one_of(depth: int) -> dict[str, Any]:
     return schema
 
 
+DIGESTS = Path(tempfile.mkdtemp(prefix="grammask-digests-"))
+#: ``GRAMMASK_E2E_TP_FAULT=1``: rank 1's masks refuse one token they allow (a demonstration
+#: that ``test_ranks_apply_identical_masks`` catches a disagreement; it must then fail)
+FAULT = os.environ.get("GRAMMASK_E2E_TP_FAULT", "") not in ("", "0")
+
+
 @pytest.fixture(scope="module")
 def server(start_server: StartServer, qwen25_dir: Path) -> Iterator[Server]:
     metrics_dir = tempfile.mkdtemp(prefix="grammask-prom-")
     yield start_server("qwen25-tp2", qwen25_dir,
                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
-                            "PROMETHEUS_MULTIPROC_DIR": metrics_dir},
+                            "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
+                            "GRAMMASK_MASK_DIGEST_DIR": str(DIGESTS),
+                            **({"GRAMMASK_DEBUG_MASK_FAULT_RANK": "1"} if FAULT else {})},
                        args=["--tensor-parallel-size", "2", "--enable-auto-tool-choice",
                              "--tool-call-parser", "hermes"])
 
@@ -127,6 +137,23 @@ def test_two_ranks_serve_standard_requests(client: Any, server: Server) -> None:
                                 WEATHER_PARAMS)
     # each rank's processor counts the request: both ranks served all nine
     assert counts == {"json_schema": 6, "regex": 6, "structural_tag": 6}, counts
+
+
+def test_ranks_apply_identical_masks(client: Any) -> None:
+    """Each rank records a digest of every mask it applies, keyed by the request's spec and
+    the tokens it consumed (``mask_digest_dir``). The scheduler keeps rank 0's tokens, so a
+    rank that masked differently would leave no trace in the text: the digests must agree
+    for every (request, step) both ranks masked."""
+    specs = [{"json": SCHEMA, "disable_any_whitespace": True}, {"regex": REGEX},
+             {"json": SHORT_STRINGS, "disable_any_whitespace": True}]
+    jobs = [(spec, seed) for spec in specs for seed in (11, 12)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        list(pool.map(lambda j: ask(client, j[0], j[1]), jobs))
+    found = digests.compare(DIGESTS)
+    assert found.ranks == 2 and found.shared >= len(jobs), found
+    assert not found.differing, (f"{len(found.differing)} of {found.shared} (request, step) "
+                                 "masks differ between the ranks")
+    assert not found.one_sided, f"{found.one_sided} (request, step) keys on one rank only"
 
 
 def _stream(client: Any, spec: dict[str, Any], seed: int, max_tokens: int = 48

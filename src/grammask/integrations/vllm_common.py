@@ -25,6 +25,7 @@ from typing import Any, Literal
 from .. import __version__, metrics
 from ..agreement import Agreement, Solo, tp_group_for_vllm
 from ..compiler import Compiler, Grammar
+from ..digests import MaskDigests
 from ..errors import GrammarError
 from ..masks import Filler
 from ..processor import BatchProcessor
@@ -147,6 +148,14 @@ class PluginCore:
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
                 filler=Filler(parallel_min=self.settings.parallel_min,
                               threads=self.settings.fill_threads), **kwargs)
+            if self.settings.mask_digest_dir:
+                rank = _tp_rank()
+                fault = self.settings.debug_mask_fault_rank == rank
+                self._proc.digests = MaskDigests(self.settings.mask_digest_dir, rank,
+                                                 fault=fault)
+                log.warning("grammask: recording mask digests in %s (rank %d%s)",
+                            self.settings.mask_digest_dir, rank,
+                            ", FAULT INJECTED" if fault else "")
         return self._proc
 
     @property

@@ -40,6 +40,8 @@ class Settings:
     warmup_dir: str = ""
     disk_cache: str = "auto"
     disk_cache_mb: int = 1024
+    mask_digest_dir: str = ""
+    debug_mask_fault_rank: int = -1
 
     @property
     def think_end_arg(self) -> str | None:
@@ -103,6 +105,13 @@ def _port(value: object) -> int:
     return number
 
 
+def _rank(value: object) -> int:
+    number = int(value) if isinstance(value, int) else int(str(value).strip())
+    if number < -1:
+        raise ValueError(f"expected a rank >= 0, or -1 for off, got {value!r}")
+    return number
+
+
 def _think_end(value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected 'auto', 'none' or the marker text, got {value!r}")
@@ -144,6 +153,12 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                    "across restarts and processes: auto (the user's cache directory), off, "
                    "or a directory"),
     "disk_cache_mb": (_positive(int), "size bound of the disk cache, MiB"),
+    "mask_digest_dir": (lambda v: str(v).strip(), "debug: each tensor-parallel rank appends "
+                        "a digest of every mask it applies (per request and step) to a file "
+                        "here, to compare ranks (grammask.digests.compare; empty: off)"),
+    "debug_mask_fault_rank": (_rank, "debug, tests only: this tensor-parallel rank's masks "
+                              "refuse one token they allow, to show the digests catch it "
+                              "(-1: off)"),
     "metrics_port": (_port, "grammask's own Prometheus exporter in vLLM's engine core (0: off; "
                      "or set PROMETHEUS_MULTIPROC_DIR to see them on vLLM's /metrics)"),
 }

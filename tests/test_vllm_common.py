@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -48,7 +49,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 # ----------------------------------------------------------------------- registration
 def test_the_installed_entry_point_loads_into_both_runners() -> None:
     eps = [e for e in md.entry_points(group="vllm.logits_processors") if e.name == "grammask"]
-    assert [e.value for e in eps] == [vllm_common.FQCN]  # the plugin module (fixtures: alias)
+    assert [e.value for e in eps] == [vllm_common.FQCN]  # the plugin module
     assert eps[0].load() is GrammaskLogitsProcessor
     assert GrammaskLogitsProcessor in _load_logitsprocs_plugins()  # V1 loader
     assert GrammaskLogitsProcessor in _load_v2_logitsprocs_plugins()  # V2: type-checked
@@ -79,7 +80,9 @@ def test_bad_settings_name_their_source(config: Any, env: dict[str, str], messag
 
 def test_tensor_parallel_changes_no_setting() -> None:
     """Ranks agree on timing outcomes (agreement.py) instead of long timeouts."""
-    assert load_settings(None, {}, tensor_parallel_size=4) == load_settings(None, {})
+    tp4 = SimpleNamespace(additional_config=None,
+                          parallel_config=SimpleNamespace(tensor_parallel_size=4))
+    assert settings_for(tp4) == settings_for(SimpleNamespace(additional_config=None))
     assert load_settings(None, {}).wait_s < 1.0
 
 

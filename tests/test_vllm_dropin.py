@@ -26,7 +26,7 @@ from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from grammask import GrammarSpec
 from grammask.errors import GrammarError
-from grammask.integrations import vllm_admission, vllm_dropin
+from grammask.integrations import vllm_admission, vllm_compat
 from grammask.integrations.vllm_dropin import DropIn, status, take_over, translate
 from grammask.integrations.vllm_settings import Settings
 from grammask.request import ConstraintRequest, parse_extra_args
@@ -321,21 +321,21 @@ def test_a_parser_that_cannot_be_built_keeps_vllms_engine(model_config: Any) -> 
 
 # -------------------------------------------------------------------- version check
 def test_the_installed_vllm_is_one_the_drop_in_was_built_for() -> None:
-    assert vllm_dropin._vllm_mismatch() == ""
+    assert vllm_compat.mismatch() == ""
 
 
 def test_another_vllm_line_turns_the_drop_in_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    reason = vllm_dropin._vllm_mismatch()
+    reason = vllm_compat.mismatch()
     assert reason and "0.34.0" in reason
     drop = status(stand_in(), Settings())
     assert drop.on is False and drop.reason == reason
 
 
 def test_an_untranslated_field_turns_the_drop_in_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_dropin, "KNOWN_FIELDS",
-                        vllm_dropin.KNOWN_FIELDS - {"whitespace_pattern"})
-    reason = vllm_dropin._vllm_mismatch()
+    monkeypatch.setattr(vllm_compat, "KNOWN_FIELDS",
+                        vllm_compat.KNOWN_FIELDS - {"whitespace_pattern"})
+    reason = vllm_compat.mismatch()
     assert "whitespace_pattern" in reason
     assert status(stand_in(), Settings()).on is False
 
@@ -344,11 +344,11 @@ def test_an_untranslated_field_turns_the_drop_in_off(monkeypatch: pytest.MonkeyP
 @pytest.fixture
 def admission(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     """``validate_sampling_params`` called directly: there is no calling InputProcessor frame
-    for it to find the server's config in, so ``_caller_vllm_config`` returns the stand-in
+    for it to find the server's config in, so ``admission_config`` returns the stand-in
     (``holder.config``, which a test may replace). Cached settings and decisions are cleared
     around each test."""
     holder = SimpleNamespace(config=stand_in())
-    monkeypatch.setattr(vllm_admission, "_caller_vllm_config", lambda: holder.config)
+    monkeypatch.setattr(vllm_admission, "admission_config", lambda: holder.config)
     vllm_admission._settings_of.cache_clear()
     vllm_admission._DROPIN.clear()
     yield holder

@@ -41,7 +41,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from grammask import Compiler, GrammarSpec, Vocabulary
-from grammask.integrations.vllm_v1 import GrammaskLogitsProcessor
+from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
 
 from .helpers import RawReference
 
@@ -456,16 +456,3 @@ def _xargs_of(req: _Req) -> dict[str, Any] | None:
     if req.constraint is None:
         return None
     return xargs(CONSTRAINTS[req.constraint][0], thinking="auto" if req.thinking else "off")
-
-
-def test_the_plugins_old_import_path_is_an_alias() -> None:
-    """``--logits-processors grammask.integrations.vllm_v1:GrammaskLogitsProcessor`` (the first
-    home, in deployments' command lines) names the same class as the entry point."""
-    from importlib.metadata import entry_points
-
-    from grammask.integrations import vllm_plugin, vllm_v1
-
-    assert vllm_v1.GrammaskLogitsProcessor is vllm_plugin.GrammaskLogitsProcessor
-    (ours,) = [ep for ep in entry_points(group="vllm.logits_processors")
-               if ep.name == "grammask"]
-    assert ours.load() is vllm_plugin.GrammaskLogitsProcessor

@@ -32,7 +32,7 @@ from grammask import GrammarSpec
 
 from .helpers import RawReference
 
-FQCN = "grammask.integrations.vllm_v1:GrammaskLogitsProcessor"
+FQCN = "grammask.integrations.vllm_plugin:GrammaskLogitsProcessor"
 VOCAB = 151_936
 THINK, END_THINK = 151_667, 151_668
 IM_START, IM_END, EOS = 151_644, 151_645, 151_643

@@ -10,15 +10,11 @@ m = grammar.matcher(); m.accept(token_id); m.fill(bitmask, row)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from . import compiler
 from .bitmask import allocate_bitmask, allowed_ids
 from .compiler import Compiler, Grammar, Stats
 from .errors import (
     CompilerClosedError,
     CompileTimeoutError,
-    EngineClosedError,
     GrammarError,
     InternalCompileError,
     InvalidGrammarError,
@@ -40,7 +36,6 @@ __all__ = [
     "Compiler",
     "CompilerClosedError",
     "ConstraintRequest",
-    "EngineClosedError",
     "Grammar",
     "GrammarError",
     "GrammarSpec",
@@ -64,14 +59,3 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# ------------------------------------------------------------------ deprecated names
-# ``EngineClosedError`` (above) is ``CompilerClosedError`` under its old name.
-if TYPE_CHECKING:
-    Engine = Compiler  #: deprecated: ``Compiler`` (at run time ``__getattr__`` warns)
-
-
-def __getattr__(name: str) -> Any:
-    """``grammask.Engine``, the compile service's old name (``grammask.compiler`` warns)."""
-    if name == "Engine":
-        return compiler.deprecated_engine()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

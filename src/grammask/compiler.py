@@ -37,13 +37,12 @@ import os
 import queue
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
 from . import metrics
 from .backends import BackendGrammar, Matcher, get_backend
@@ -89,13 +88,6 @@ class Grammar:
 
     def matcher(self) -> Matcher:
         return self.backend_grammar.matcher()
-
-    @property
-    def compiled(self) -> BackendGrammar:
-        """Deprecated alias of ``backend_grammar``."""
-        warnings.warn("Grammar.compiled is now Grammar.backend_grammar", DeprecationWarning,
-                      stacklevel=2)
-        return self.backend_grammar
 
     @property
     def memory_bytes(self) -> int:
@@ -860,22 +852,3 @@ def _observe(backend: str, spec: GrammarSpec, outcome: str, started: float) -> N
     metrics.COMPILE_SECONDS.labels(backend=backend, kind=spec.kind, outcome=outcome).observe(
         time.perf_counter() - started)
 
-
-# ------------------------------------------------------------------ deprecated names
-if TYPE_CHECKING:
-    Engine = Compiler  #: deprecated: ``Compiler`` (at run time ``__getattr__`` warns)
-
-
-def deprecated_engine() -> type[Compiler]:
-    """``Compiler`` under its old name ``Engine``: a module ``__getattr__``'s answer, with a
-    DeprecationWarning pointing at the code that asked for it."""
-    warnings.warn("grammask.Engine is now grammask.Compiler", DeprecationWarning,
-                  stacklevel=3)
-    return Compiler
-
-
-def __getattr__(name: str) -> Any:
-    """``Engine``, the compile service's old name: ``Compiler``, with a DeprecationWarning."""
-    if name == "Engine":
-        return deprecated_engine()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

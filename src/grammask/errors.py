@@ -49,6 +49,3 @@ class InternalCompileError(GrammarError):
 class CompilerClosedError(GrammarError):
     """The compiler was closed: pending requests fail with this, and so do new ones."""
 
-
-#: The old name of ``CompilerClosedError`` (the same class), kept for callers catching it.
-EngineClosedError = CompilerClosedError

@@ -574,11 +574,6 @@ class BatchProcessor:
     def fill_thread_id(self) -> int | None:
         return self._worker.thread_id
 
-    @property
-    def engine(self) -> Compiler:
-        """Deprecated: the compiler was called the engine (``processor.compiler``)."""
-        return self.compiler
-
     def close(self) -> None:
         self._settle()
         self._pending = None

@@ -5,12 +5,11 @@ from __future__ import annotations
 from functools import cache
 
 from ..spec import BackendName
-from .base import Backend, BackendGrammar, BackendMatcher, CompiledGrammar, Matcher
+from .base import Backend, BackendGrammar, BackendMatcher, Matcher
 from .guidance import GuidanceBackend
 from .xgrammar import XGrammarBackend
 
-__all__ = ["Backend", "BackendGrammar", "BackendMatcher", "CompiledGrammar", "Matcher",
-           "get_backend"]  # CompiledGrammar: the old name of BackendGrammar
+__all__ = ["Backend", "BackendGrammar", "BackendMatcher", "Matcher", "get_backend"]
 
 
 @cache

@@ -37,7 +37,6 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -122,12 +121,6 @@ class BackendMatcher:
         for batch fills only: advancing it would leave this adapter's counters stale."""
         raise NotImplementedError
 
-    @property
-    def engine_matcher(self) -> object:
-        """Deprecated alias of ``native``."""
-        warnings.warn("engine_matcher is now native", DeprecationWarning, stacklevel=2)
-        return self.native
-
     def _token(self, token_id: object) -> int | None:
         """The id as a Python int when it names a token of the vocabulary, else None."""
         if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
@@ -181,11 +174,6 @@ def refuse_empty_language(first_mask: torch.Tensor, backend: str, where: str | N
         raise UnsupportedError(f"{backend}: the grammar's language is empty: nothing can be "
                                "generated (no token and no stop is allowed at the start)",
                                where=where)
-
-
-#: Old names, kept for callers importing them: the same objects.
-CompiledGrammar = BackendGrammar
-EngineMatcherBase = BackendMatcher
 
 
 def _bit(i: int) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 from collections.abc import Mapping
 from functools import lru_cache
@@ -21,6 +20,7 @@ from ..compiler import Compiler
 from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
 from ..vocab import Vocabulary
+from .vllm_compat import admission_config
 from .vllm_compiler import use_vllm_logging
 from .vllm_dropin import OPT_OUT_KEY, DropIn, field_of, log_status, status, take_over
 from .vllm_settings import Settings, _tp_size, describe_settings, load_settings
@@ -76,10 +76,10 @@ def _checked(key: str, backend: str, prefer: str) -> None:
 def _frontend_settings(config: Any = None) -> Settings:
     """Settings as the API server process sees them.
 
-    vLLM calls ``validate_params`` (a classmethod) without its config, and the API server
-    sets no current config; the ``InputProcessor`` that calls us holds it, so it is looked up
-    in the calling frames. Without it (another host) only the environment counts."""
-    config = _caller_vllm_config() if config is None else config
+    vLLM calls ``validate_params`` (a classmethod) without its config; the ``InputProcessor``
+    that calls us holds it (``vllm_compat.admission_config``). Without it (another host) only
+    the environment counts."""
+    config = admission_config() if config is None else config
     extra = getattr(config, "additional_config", None) if config is not None else None
     return _settings_of(json.dumps(extra or {}, sort_keys=True, default=str),
                         _tp_size(config) if config is not None else 1)
@@ -95,33 +95,11 @@ def _speculative_on_v1(config: Any) -> bool:
 
 @lru_cache(maxsize=8)
 def _settings_of(additional_config: str, tensor_parallel_size: int) -> Settings:
-    settings = load_settings(json.loads(additional_config),
-                             tensor_parallel_size=tensor_parallel_size)
+    settings = load_settings(json.loads(additional_config))
     use_vllm_logging()
     log.info("grammask %s: validating requests in the API server; %s", __version__,
              describe_settings(settings))
     return settings
-
-
-def _caller_vllm_config(max_depth: int = 12) -> Any:
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:  # an older vLLM
-        current = None
-    else:
-        current = get_current_vllm_config_or_none()
-    if current is not None:
-        return current
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        config = getattr(owner, "vllm_config", None) if owner is not None else None
-        if config is not None and hasattr(config, "additional_config"):
-            return config
-    return None
 
 
 def dropin_for(config: Any, settings: Settings) -> DropIn:
@@ -172,7 +150,7 @@ def validate_sampling_params(sampling_params: Any) -> None:
         return
     from vllm.exceptions import VLLMValidationError
 
-    config = _caller_vllm_config()
+    config = admission_config()
     settings = _frontend_settings(config)
     if so is not None:
         if key is not None:

@@ -33,7 +33,6 @@ from ..request import ConstraintRequest
 from ..spec import GrammarSpec
 from .vllm_admission import (  # re-exported: the adapters' (and tests') one import point
     REQUEST_KEYS,
-    _caller_vllm_config,
     _checked,
     _checker,
     _frontend_settings,
@@ -44,11 +43,9 @@ from .vllm_admission import (  # re-exported: the adapters' (and tests') one imp
     request_of,
     validate_sampling_params,
 )
-from .vllm_compiler import (  # _ENGINES, shared_engine: the old names, kept
+from .vllm_compiler import (
     _COMPILERS,
-    _ENGINES,
     shared_compiler,
-    shared_engine,
     use_vllm_logging,
     vocabulary_from_vllm,
 )
@@ -71,12 +68,12 @@ log = logging.getLogger("grammask")
 FQCN = "grammask.integrations.vllm_plugin:GrammaskLogitsProcessor"
 RunnerKind = Literal["v1", "v2"]
 
-__all__ = ["FQCN", "REQUEST_KEYS", "SETTINGS", "_COMPILERS", "_ENGINES", "PluginCore", "RunnerKind",
-           "Settings", "_caller_vllm_config", "_checked", "_checker", "_frontend_settings",
+__all__ = ["FQCN", "REQUEST_KEYS", "SETTINGS", "_COMPILERS", "PluginCore", "RunnerKind",
+           "Settings", "_checked", "_checker", "_frontend_settings",
            "_parsed", "_request_key", "_settings_of", "_speculative_on_v1", "_tp_rank", "_tp_size",
            "describe_settings", "host_masks", "load_settings", "request_of", "settings_for",
            "settings_table",
-           "shared_compiler", "shared_engine", "use_vllm_logging", "validate_sampling_params",
+           "shared_compiler", "use_vllm_logging", "validate_sampling_params",
            "vocabulary_from_vllm"]
 
 

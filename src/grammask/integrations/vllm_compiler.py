@@ -121,8 +121,3 @@ def _warm_up(compiler: Compiler, directory: str) -> None:
         return
     log.info("grammask: warm-up of %s in %.1f s\n%s", directory,
              time.perf_counter() - started, summary_table(results))
-
-
-#: The old names (before the compile service was called ``Compiler``): the same objects.
-shared_engine = shared_compiler
-_ENGINES = _COMPILERS

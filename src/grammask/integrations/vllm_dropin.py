@@ -15,6 +15,7 @@ that the installed vLLM is one whose flow this relies on (the version line, and 
 serve the configuration (speculative decoding on the V1 runner, a vLLM backend grammask does
 not have, the setting ``structured_outputs=vllm``), the requests stay with vLLM's engine and
 the start-up log says why. It never half-works: both processes decide from the same inputs.
+What this relies on in vLLM is checked in ``vllm_compat``.
 
 The request's params object is changed in place (vLLM's own ``verify`` does the same to
 ``_backend``); a params object reused for another request still carries the constraint, now
@@ -23,7 +24,6 @@ under ``extra_args``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -31,19 +31,11 @@ from typing import Any
 
 from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY
+from .vllm_compat import mismatch as vllm_mismatch
 from .vllm_settings import Settings
 
 log = logging.getLogger("grammask")
 
-#: vLLM lines whose admission flow (validate_params on the request's params, before the copy
-#: for the engine) the drop-in was written against and tested on.
-SUPPORTED_VLLM = ("0.32.", "0.33.")
-#: ``StructuredOutputsParams`` fields the translation knows; any other field could be a
-#: constraint option grammask would ignore, so the drop-in stays off.
-KNOWN_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object",
-                          "disable_any_whitespace", "disable_additional_properties",
-                          "whitespace_pattern", "structural_tag", "_backend",
-                          "_backend_was_auto"})
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 #: vLLM's server-wide backend names that map onto grammask's own.
 BACKENDS = {"auto": None, "xgrammar": "xgrammar", "guidance": "guidance"}
@@ -71,7 +63,7 @@ def status(vllm_config: Any, settings: Settings) -> DropIn:
         return DropIn(False, "setting structured_outputs=vllm: vLLM's engine serves them")
     if not settings.enabled:
         return DropIn(False, "grammask is disabled (enabled=false)")
-    mismatch = _vllm_mismatch()
+    mismatch = vllm_mismatch()
     if mismatch:
         return DropIn(False, mismatch)
     if vllm_config is None:
@@ -117,25 +109,6 @@ def reasoning_end(vllm_config: Any, parser: str) -> tuple[str | None, str]:
     if not isinstance(end, str) or not end:
         return None, "the parser ends reasoning without a fixed end text grammask can match"
     return end, ""
-
-
-def _vllm_mismatch() -> str:
-    """Empty when the installed vLLM is one the drop-in's mechanism holds for."""
-    try:
-        import vllm
-        from vllm.sampling_params import StructuredOutputsParams
-    except ImportError as exc:  # pragma: no cover - the plugin needs vLLM to load at all
-        return f"vLLM is not importable ({exc})"
-    found = str(getattr(vllm, "__version__", "?"))
-    if not found.startswith(SUPPORTED_VLLM):
-        return (f"vLLM {found} is not a line the drop-in was built for "
-                f"({', '.join(v + 'x' for v in SUPPORTED_VLLM)}); vLLM's engine serves "
-                "structured outputs")
-    fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
-    if fields != KNOWN_FIELDS:
-        return (f"vLLM {found}'s StructuredOutputsParams has fields grammask does not "
-                f"translate ({sorted(fields ^ KNOWN_FIELDS)}); vLLM's engine serves them")
-    return ""
 
 
 def translate(so: Any, drop: DropIn) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The vLLM plugin: ``GrammaskLogitsProcessor``, one class for both model runners.
 
 vLLM loads every ``vllm.logits_processors`` entry point into whichever runner it starts, so
-the class implements both interfaces and dispatches on the constructor's arguments:
+the class implements both interfaces and dispatches on the constructor's argument types
+(``vllm_compat.runner_of``):
 ``(vllm_config, device, is_pin_memory)`` is the V1 runner (``vllm_v1_batch.V1Batch``),
 ``(vllm_config, req_states)`` the V2 runner (``vllm_v2.V2Batch``). It holds no logic of its
 own: the adapters map vLLM's batch bookkeeping onto ``BatchProcessor`` rows.
@@ -18,6 +19,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from .vllm_common import FQCN, PluginCore, validate_sampling_params
+from .vllm_compat import runner_of
 from .vllm_v1_batch import V1Batch
 from .vllm_v2 import V2Batch
 
@@ -35,13 +37,10 @@ class GrammaskLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
     def __init__(self, vllm_config: Any, *args: Any) -> None:
         self._v1: V1Batch | None = None
         self._v2: V2Batch | None = None
-        if len(args) == 2:  # V1: (device, is_pin_memory)
+        if runner_of(args) == "v1":  # (device, is_pin_memory)
             self._v1 = V1Batch(vllm_config)
-        elif len(args) == 1:  # V2: (req_states,)
+        else:  # (LogitsProcRequestState,)
             self._v2 = V2Batch(vllm_config, args[0])
-        else:
-            raise TypeError("GrammaskLogitsProcessor(vllm_config, device, is_pin_memory) "
-                            "or (vllm_config, req_states)")
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:

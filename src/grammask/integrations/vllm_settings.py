@@ -164,12 +164,9 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
 }
 
 
-def load_settings(additional_config: object = None, env: Mapping[str, str] | None = None,
-                  *, tensor_parallel_size: int = 1) -> Settings:
-    """Settings from ``--additional-config`` (key ``grammask``), then env, then defaults.
-
-    ``tensor_parallel_size`` is accepted for compatibility: ranks now agree on timing outcomes
-    (``agreement.py``), so no setting changes with it."""
+def load_settings(additional_config: object = None,
+                  env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from ``--additional-config`` (key ``grammask``), then env, then defaults."""
     env = os.environ if env is None else env
     section: Mapping[str, Any] = {}
     if isinstance(additional_config, Mapping) and additional_config.get("grammask") is not None:
@@ -196,8 +193,7 @@ def load_settings(additional_config: object = None, env: Mapping[str, str] | Non
 
 
 def settings_for(vllm_config: Any) -> Settings:
-    return load_settings(getattr(vllm_config, "additional_config", None),
-                         tensor_parallel_size=_tp_size(vllm_config))
+    return load_settings(getattr(vllm_config, "additional_config", None))
 
 
 def _tp_rank() -> int:

@@ -1,0 +1,115 @@
+"""The vLLM internals grammask relies on, in one place, for the lines it supports (0.32, 0.33).
+
+Three things are not public API, and each is checked here, not scattered:
+
+- **Admission**: vLLM calls a logits processor's ``validate_params`` from
+  ``InputProcessor._validate_params``. It passes the request's own params, before the copy
+  for the engine, and no config. ``admission_config`` reads the config off that one caller
+  frame, identified by its code object rather than a walk over any frame with a
+  ``vllm_config``.
+- **Runner interfaces**: the V1 runner builds a processor as ``(vllm_config, device,
+  is_pin_memory)``, the V2 runner as ``(vllm_config, LogitsProcRequestState)``.
+  ``runner_of`` tells them apart by type, not by argument count.
+- **The drop-in's assumptions**: the version line, and exactly the
+  ``StructuredOutputsParams`` fields it translates (``mismatch``).
+
+A vLLM outside these lines leaves vLLM's structured outputs to vLLM (``mismatch`` says why)
+and still loads grammask's own keys, where the public hooks are enough.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from functools import cache
+from types import CodeType
+from typing import Any, Literal
+
+#: vLLM lines whose admission flow the drop-in was written against and tested on.
+SUPPORTED_VLLM = ("0.32.", "0.33.")
+#: ``StructuredOutputsParams`` fields the drop-in translates; any other field could be a
+#: constraint option grammask would ignore.
+KNOWN_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object",
+                          "disable_any_whitespace", "disable_additional_properties",
+                          "whitespace_pattern", "structural_tag", "_backend",
+                          "_backend_was_auto"})
+#: frames between ``InputProcessor._validate_params`` and ``validate_params`` (V1: the
+#: module function; V2: the validator closure), with room to spare
+_MAX_DEPTH = 6
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+    except ImportError:  # pragma: no cover - the plugin needs vLLM to load at all
+        return ""
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def mismatch() -> str:
+    """Empty when the installed vLLM is one the drop-in's mechanism holds for; else why."""
+    found = vllm_version()
+    if not found.startswith(SUPPORTED_VLLM):
+        return (f"vLLM {found or '(none)'} is not a line the drop-in was built for "
+                f"({', '.join(v + 'x' for v in SUPPORTED_VLLM)}); vLLM's engine serves "
+                "structured outputs")
+    from vllm.sampling_params import StructuredOutputsParams
+
+    fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    if fields != KNOWN_FIELDS:
+        return (f"vLLM {found}'s StructuredOutputsParams has fields grammask does not "
+                f"translate ({sorted(fields ^ KNOWN_FIELDS)}); vLLM's engine serves them")
+    if _validate_params_code() is None:
+        return (f"vLLM {found} has no InputProcessor._validate_params; vLLM's engine "
+                "serves structured outputs")
+    return ""
+
+
+@cache
+def _validate_params_code() -> CodeType | None:
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        return None
+    method = getattr(InputProcessor, "_validate_params", None)
+    return getattr(method, "__code__", None)
+
+
+def admission_config() -> Any:
+    """The ``VllmConfig`` of the ``InputProcessor`` validating the current request, or None
+    (another caller, e.g. a test calling ``validate_params`` directly)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        current = None
+    else:
+        current = get_current_vllm_config_or_none()
+    if current is not None:
+        return current
+    code = _validate_params_code()
+    if code is None:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(_MAX_DEPTH):
+        if frame.f_code is code:
+            return getattr(frame.f_locals.get("self"), "vllm_config", None)
+        if frame.f_back is None:
+            return None
+        frame = frame.f_back
+    return None
+
+
+def runner_of(args: tuple[Any, ...]) -> Literal["v1", "v2"]:
+    """Which runner built the processor, from the arguments after ``vllm_config``."""
+    if len(args) == 1:
+        from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+            LogitsProcRequestState,
+        )
+
+        if isinstance(args[0], LogitsProcRequestState):
+            return "v2"
+    if len(args) == 2 and isinstance(args[1], bool):
+        return "v1"  # (device, is_pin_memory)
+    raise TypeError("GrammaskLogitsProcessor(vllm_config, device, is_pin_memory) (V1 runner) "
+                    "or (vllm_config, LogitsProcRequestState) (V2 runner), got "
+                    f"{[type(a).__name__ for a in args]}")

@@ -16,9 +16,11 @@ from grammask import (
     CompileTimeoutError,
     GrammarError,
     GrammarSpec,
+    InternalCompileError,
     InvalidGrammarError,
     InvalidRegexError,
     InvalidSchemaError,
+    ServerFault,
     Vocabulary,
 )
 from grammask.backends import get_backend
@@ -289,10 +291,12 @@ def test_close_fails_pending_requests_and_later_ones(qwen25: Vocabulary,
         pending = compiler.compile_async(spec)
         assert gate.entered.wait(10)
         compiler.close()
-        assert isinstance(pending.exception(timeout=5), GrammarError)
-        with pytest.raises(GrammarError, match="closed"):
+        # a server fault, never the request's (never a 400)
+        error = pending.exception(timeout=5)
+        assert isinstance(error, ServerFault) and not isinstance(error, GrammarError)
+        with pytest.raises(ServerFault, match="closed"):
             compiler.compile(spec, timeout=5)
-        with pytest.raises(GrammarError, match="closed"):
+        with pytest.raises(ServerFault, match="closed"):
             compiler.compile_async(GrammarSpec.regex("other"))
     finally:
         gate.release.set()
@@ -359,8 +363,9 @@ def test_internal_errors_try_the_other_backend_and_are_not_cached(
     grammar = compiler.compile(routed)
     assert grammar.backend == "xgrammar" and grammar.fallback_from == "guidance"
     forced = GrammarSpec.regex("mem2-[a-z]+", backend="guidance")
-    with pytest.raises(GrammarError, match="MemoryError"):
+    with pytest.raises(InternalCompileError, match="MemoryError") as info:
         compiler.compile(forced)
+    assert not isinstance(info.value, GrammarError)  # the server's fault, not a 400
     assert compiler.cache_info()["negative"] == 0
     assert compiler.compile(forced).backend == "guidance"  # compiled again, not a cached error
     assert compiler.stats.negative_hits == 0

@@ -398,6 +398,28 @@ def test_a_bad_constraint_is_a_400_naming_its_field(admission: SimpleNamespace,
     assert (response.error.code, response.error.param) == (400, parameter)
 
 
+def test_a_server_fault_at_admission_is_never_a_400(admission: SimpleNamespace,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's check failing for a reason of its own (here: a stand-in that raises
+    what the compiler raises for a MemoryError, since a real one cannot be caused on demand)
+    is a server fault: it reaches vLLM as a RuntimeError, which vLLM answers with a 500."""
+    from vllm.entrypoints.serve.exception_handling.error_response import (
+        create_error_response,
+    )
+
+    from grammask.errors import InternalCompileError, ServerFault
+
+    def broken(key: str, backend: str, prefer: str) -> None:
+        raise InternalCompileError("guidance: internal error: MemoryError")
+
+    monkeypatch.setattr(vllm_admission, "_checked", broken)
+    with pytest.raises(ServerFault) as info:
+        vllm_admission.validate_sampling_params(SamplingParams(
+            max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert not isinstance(info.value, ValueError)  # vLLM maps ValueError to a 400
+    assert create_error_response(info.value).error.code == 500
+
+
 def test_invalid_json_text_is_a_400_naming_structured_outputs(
         admission: SimpleNamespace) -> None:
     so = StructuredOutputsParams(json="{nope")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from .bitmask import allocate_bitmask, allowed_ids
 from .compiler import Compiler, Grammar, Stats
 from .errors import (
+    CompileFailure,
     CompilerClosedError,
     CompileTimeoutError,
     GrammarError,
@@ -21,6 +22,7 @@ from .errors import (
     InvalidRegexError,
     InvalidSchemaError,
     InvalidSpecError,
+    ServerFault,
     UnsupportedError,
 )
 from .processor import BatchProcessor, RowInfo
@@ -32,6 +34,7 @@ from .vocab import Vocabulary, load_vocabulary
 
 __all__ = [
     "BatchProcessor",
+    "CompileFailure",
     "CompileTimeoutError",
     "Compiler",
     "CompilerClosedError",
@@ -46,6 +49,7 @@ __all__ = [
     "InvalidSpecError",
     "Route",
     "RowInfo",
+    "ServerFault",
     "Stats",
     "ThinkGate",
     "ThinkMarker",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .compiler import Compiler, running_compiles
-from .errors import GrammarError
+from .errors import CompileFailure, GrammarError
 from .spec import GrammarSpec, canonical_backend
 from .spec_text import spec_from_text
 from .vocab import load_vocabulary
@@ -133,7 +133,7 @@ def _compile(ns: argparse.Namespace) -> int:
         spec = spec_from_text(text, ns.kind, backend=ns.backend, name=name)
         compiler = Compiler(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout)
         grammar = compiler.compile(spec)
-    except GrammarError as exc:
+    except CompileFailure as exc:
         if ns.json:
             print(json.dumps({"error": type(exc).__name__, "message": str(exc),
                               "where": exc.where}))

@@ -48,11 +48,13 @@ from . import metrics
 from .backends import BackendGrammar, Matcher, get_backend
 from .diskcache import DEFAULT_MAX_BYTES, DiskCache
 from .errors import (
+    CompileFailure,
     CompilerClosedError,
     CompileTimeoutError,
     GrammarError,
     InternalCompileError,
     InvalidSpecError,
+    ServerFault,
 )
 from .router import Attempt, Failure, Plan, Preference, Route, plan, route
 from .spec import BackendName, GrammarSpec, backend_name
@@ -126,7 +128,7 @@ def fresh_error(error: BaseException) -> BaseException:
     try:
         twin = copy.copy(error)
     except Exception:  # an exception class that does not copy: a plain one says the same
-        twin = GrammarError(str(error))
+        twin = (ServerFault if isinstance(error, ServerFault) else GrammarError)(str(error))
     twin.__traceback__ = None
     twin.__cause__ = None
     twin.__context__ = None
@@ -615,13 +617,13 @@ class Compiler:
         try:
             grammar = self._compile_routed(spec, flight.deadline)
         except BaseException as exc:
-            error = exc if isinstance(exc, GrammarError) else InternalCompileError(
+            error = exc if isinstance(exc, CompileFailure) else InternalCompileError(
                 f"internal error while compiling: {type(exc).__name__}: {exc}")
             with self._lock:
                 self.stats.errors += 1
                 if isinstance(error, InternalCompileError):
                     self.stats.internal_errors += 1
-                elif not isinstance(error, CompileTimeoutError):
+                elif isinstance(error, GrammarError):  # only the request's own faults
                     self._remember_failure(spec.key, error)
             self._resolve(flight, error=error)
             return
@@ -678,7 +680,7 @@ class Compiler:
         plan = self.plan(spec)
         steps = plan.attempts
         first = steps[0]
-        failures: list[GrammarError] = []
+        failures: list[GrammarError | ServerFault] = []
         for i, step in enumerate(steps):
             if failures and _failure_kind(failures[-1]) not in step.after:
                 continue
@@ -694,7 +696,7 @@ class Compiler:
                     deadline if last else deadline - (1 - step.budget) * left,
                     skip_busy=step.skip_busy and not last,
                     slot_deadline=deadline - (1 - step.slot_budget) * left)
-            except GrammarError as exc:
+            except CompileFailure as exc:
                 failures.append(exc)
                 continue
             if not failures:
@@ -752,6 +754,9 @@ class Compiler:
             if isinstance(exc.__cause__, _INTERNAL):
                 raise InternalCompileError(f"{backend}: internal error: "
                                            f"{type(exc.__cause__).__name__}") from exc
+            raise
+        except ServerFault:  # an earlier request's compile this one joined failed so
+            _observe(backend, spec, "internal", started)
             raise
         except Exception as exc:
             _observe(backend, spec, "internal", started)
@@ -842,7 +847,7 @@ class Compiler:
         self._trim()
 
 
-def _failure_kind(error: GrammarError) -> Failure:
+def _failure_kind(error: GrammarError | ServerFault) -> Failure:
     if isinstance(error, InternalCompileError):
         return "internal"
     return "timeout" if isinstance(error, CompileTimeoutError) else "refused"

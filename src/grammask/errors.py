@@ -1,7 +1,13 @@
-"""Typed errors: every failure a request can cause is a ``GrammarError``.
+"""Typed errors, in two families that never mix:
 
-Callers (HTTP front ends, the vLLM plugin) catch one base class and turn it into a 400;
-``where`` says which part of the input is wrong (a JSON pointer, a regex offset, a grammar line).
+- ``GrammarError`` (a ``ValueError``): the request's fault. HTTP front ends and the vLLM
+  plugin turn it into a 400. ``where`` says which part of the input is wrong (a JSON
+  pointer, a regex offset, a grammar line).
+- ``ServerFault`` (a ``RuntimeError``): not the request's fault (a compile past its time
+  budget, a backend's internal failure, a closed compiler). It never maps to a 400; vLLM
+  answers such a fault at admission with a 500.
+
+``CompileFailure`` is both, for code that handles any failed compile alike.
 """
 
 from __future__ import annotations
@@ -36,16 +42,28 @@ class UnsupportedError(GrammarError):
     """Valid input that no available backend can enforce (in strict routing mode)."""
 
 
-class CompileTimeoutError(GrammarError):
+class ServerFault(RuntimeError):
+    """Base class of the server's faults: the same request may succeed later."""
+
+    def __init__(self, message: str, *, where: str | None = None) -> None:
+        self.message = message
+        self.where = where
+        super().__init__(f"{message} (at {where})" if where else message)
+
+
+class CompileTimeoutError(ServerFault):
     """Compilation ran past its time budget on every backend that could serve the spec."""
 
 
-class InternalCompileError(GrammarError):
+class InternalCompileError(ServerFault):
     """A backend failed for a reason other than the input (out of memory, a backend bug).
 
     Not remembered in the negative cache: the next request for the spec compiles again."""
 
 
-class CompilerClosedError(GrammarError):
+class CompilerClosedError(ServerFault):
     """The compiler was closed: pending requests fail with this, and so do new ones."""
 
+
+#: Every way a compile can fail: the request's fault or the server's.
+CompileFailure = (GrammarError, ServerFault)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .compiler import Compiler, Grammar
-from .errors import GrammarError
+from .errors import GrammarError, ServerFault
 from .spec import GrammarSpec
 
 #: files larger than this are refused (the spec limit is 4 MB; a file is read whole)
@@ -86,7 +86,7 @@ def warm(compiler: Compiler, directory: str | Path, *, any_whitespace: bool = Tr
             spec = spec_of_file(path, any_whitespace=any_whitespace)
             future = compiler.compile_async(spec) if spec is not None else None
             pending.append((path, spec, future, None))
-        except (GrammarError, ValueError, UnicodeDecodeError, OSError) as exc:
+        except (GrammarError, ServerFault, ValueError, UnicodeDecodeError, OSError) as exc:
             pending.append((path, None, None, _message(exc)))
     results = []
     for path, spec, future, error in pending:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..compiler import Compiler, Grammar
-from ..errors import CompileTimeoutError, GrammarError
+from ..errors import CompileFailure, CompileTimeoutError, GrammarError
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary, load_vocabulary
 from .corpus import Instance, Item
@@ -280,7 +280,7 @@ class Checker:
         except CompileTimeoutError as exc:
             row.status, row.error, row.recycle = "timeout", exc.message[:300], True
             return row, None
-        except GrammarError as exc:
+        except CompileFailure as exc:
             row.status, row.error = "compile_error", exc.message[:300]
             return row, None
         row.compile_ms = round((time.perf_counter() - started) * 1000, 3)

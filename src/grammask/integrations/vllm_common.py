@@ -26,7 +26,7 @@ from .. import __version__, metrics
 from ..agreement import Agreement, Solo, tp_group_for_vllm
 from ..compiler import Compiler, Grammar
 from ..digests import MaskDigests
-from ..errors import GrammarError
+from ..errors import CompileFailure, GrammarError, ServerFault
 from ..masks import Filler
 from ..processor import BatchProcessor
 from ..request import ConstraintRequest
@@ -164,9 +164,11 @@ class PluginCore:
             return True
         return self.compiler is not None and self.compiler.vocab.think_end is not None
 
-    def request(self, sampling_params: Any) -> tuple[ConstraintRequest | None,
-                                                     Future[Grammar] | None]:
+    def request(self, sampling_params: Any, *, resumed: bool = False
+                ) -> tuple[ConstraintRequest | None, Future[Grammar] | None]:
         """The request's constraint and its compile (started now), or (None, None).
+
+        ``resumed``: a preempted request added again (counted once, when it first came).
 
         A malformed constraint that got past validation becomes a failed compile, so that
         row alone errors (stop-only mask) and the batch goes on."""
@@ -184,11 +186,12 @@ class PluginCore:
             return _invalid(exc)
         if request is None:
             return None, None
-        metrics.REQUESTS.labels(source=request.source, kind=request.spec.kind).inc()
+        if not resumed:
+            metrics.REQUESTS.labels(source=request.source, kind=request.spec.kind).inc()
         assert self.compiler is not None
         try:
             return request, self.compiler.compile_async(request.spec)
-        except GrammarError as exc:
+        except CompileFailure as exc:  # a closed compiler: this row alone fails
             return _invalid(exc)
 
     def deactivate(self) -> None:
@@ -209,7 +212,7 @@ def host_masks(sampling_params: Any) -> bool:
                ("min_tokens", "allowed_token_ids", "bad_words", "logit_bias"))
 
 
-def _invalid(exc: GrammarError) -> tuple[ConstraintRequest, Future[Grammar]]:
+def _invalid(exc: GrammarError | ServerFault) -> tuple[ConstraintRequest, Future[Grammar]]:
     failed: Future[Grammar] = Future()
     failed.set_exception(exc)
     # a stand-in spec: the row only ever reports the failure above

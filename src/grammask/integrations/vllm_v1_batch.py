@@ -53,7 +53,7 @@ class V1Batch:
                 for index in batch_update.removed:
                     proc.remove(index)
             for index, params, prompt, output in batch_update.added:
-                request, grammar = core.request(params)
+                request, grammar = core.request(params, resumed=bool(output))
                 if request is not None:
                     core.processor().add(index, request, prompt or (), output,
                                          grammar=grammar, host_masks=host_masks(params))

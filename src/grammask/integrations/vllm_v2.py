@@ -123,11 +123,12 @@ class V2Batch:
             proc = core.proc_or_none
             if proc is not None:
                 proc.remove(slot)
-        request, grammar = core.request(sampling_params)
-        if request is None or grammar is None:
-            return False
         prompt_len = int(self.rs.prompt_len.np[slot])
         prefill_len = int(self.rs.prefill_len.np[slot])
+        # a preempted request comes back with its output to prefill again
+        request, grammar = core.request(sampling_params, resumed=prefill_len > prompt_len)
+        if request is None or grammar is None:
+            return False
         wants_prompt = request.thinking and (request.think_end is not None
                                              or core.default_marker)
         self._slots[slot] = _Slot(request, grammar, prompt_len, prefill_len, wants_prompt,

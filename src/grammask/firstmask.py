@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .compiler import Compiler, Grammar
 from .spec import GrammarSpec
@@ -91,8 +92,9 @@ class PendingGrammar:
                 now >= self.hedge_at or _state(self.primary) == FAILED) and self.can_hedge:
             self.start_hedge()
 
-    def view(self, expired: bool) -> list[int]:
-        return [int(expired), int(self.hedged), _state(self.primary), _state(self.alternate)]
+    def view(self, expired: bool) -> RowView:
+        return RowView(int(expired), int(self.hedged), _state(self.primary),
+                       _state(self.alternate))
 
     def futures(self) -> list[Future[Grammar]]:
         return [f for f in (self.primary, self.alternate) if f is not None and not f.done()]
@@ -101,6 +103,15 @@ class PendingGrammar:
         future = self.primary if index == 0 else self.alternate
         assert future is not None
         return future
+
+
+class RowView(NamedTuple):
+    """One rank's view of one row, as it travels between ranks (``VIEW`` ints)."""
+
+    expired: int  # its wait_s ran out on this rank
+    hedged: int  # the other backend's compile was started
+    primary: int  # state of the routed compile (PENDING / READY / FAILED)
+    alternate: int  # state of the hedge
 
 
 @dataclass(frozen=True)
@@ -114,17 +125,19 @@ class Decision:
 
 def decide(can_hedge: bool, views: Sequence[Sequence[int]]) -> Decision:
     """One row's outcome from every rank's view (a pure function: same on every rank)."""
-    for index in (0, 1):
-        if all(v[2 + index] == READY for v in views):
-            return Decision(use=index)
-    primary_dead = any(v[2] == FAILED for v in views)
-    hedge_dead = not can_hedge or any(v[3] == FAILED for v in views)
+    rows = [RowView(*v) for v in views]
+    if all(v.primary == READY for v in rows):
+        return Decision(use=0)
+    if all(v.alternate == READY for v in rows):
+        return Decision(use=1)
+    primary_dead = any(v.primary == FAILED for v in rows)
+    hedge_dead = not can_hedge or any(v.alternate == FAILED for v in rows)
     if primary_dead and hedge_dead:
         return Decision(fail="compile")
-    if any(v[0] for v in views):
+    if any(v.expired for v in rows):
         return Decision(fail="late")
-    if can_hedge and not all(v[1] for v in views) and (
-            primary_dead or any(v[1] for v in views)):
+    if can_hedge and not all(v.hedged for v in rows) and (
+            primary_dead or any(v.hedged for v in rows)):
         return Decision(hedge=True)
     return Decision()
 

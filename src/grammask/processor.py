@@ -64,7 +64,15 @@ from .backends.base import Matcher
 from .compiler import Compiler, Grammar
 from .digests import MaskDigests, row_key
 from .errors import GrammarError
-from .firstmask import READY, VIEW, PendingGrammar, decide, hedge_spec, wait_for_change
+from .firstmask import (
+    READY,
+    VIEW,
+    PendingGrammar,
+    RowView,
+    decide,
+    hedge_spec,
+    wait_for_change,
+)
 from .masks import Filler, FillWorker, MaskBuffers, Ticket, stop_only_row
 from .reasoning import BoundaryGuard, ThinkGate, ThinkMarker
 from .request import ConstraintRequest
@@ -816,9 +824,9 @@ class BatchProcessor:
                 return
             waiting = []
             for i, r in enumerate(rows):
-                row_views = [view[i * VIEW:(i + 1) * VIEW] for view in gathered]
+                row_views = [RowView(*view[i * VIEW:(i + 1) * VIEW]) for view in gathered]
                 # a grammar ready on every rank needs no hedge: do not route its spec again
-                ready = all(v[2] == READY for v in row_views)
+                ready = all(v.primary == READY for v in row_views)
                 decision = decide(not ready and r.pending.can_hedge, row_views)
                 if decision.fail is not None or decision.use is not None:
                     outcome = ("hedge" if decision.use == 1 else "ready"

@@ -210,3 +210,10 @@ def test_a_broken_llguidance_lexer_does_not_break_later_requests(compiler: Compi
     assert grammar.backend_grammar.rebuilds == 1  # type: ignore[attr-defined]
     assert all(fresh.accept(t) for t in ids), "the next request inherited the broken lexer"
     assert fresh.accept(qwen25.stop_ids[0]) and fresh.is_terminated()
+
+
+def test_an_unknown_backend_name_is_an_error_naming_the_known_ones() -> None:
+    from grammask.backends import get_backend
+
+    with pytest.raises(ValueError, match="unknown backend 'outlines'; known: xgrammar, guidance"):
+        get_backend("outlines")  # type: ignore[arg-type]

@@ -506,3 +506,25 @@ def test_grammars_too_large_to_serialize_are_not_written(qwen25: Vocabulary,
     roomy = DiskCache(tmp_path / "c")
     assert roomy.store_xgrammar(_spec(OTHER), qwen25, compiled) and roomy.flush(60)
     assert len(_files(tmp_path / "c")) == 1
+
+
+def test_deeply_nested_alternatives_are_never_serialized(qwen25: Vocabulary,
+                                                         tmp_path: Path) -> None:
+    """xgrammar's serializer grows about 3.6x per level of oneOf nesting (depth 10 ran a
+    server's worker out of memory): such specs are refused before serializing."""
+    from grammask.diskcache import MAX_ALTERNATION_DEPTH, alternation_depth
+    from tests.e2e.test_isolation import nested_one_of
+
+    assert alternation_depth(GrammarSpec.json_schema(nested_one_of(9))) == 9
+    assert alternation_depth(GrammarSpec.json_schema(SCHEMA)) == 0
+    assert alternation_depth(GrammarSpec.regex("a|b")) == 0
+    compiler = Compiler(qwen25, backend="xgrammar", timeout_s=120)
+    try:
+        compiled = compiler.compile(GrammarSpec.json_schema(nested_one_of(2))).backend_grammar
+    finally:
+        compiler.close()
+    cache = DiskCache(tmp_path / "c")
+    deep = GrammarSpec.json_schema(nested_one_of(MAX_ALTERNATION_DEPTH + 1))
+    assert not cache.store_xgrammar(deep, qwen25, compiled)
+    shallow = GrammarSpec.json_schema(nested_one_of(2))
+    assert cache.store_xgrammar(shallow, qwen25, compiled)

@@ -75,6 +75,12 @@ MAX_PENDING = 64
 #: grammar's ``memory_size_bytes`` (5 MB grammar: +170 MB; a 25 s Snowplow compile took a
 #: 23 GiB machine out of memory). Larger grammars are not written (nor ever read back).
 MAX_ENTRY_MEMORY = 32 * 1024 * 1024
+#: ... but nested alternatives break that factor: the JSON grows about 3.6x per level of
+#: ``oneOf``/``anyOf`` nesting while the grammar only doubles (nested objects in a oneOf:
+#: depth 6, 1.3 MB grammar, 10 MB of JSON; depth 9, 2.6 MB, 275 MB of JSON and +4 GB; depth
+#: 10, ``bad_alloc`` under a 12 GB limit, and a real server's worker was OOM-killed). The
+#: serializer runs in the serving process, so schemas nested deeper are never written.
+MAX_ALTERNATION_DEPTH = 6
 #: Loading (read, checksum, inflate, parse) handles xgrammar's JSON at roughly this many
 #: bytes per millisecond for files of tens of MB; a grammar whose load would not beat its
 #: compile by ``WORTH`` is not written (small schemas: a 4 MB payload loads in ~30 ms for a
@@ -467,6 +473,12 @@ class DiskCache:
         if not self.enabled or inner is None or not hasattr(inner, "serialize_json"):
             return False
         size = int(getattr(inner, "memory_size_bytes", 0))
+        depth = alternation_depth(spec)
+        if depth > MAX_ALTERNATION_DEPTH:
+            log.info("grammask: %s not written to the disk cache: oneOf/anyOf nested %d deep "
+                     "(xgrammar's serializer grows exponentially with it)", spec.describe(),
+                     depth)
+            return False
         if size > self.max_entry_memory:
             log.info("grammask: %s not written to the disk cache: %.0f MB in memory, the "
                      "serializer would need about %.1f GB", spec.describe(), size / 1e6,
@@ -489,3 +501,24 @@ class DiskCache:
             self.put(material, payload)
 
         return self.submit(write)
+
+
+def alternation_depth(spec: GrammarSpec) -> int:
+    """How deep ``oneOf``/``anyOf`` nest in a JSON schema spec (0 for other kinds)."""
+    if spec.kind != "json_schema":
+        return 0
+    try:
+        schema = json.loads(spec.source)
+    except ValueError:
+        return 0
+    deepest = 0
+    stack: list[tuple[object, int]] = [(schema, 0)]
+    while stack:  # iterative: a schema may nest past Python's recursion limit
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            here = depth + (1 if "oneOf" in node or "anyOf" in node else 0)
+            deepest = max(deepest, here)
+            stack.extend((v, here) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth) for v in node)
+    return deepest

@@ -3,7 +3,8 @@
 Needs the vLLM CPU venv (``make vllm-venv`` -> ``.venv-vllm``, or ``GRAMMASK_VLLM_PYTHON``).
 Without it the suite is skipped, except in CI (``CI`` set) or under ``make e2e``
 (``GRAMMASK_E2E_REQUIRED=1``), where it fails. Server logs go to ``out/e2e-logs/``
-(``GRAMMASK_E2E_LOGS``).
+(``GRAMMASK_E2E_LOGS``). Each server gets its own fresh grammask disk cache (``server.py``),
+so no earlier run's cache changes a result.
 """
 
 from __future__ import annotations

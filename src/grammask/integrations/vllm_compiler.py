@@ -13,6 +13,7 @@ from typing import Any
 from ..compiler import Compiler
 from ..errors import GrammarError
 from ..vocab import Vocabulary
+from .vllm_dropin import status as dropin_status
 from .vllm_settings import Settings, _tp_size
 
 log = logging.getLogger("grammask")
@@ -92,7 +93,11 @@ def shared_compiler(vllm_config: Any, settings: Settings) -> Compiler:
             _ = vocab.xgrammar_info
             _ = vocab.llguidance_tokenizer
             if settings.warmup_dir:
-                _warm_up(compiler, settings.warmup_dir)
+                # JSON specs warmed as the drop-in will ask for them (compact by default),
+                # else a standard request for a warmed schema would miss the cache
+                drop = dropin_status(vllm_config, settings)
+                _warm_up(compiler, settings.warmup_dir,
+                         any_whitespace=not (drop.on and drop.compact_json))
             _COMPILERS[key] = compiler
     return compiler
 
@@ -110,12 +115,12 @@ def disk_cache_dir(settings: Settings) -> Path | None:
     return Path(value).expanduser()
 
 
-def _warm_up(compiler: Compiler, directory: str) -> None:
+def _warm_up(compiler: Compiler, directory: str, *, any_whitespace: bool) -> None:
     from ..warmup import summary_table, warm
 
     started = time.perf_counter()
     try:
-        results = warm(compiler, directory)
+        results = warm(compiler, directory, any_whitespace=any_whitespace)
     except GrammarError as exc:
         log.error("grammask: warm-up skipped: %s", exc)
         return

@@ -44,6 +44,7 @@ grammask allows only stop tokens. Numbers only: nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import shutil
@@ -53,7 +54,7 @@ import time
 import types
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,6 +333,36 @@ def server_version(base_url: str) -> str:
         return "?"
 
 
+SERVER_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+@contextlib.contextmanager
+def server_for(url: str | None, model: str, server_args: Sequence[str] = (),
+               log_name: str = "grammask-bench-server.log"
+               ) -> Iterator[tuple[str, str, Any]]:
+    """``(base URL, model name, Server or None)``: ``url`` as given, or the e2e suite's tiny
+    Qwen2.5-layout server started here (with ``server_args`` and a fresh
+    ``PROMETHEUS_MULTIPROC_DIR``) and stopped on exit."""
+    if url is not None:
+        yield url, model, None
+        return
+    tiny_model: Any = importlib.import_module("tests.e2e.tiny_model")
+    e2e_server: Any = importlib.import_module("tests.e2e.server")
+    log = Path(tempfile.gettempdir()) / log_name
+    prom_dir = tempfile.mkdtemp(prefix="grammask-bench-prom-")
+    try:
+        server = e2e_server.Server(
+            tiny_model.model_dir("qwen2.5"), log, env={"PROMETHEUS_MULTIPROC_DIR": prom_dir},
+            args=list(server_args)).start()
+        try:
+            print(f"tiny server up in {server.start_s:.0f} s (log {log})", flush=True)
+            yield server.base_url, e2e_server.MODEL_NAME, server
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(prom_dir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--url", help="an already running server's /v1 URL")
@@ -349,22 +380,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from openai import OpenAI
 
-    server: Any = None
-    prom_dir: str | None = None
     t_start = time.perf_counter()
-    if args.url is None:
-        tiny_model: Any = importlib.import_module("tests.e2e.tiny_model")
-        e2e_server: Any = importlib.import_module("tests.e2e.server")
-        log = Path(tempfile.gettempdir()) / "grammask-bench-server.log"
-        prom_dir = tempfile.mkdtemp(prefix="grammask-bench-prom-")
-        server = e2e_server.Server(
-            tiny_model.model_dir("qwen2.5"), log, env={"PROMETHEUS_MULTIPROC_DIR": prom_dir},
-            args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).start()
-        print(f"tiny server up in {server.start_s:.0f} s (log {log})", flush=True)
-        base_url, model = server.base_url, e2e_server.MODEL_NAME
-    else:
-        base_url, model = args.url, args.model
-    try:
+    with server_for(args.url, args.model, SERVER_ARGS) as (base_url, model, server):
         client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=300)
         version = server_version(base_url)
         t_bench = time.perf_counter()
@@ -372,11 +389,6 @@ def main(argv: list[str] | None = None) -> int:
                            args.batches, args.max_tokens)
         bench_s = time.perf_counter() - t_bench
         final = counter(base_url)
-    finally:
-        if server is not None:
-            server.stop()
-        if prom_dir is not None:
-            shutil.rmtree(prom_dir, ignore_errors=True)
     counter_checked = server is not None or bool(final)
     if not counter_checked:  # an external server without grammask's series: no proof
         for entry in served:
@@ -397,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"reps": args.reps, "concurrency": args.concurrency,
                          "batches": args.batches, "max_tokens": args.max_tokens,
                          "temperature": 1.0, "opt_out": {"vllm_xargs": OPT_OUT},
-                         "server_args": None if args.url else [
-                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]},
+                         "server_args": None if args.url else SERVER_ARGS},
             "counter_checked": counter_checked, "bench_s": round(bench_s, 1),
             "rows": rows, "served": served})
         print(f"wrote {args.json}")

@@ -16,6 +16,8 @@ import pytest
 # root of the checkout (the parent of the ``tests`` package) on sys.path, like ``python -m``
 from bench import compile as compile_bench
 from bench import mask as mask_bench
+from bench import pyspy
+from bench import vllm_throughput as throughput
 from bench.cases import Case, extra_cases, load_maskbench, stratified
 from bench.stats import dist, percentile
 from bench.systems import parse_systems
@@ -58,6 +60,78 @@ def test_corpus_cases_cover_every_kind(corpus: Path) -> None:
     extras = extra_cases(corpus)
     assert {c.kind for c in extras} == {"regex", "choice", "grammar"}
     assert {c.syntax for c in extras if c.kind == "grammar"} == {"ebnf", "lark"}
+
+
+def test_throughput_summary_rotates_systems_and_takes_per_round_ratios() -> None:
+    """The real-server throughput bench's bookkeeping (the server itself: ``make
+    bench-server``-style runs, not here)."""
+    orders = [throughput._order(r, 0) for r in range(3)]
+    assert all(sorted(o) == sorted(throughput.SYSTEMS) for o in orders)
+    assert len({o[0] for o in orders}) == 3  # each system goes first once in three rounds
+    tpot = {"grammask": [10.0, 12.0, 30.0], "vllm": [20.0, 20.0, 20.0],
+            "unconstrained": [5.0, 6.0, 10.0]}
+    cells = [{"round": r, "spec": "regex", "concurrency": 32, "system": system,
+              "tokens_per_s": 100.0 * (r + 1), "server_tpot_ms": values[r],
+              "server_ttft_ms": 1.0, "request_ms_per_token_p50": 2.0, "requests": 4,
+              "valid": 4, "not_fixed": 1 if system == "vllm" and r == 0 else 0}
+             for system, values in tpot.items() for r in range(3)]
+    spec = throughput.SPECS["regex"]
+    rows = {r["system"]: r for r in throughput.summarize(cells, [spec], [32])}
+    g = rows["grammask"]
+    assert g["tokens_per_s"] == {"median": 200.0, "min": 100.0, "max": 300.0, "n": 3}
+    assert g["tpot_vs_vllm"] == {"median": 0.6, "min": 0.5, "max": 1.5, "n": 3}
+    assert g["tpot_vs_unconstrained"]["median"] == 2.0  # per round: 2, 2, 3
+    assert rows["vllm"]["not_fixed"] == 1 and rows["vllm"]["tpot_vs_vllm"] is None
+    assert rows["unconstrained"]["tpot_vs_unconstrained"] is None
+    assert "| regex | 32 |" in throughput.table(list(rows.values())).replace("  ", " ")
+    # every standard request asks for fixed work; only vLLM's carries the opt-out key
+    fields = {system: throughput.request_fields(throughput.case_of(spec, system), system)
+              for system in throughput.SYSTEMS}
+    assert all(f["extra_body"]["ignore_eos"] is True for f in fields.values())
+    assert fields["vllm"]["extra_body"]["vllm_xargs"] == throughput.OPT_OUT
+    assert "structured_outputs" not in fields["unconstrained"]["extra_body"]
+    assert fields["grammask"]["extra_body"].keys() == {"structured_outputs", "ignore_eos"}
+
+
+def test_pyspy_summary_splits_busy_waiting_and_grammask(tmp_path: Path) -> None:
+    proc = 'process 1:"python -m vllm.entrypoints.openai.api_server";process 3:"VLLM::Worker"'
+    loop = ("WorkerProc.worker_main (vllm/v1/executor/multiproc_executor.py:944);"
+            "WorkerProc.worker_busy_loop (vllm/v1/executor/multiproc_executor.py:1041)")
+    raw = "\n".join([
+        f"{proc};thread (3): MainThread;{loop};MessageQueue.acquire_read (vllm/x.py:1);"
+        "sched_yield (vllm/distributed/utils.py:46) 40",
+        f"{proc};thread (3): MainThread;{loop};GPUModelRunner.execute_model (vllm/w.py:1);"
+        "onednn_mm (vllm/_custom_ops.py:1) 30",
+        f"{proc};thread (3): MainThread;{loop};GPUModelRunner.sample_tokens (vllm/w.py:2);"
+        "BatchProcessor.apply (grammask/processor.py:1);Ticket.result (grammask/masks.py:110) 5",
+        f"{proc};thread (3): MainThread;{loop};GPUModelRunner.sample_tokens (vllm/w.py:2);"
+        "BatchProcessor.apply (grammask/processor.py:1);_apply_plan (grammask/apply.py:9);"
+        "Tensor.index_put_ (torch/_tensor.py:1) 5",
+        f"{proc};thread (7): grammask-fill;_work (grammask/masks.py:153) 60",
+        f"{proc};thread (7): grammask-fill;_work (grammask/masks.py:160);"
+        "BatchProcessor._job (grammask/processor.py:2);"
+        "BatchProcessor._run (grammask/processor.py:3);"
+        "XGrammarMatcher.fill (grammask/backends/xgrammar.py:4) 20",
+        'process 1:"python -m vllm.entrypoints.openai.api_server";thread (1): MainThread;'
+        "main (x.py:1);Runner.run (asyncio/runners.py:118) 80",
+    ])
+    path = tmp_path / "raw.txt"
+    path.write_text(raw + "\n")
+    s = pyspy.summarize(path)
+    assert s["samples"] == 240 and s["busy"] == 55  # forward 30, apply 5, fill 20
+    worker = next(p for p in s["processes"] if p["role"] == "worker")
+    assert worker["spin"] == 40 and worker["busy"] == 55 and worker["grammask_busy"] == 25
+    g = s["grammask"]
+    assert g["samples"] == 30  # 25 busy + the main thread's 5 waiting for the fill
+    assert g["categories"]["fill"]["samples"] == 20
+    assert g["categories"]["wait for the fill"]["samples"] == 5
+    assert g["categories"]["apply"]["samples"] == 5
+    assert g["by_thread"] == {"grammask-fill": 20, "MainThread": 10}
+    phases = s["worker_main_thread"]["phases"]
+    assert phases["wait for the engine core (spin/poll)"]["samples"] == 40
+    assert phases["forward and its inputs"]["samples"] == 30
+    assert phases["grammask: wait for the fill"]["samples"] == 5
+    assert "| fill " in pyspy.render(s)
 
 
 # ------------------------------------------------------------------- end to end

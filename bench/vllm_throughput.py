@@ -1,0 +1,514 @@
+"""Fixed-work throughput on one real vLLM server: grammask, vLLM's engine, unconstrained.
+
+    python -m bench.vllm_throughput [--url http://127.0.0.1:8000/v1 --model NAME --pid PID]
+        [--rounds 3] [--concurrency 1,16,32] [--reps 4] [--batches 3] [--max-tokens 64]
+        [--specs json-xg,json-llg,regex,choice] [--json out/bench-vllm-throughput.json]
+        [--profile out/pyspy] [--profile-batches 6] [--profile-specs ...]
+
+Without ``--url`` it starts the e2e suite's tiny random Qwen2.5-layout server (the vLLM CPU
+venv: ``make vllm-venv`` or ``GRAMMASK_VLLM_PYTHON``; ``bench.vllm_server.server_for``).
+Every request does the same work: ``ignore_eos`` (``extra_body``) and a fixed
+``max_tokens``, so each one produces exactly ``max_tokens`` tokens whatever its constraint
+(checked against ``usage.completion_tokens``; any request that did not is reported). Three
+systems on the one server, the same standard chat request otherwise (prompt, seeds,
+temperature 1.0):
+
+- ``grammask``: the standard structured-output fields (grammask's drop-in serves them);
+- ``vllm``: the same request plus ``vllm_xargs: {"grammask_structured_outputs": "vllm"}``
+  (vLLM's own engine, its ``auto`` backend);
+- ``unconstrained``: no constraint at all (the model's own speed on this server).
+
+Specs: ``json-xg`` (``XG_SCHEMA`` as ``response_format`` ``json_schema``, compact JSON that
+grammask routes to xgrammar), ``json-llg`` (``LLG_SCHEMA`` as ``structured_outputs`` ``json``,
+length-bounded strings: llguidance), ``regex`` (``REGEX``), ``choice``; and, not by default,
+``words`` (a regex of lowercase words that rarely ends within ``max_tokens``). Per round,
+spec and concurrency the three systems run back to back, their order rotating per round and
+spec; at concurrency 1 ``--reps`` sequential requests, above it ``--batches`` batches of that
+many requests sent at once. One unmeasured request per (spec, system) first (compile,
+caches). Per cell: output tokens/s (completion tokens over the wall time of the batches, as
+the client sees it) and, from the server's ``/metrics`` read around the cell, the mean of
+vLLM's per-request time per output token (``vllm:request_time_per_output_token_seconds``:
+decode time over tokens - 1, stamped by the engine core) and TTFT, and grammask's
+``grammask_requests_total`` (it grows by the requests of grammask's cells only). Reported
+per (spec, concurrency, system): the median over rounds with min-max, and the TPOT ratios
+grammask/vLLM and grammask/unconstrained (each round's ratio: the systems ran next to each
+other; median with min-max). ``--profile DIR`` then records py-spy (``bench/pyspy.py``: every
+thread, waits included, 20 Hz) while the server is unconstrained once and grammask and vLLM
+each serve each profiled spec, ``--profile-batches`` batches at the highest concurrency
+(after the measured rounds: the profiler costs CPU).
+
+Requests are not streamed: on a loaded two-core machine the API server at times delivered a
+whole stream in one burst at its end, which makes a client's TTFT and inter-token times
+meaningless; the engine's own timestamps are not affected.
+
+What differs between the systems beyond the mask (each system's defaults, left as they are):
+
+- After the grammar ends, under ``ignore_eos`` grammask allows only stop tokens until
+  ``max_tokens``: the text stays what the grammar allowed (stop tokens are special tokens,
+  dropped by detokenization). vLLM's engine stops masking a finished grammar and lets free
+  text through (seen on this server: ``choice`` with ``ignore_eos`` gave ``green`` and then
+  free text), so its output is mostly invalid here and it detokenizes real text for every
+  token; the detokenization cost differs accordingly, and so does the mask work (grammask
+  fills a stop-only row per token after the end; vLLM fills none).
+- The sampler's cost follows the mask: vLLM's CPU sampler (``fused_gumbel_argmax``) skips
+  masked (-inf) logits; measured here, 32 rows of the 151,936-token vocabulary took 36 ms
+  unmasked and 2.7 ms with 5 tokens allowed (one thread). So after the grammar ends
+  grammask's stop-only rows are cheap to sample while vLLM's free text (and unconstrained)
+  samples the whole vocabulary; with the short grammars of the default specs that, not the
+  mask engine, dominates the differences at concurrency 16 and 32, and constrained runs
+  can beat unconstrained ones. ``--specs words`` keeps both engines masking every token with
+  many tokens allowed: there the mask engines compare at similar sampling work.
+- grammask's JSON is compact by default (no whitespace between JSON tokens); vLLM's engine
+  allows any whitespace there, so its JSON may not even end within ``max_tokens``.
+- vLLM's engine fills its masks in the engine core process (the scheduler) and ships them to
+  the worker, which applies them with xgrammar's CPU kernel; grammask fills on a thread of
+  the worker, overlapping the forward, and applies them in the sampler.
+
+Numbers only: nothing is asserted. On a shared machine read the load averages in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import statistics
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.specs import LLG_SCHEMA, REGEX, XG_SCHEMA
+
+from bench import pyspy
+from bench.stats import fmt_ms, machine_info, render_table, write_json
+from bench.vllm_server import (
+    CHOICES,
+    MESSAGES,
+    OPT_OUT,
+    Case,
+    Result,
+    _choice,
+    _json,
+    _regex,
+    request_fields,
+    server_for,
+    server_version,
+)
+
+SYSTEMS = ("grammask", "vllm", "unconstrained")
+FIXED = {"ignore_eos": True}
+WORDS = r"[a-z]+( [a-z]+)*"
+
+_standard: Any = importlib.import_module("tests.e2e.standard")
+
+
+def _re_full(pattern: str, text: str) -> bool:
+    import regex
+
+    return regex.fullmatch(pattern, text) is not None
+
+
+def _fixed(params: dict[str, Any]) -> dict[str, Any]:
+    return {**params, "extra_body": {**params.get("extra_body", {}), **FIXED}}
+
+
+SPECS: dict[str, Case] = {
+    "json-xg": Case("json-xg", "chat", _fixed(
+        {"response_format": _standard.response_format(XG_SCHEMA, strict=True)}),
+        _json(XG_SCHEMA)),
+    "json-llg": Case("json-llg", "chat", _fixed(
+        {"extra_body": {"structured_outputs": {"json": LLG_SCHEMA}}}), _json(LLG_SCHEMA)),
+    "regex": Case("regex", "chat", _fixed(
+        {"extra_body": {"structured_outputs": {"regex": REGEX}}}), _regex),
+    "choice": Case("choice", "chat", _fixed(
+        {"extra_body": {"structured_outputs": {"choice": CHOICES}}}), _choice),
+    # not a default: a grammar that rarely ends within max_tokens (both engines mask every
+    # token, with many tokens allowed), so the sampler's cost is alike for both systems
+    "words": Case("words", "chat", _fixed(
+        {"extra_body": {"structured_outputs": {"regex": WORDS}}}),
+        lambda r: _re_full(WORDS, r.text)),
+}
+DEFAULT_SPECS = ("json-xg", "json-llg", "regex", "choice")
+UNCONSTRAINED = Case("unconstrained", "chat", _fixed({}), lambda r: True)
+
+
+def case_of(spec: Case, system: str) -> Case:
+    """The request a system gets for ``spec`` (``request_fields`` adds the opt-out key for
+    ``vllm``)."""
+    return UNCONSTRAINED if system == "unconstrained" else spec
+
+
+def request(client: Any, model: str, case: Case, system: str, seed: int,
+            max_tokens: int) -> Result:
+    """One chat request, not streamed: text, finish reason, completion tokens, wall time."""
+    out = Result()
+    t0 = time.perf_counter()
+    try:
+        reply = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=max_tokens, temperature=1.0,
+            seed=seed, **request_fields(case, system))
+        out.text = reply.choices[0].message.content or ""
+        out.finish = str(reply.choices[0].finish_reason)
+        out.tokens = int(reply.usage.completion_tokens or 0) if reply.usage else 0
+    except Exception as exc:  # one failed request is a result, not the end of the bench
+        out.error, out.finish = f"{type(exc).__name__}: {exc}"[:300], "error"
+    out.total_ms = (time.perf_counter() - t0) * 1000
+    return out
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$")
+#: vLLM's request histograms (sum and count), stamped by the engine core
+HISTOGRAMS = {"tpot": "vllm:request_time_per_output_token_seconds",
+              "ttft": "vllm:time_to_first_token_seconds",
+              "itl": "vllm:inter_token_latency_seconds",
+              "e2e": "vllm:e2e_request_latency_seconds"}
+
+
+def scrape(base_url: str) -> dict[str, float] | None:
+    """The server's ``/metrics``: vLLM's request histograms (``<key>_sum``, ``<key>_count``
+    summed over label sets) and grammask's drop-in counter (``grammask:<kind>``); None when
+    it cannot be read."""
+    try:
+        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics",
+                                    timeout=30) as reply:
+            text = reply.read().decode()
+    except (OSError, ValueError):
+        return None
+    names = {f"{metric}_{part}": f"{key}_{part}" for key, metric in HISTOGRAMS.items()
+             for part in ("sum", "count")}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.groups()
+        if name in names:
+            key = names[name]
+        elif name == "grammask_requests_total" and 'source="structured_outputs"' in (
+                labels or ""):
+            kind = re.search(r'kind="([^"]*)"', labels or "")
+            key = f"grammask:{kind.group(1) if kind else '?'}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def server_side(before: dict[str, float] | None, after: dict[str, float] | None,
+                requests: int) -> dict[str, Any]:
+    """What the server recorded for one cell's requests (the metrics' deltas): the mean of
+    vLLM's per-request TPOT, TTFT and end-to-end latency (ms), and grammask's counter."""
+    if before is None or after is None:
+        return {"metrics": None}
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out: dict[str, Any] = {"metrics_requests": round(delta.get("tpot_count", 0.0))}
+    for key in HISTOGRAMS:
+        n = delta.get(f"{key}_count", 0.0)
+        out[f"server_{key}_ms"] = round(1000 * delta[f"{key}_sum"] / n, 3) if n else None
+    out["grammask_served"] = {k.split(":", 1)[1]: round(v) for k, v in delta.items()
+                              if k.startswith("grammask:") and round(v)}
+    if out["metrics_requests"] != requests:
+        out["metrics_mismatch"] = True
+    return out
+
+
+def cell(client: Any, base_url: str, model: str, spec: Case, system: str, concurrency: int,
+         n: int, max_tokens: int, seed0: int) -> dict[str, Any]:
+    """``n`` requests of one system: sequential at concurrency 1, else batches sent at once;
+    the client's view (tokens/s over the wall time) and the server's (its metrics)."""
+    case = case_of(spec, system)
+    seeds = list(range(seed0, seed0 + n))
+
+    def send(seed: int) -> Result:
+        return request(client, model, case, system, seed, max_tokens)
+
+    before = scrape(base_url)
+    results: list[Result] = []
+    wall_s = 0.0
+    if concurrency == 1:
+        t0 = time.perf_counter()
+        results = [send(s) for s in seeds]
+        wall_s = time.perf_counter() - t0
+    else:
+        with ThreadPoolExecutor(concurrency) as pool:
+            for start in range(0, n, concurrency):
+                t0 = time.perf_counter()
+                results += list(pool.map(send, seeds[start:start + concurrency]))
+                wall_s += time.perf_counter() - t0
+    after = scrape(base_url)
+    for _ in range(10):  # the API server records a request's stats as it answers it
+        if after is None or before is None or round(
+                after.get("tpot_count", 0) - before.get("tpot_count", 0)) >= n:
+            break
+        time.sleep(0.1)
+        after = scrape(base_url)
+    tokens = sum(r.tokens for r in results)
+    per_token = [r.total_ms / r.tokens for r in results if r.tokens]
+    not_fixed = [{"seed": s, "tokens": r.tokens, "finish": r.finish, "error": r.error}
+                 for s, r in zip(seeds, results, strict=True) if r.tokens != max_tokens]
+    return {
+        "spec": spec.name, "system": system, "concurrency": concurrency,
+        "requests": len(results), "completion_tokens": tokens,
+        "valid": sum(case.check(r) for r in results),
+        "finish": dict(Counter(r.finish for r in results).most_common()),
+        "not_fixed": len(not_fixed), "not_fixed_samples": not_fixed[:5],
+        "errors": [r.error for r in results if r.error][:3],
+        "wall_s": round(wall_s, 3),
+        "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
+        "request_ms_per_token_p50": round(statistics.median(per_token), 3)
+        if per_token else None,
+        **server_side(before, after, len(results)),
+        "sample": results[0].text[:120] if results else "",
+    }
+
+
+def _order(round_: int, offset: int) -> tuple[str, ...]:
+    k = (round_ + offset) % len(SYSTEMS)
+    return SYSTEMS[k:] + SYSTEMS[:k]
+
+
+def run(client: Any, base_url: str, model: str, specs: list[Case], *, rounds: int,
+        concurrencies: list[int], reps: int, batches: int, max_tokens: int
+        ) -> tuple[list[dict[str, Any]], dict[str, dict[str, dict[str, int] | None]],
+                   list[list[float]]]:
+    """Warm-up, then ``rounds`` rounds; the cells, grammask's counter delta per (spec,
+    system), and the load average at the start of each round."""
+    top = max(concurrencies)
+    with ThreadPoolExecutor(top) as pool:  # warm the server itself: threads, allocator
+        list(pool.map(lambda s: request(client, model, UNCONSTRAINED, "unconstrained", s,
+                                        max_tokens), range(top)))
+    for spec in specs:
+        for system in SYSTEMS:
+            request(client, model, case_of(spec, system), system, 0, max_tokens)
+    cells: list[dict[str, Any]] = []
+    served: dict[str, dict[str, Counter[str]]] = {
+        s.name: {system: Counter() for system in SYSTEMS} for s in specs}
+    checked = True
+    loads: list[list[float]] = []
+    for rnd in range(rounds):
+        loads.append([round(x, 2) for x in os.getloadavg()])
+        print(f"round {rnd + 1}/{rounds} (load {loads[-1]})", flush=True)
+        for si, spec in enumerate(specs):
+            for conc in concurrencies:
+                for system in _order(rnd, si):
+                    n = reps if conc == 1 else conc * batches
+                    seed0 = 1 + 10_000 * rnd + 1_000 * conc
+                    row = cell(client, base_url, model, spec, system, conc, n, max_tokens,
+                               seed0)
+                    if row.get("grammask_served") is None:
+                        checked = False
+                    else:
+                        served[spec.name][system].update(row["grammask_served"])
+                    row["round"] = rnd
+                    cells.append(row)
+                    warn = f"  NOT {max_tokens} TOKENS: {row['not_fixed']}" if (
+                        row["not_fixed"]) else ""
+                    print(f"  {system:13} {spec.name:8} c={conc:<3} {row['tokens_per_s']:>7} "
+                          f"tok/s  server TPOT {fmt_ms(row.get('server_tpot_ms'))} ms  valid "
+                          f"{row['valid']}/{row['requests']}{warn}", flush=True)
+    counts: dict[str, dict[str, dict[str, int] | None]] = {
+        spec: {system: dict(c) if checked else None for system, c in by.items()}
+        for spec, by in served.items()}
+    return cells, counts, loads
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "n": len(values)}
+
+
+def tpot_ratio(cells: list[dict[str, Any]], spec: str, concurrency: int, system: str,
+               other: str) -> dict[str, float] | None:
+    """Each round's TPOT of ``system`` over ``other`` (same spec and concurrency: they ran
+    next to each other): median and min-max over rounds."""
+    at = {(c["round"], c["system"]): c.get("server_tpot_ms") for c in cells
+          if c["spec"] == spec and c["concurrency"] == concurrency}
+    return _spread([a / b for (r, s), a in at.items() if s == system
+                    and a and (b := at.get((r, other)))])
+
+
+def summarize(cells: list[dict[str, Any]], specs: list[Case],
+              concurrencies: list[int]) -> list[dict[str, Any]]:
+    """Per (spec, concurrency, system): medians and min-max over rounds, TPOT ratios."""
+    out = []
+    for spec in specs:
+        for conc in concurrencies:
+            for system in SYSTEMS:
+                mine = [c for c in cells if c["spec"] == spec.name
+                        and c["concurrency"] == conc and c["system"] == system]
+                out.append({
+                    "spec": spec.name, "concurrency": conc, "system": system,
+                    "rounds": len(mine),
+                    "tokens_per_s": _spread([c["tokens_per_s"] for c in mine
+                                             if c["tokens_per_s"] is not None]),
+                    "tpot_ms": _spread([c["server_tpot_ms"] for c in mine
+                                        if c.get("server_tpot_ms") is not None]),
+                    "ttft_ms": _spread([c["server_ttft_ms"] for c in mine
+                                        if c.get("server_ttft_ms") is not None]),
+                    "request_ms_per_token": _spread(
+                        [c["request_ms_per_token_p50"] for c in mine
+                         if c["request_ms_per_token_p50"] is not None]),
+                    "requests": sum(c["requests"] for c in mine),
+                    "valid": sum(c["valid"] for c in mine),
+                    "not_fixed": sum(c["not_fixed"] for c in mine),
+                    "tpot_vs_vllm": tpot_ratio(cells, spec.name, conc, system, "vllm")
+                    if system == "grammask" else None,
+                    "tpot_vs_unconstrained": tpot_ratio(cells, spec.name, conc, system,
+                                                        "unconstrained")
+                    if system != "unconstrained" else None,
+                })
+    return out
+
+
+def _fmt(s: dict[str, float] | None, digits: int = 0) -> str:
+    if s is None:
+        return "-"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    return render_table(
+        ["spec", "c", "system", "tok/s median (min-max)",
+         "TPOT ms (server) median (min-max)", "TTFT ms (server)", "valid", "not fixed",
+         "TPOT / vLLM", "TPOT / unconstrained"],
+        [[s["spec"], s["concurrency"], s["system"], _fmt(s["tokens_per_s"]),
+          _fmt(s["tpot_ms"], 2), fmt_ms(s["ttft_ms"]["median"]) if s["ttft_ms"] else "-",
+          f"{s['valid']}/{s['requests']}", s["not_fixed"], _fmt(s["tpot_vs_vllm"], 2),
+          _fmt(s["tpot_vs_unconstrained"], 2)] for s in summary])
+
+
+def profile(client: Any, base_url: str, model: str, specs: list[Case], pid: int,
+            out_dir: Path, *, concurrency: int, batches: int, max_tokens: int, rate: int
+            ) -> list[dict[str, Any]]:
+    """py-spy while the server is unconstrained once, then grammask and vLLM's engine on
+    each spec: ``batches`` batches at ``concurrency`` each."""
+    found = []
+    runs = [(UNCONSTRAINED, "unconstrained")] + [
+        (spec, system) for spec in specs for system in ("grammask", "vllm")]
+    for spec, system in runs:
+        path = out_dir / f"pyspy-{system}-{spec.name}.txt"
+        with pyspy.recording(pid, path, rate=rate):
+            row = cell(client, base_url, model, spec, system, concurrency,
+                       concurrency * batches, max_tokens, 90_001)
+        summary = pyspy.summarize(path)
+        summary.update({"system": system, "spec": spec.name, "concurrency": concurrency,
+                        "requests": row["requests"], "tokens_per_s": row["tokens_per_s"],
+                        "server_tpot_ms": row.get("server_tpot_ms")})
+        found.append(summary)
+        g = summary["grammask"]
+        print(f"  profiled {system:13} {spec.name:13} {summary['samples']} thread samples, "
+              f"grammask {g['pct_of_busy']}% of busy, {g['pct_of_worker_busy']}% of the "
+              f"worker's busy ({row['tokens_per_s']} tok/s under py-spy)", flush=True)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--url", help="an already running server's /v1 URL")
+    ap.add_argument("--model", default="tiny", help="served model name (with --url)")
+    ap.add_argument("--pid", type=int,
+                    help="the server's root process, for --profile with --url")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,16,32",
+                    help="comma-separated concurrencies")
+    ap.add_argument("--reps", type=int, default=4,
+                    help="sequential requests per cell at concurrency 1")
+    ap.add_argument("--batches", type=int, default=3,
+                    help="batches per cell above concurrency 1")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--specs", default=",".join(DEFAULT_SPECS),
+                    help=f"from {', '.join(SPECS)}")
+    ap.add_argument("--json", default="out/bench-vllm-throughput.json",
+                    help="write the results to this file ('' for none)")
+    ap.add_argument("--profile", default="",
+                    help="after the rounds, py-spy recordings into this folder ('' none)")
+    ap.add_argument("--profile-batches", type=int, default=6,
+                    help="batches at the highest concurrency per profiled run")
+    ap.add_argument("--profile-specs", default="",
+                    help="specs to profile (default: --specs)")
+    ap.add_argument("--profile-rate", type=int, default=20,
+                    help="py-spy samples per second")
+    args = ap.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    try:
+        specs = [SPECS[k] for k in args.specs.split(",")]
+        profile_specs = [SPECS[k] for k in (args.profile_specs or args.specs).split(",")]
+    except KeyError as exc:
+        ap.error(f"unknown spec {exc}; known: {', '.join(SPECS)}")
+
+    from openai import OpenAI
+
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average before: {load_before}", flush=True)
+    t_start = time.perf_counter()
+    profiles: list[dict[str, Any]] = []
+    profile_s = 0.0
+    with server_for(args.url, args.model,
+                    log_name="grammask-bench-throughput.log") as (base_url, model, server):
+        client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
+        version = server_version(base_url)
+        t_bench = time.perf_counter()
+        cells, served, round_loads = run(
+            client, base_url, model, specs, rounds=args.rounds, concurrencies=concurrencies,
+            reps=args.reps, batches=args.batches, max_tokens=args.max_tokens)
+        bench_s = time.perf_counter() - t_bench
+        load_after = [round(x, 2) for x in os.getloadavg()]
+        pid = args.pid if server is None else server.proc.pid
+        if args.profile:
+            if pid is None:
+                ap.error("--profile with --url needs --pid")
+            t_prof = time.perf_counter()
+            profiles = profile(client, base_url, model, profile_specs, pid,
+                               Path(args.profile),
+                               concurrency=max(concurrencies), batches=args.profile_batches,
+                               max_tokens=args.max_tokens, rate=args.profile_rate)
+            profile_s = time.perf_counter() - t_prof
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    summary = summarize(cells, specs, concurrencies)
+    print()
+    print(table(summary))
+    bad = [c for c in cells if c["not_fixed"]]
+    print(f"\nrequests that did not produce exactly {args.max_tokens} tokens: "
+          + (", ".join(f"{c['system']} {c['spec']} c={c['concurrency']} round "
+                       f"{c['round'] + 1}: {c['not_fixed']} {c['not_fixed_samples'][:2]}"
+                       for c in bad) or "none"))
+    print("grammask counter (requests grammask served) per spec: " + "; ".join(
+        f"{spec}: " + ", ".join(f"{system} +{sum(d.values()) if d is not None else '?'}"
+                                for system, d in by.items()) for spec, by in served.items()))
+    for p in profiles:
+        print()
+        print(f"### py-spy {p['system']} {p['spec']} (c={p['concurrency']}, "
+              f"{p['tokens_per_s']} tok/s under py-spy)")
+        print(pyspy.render(p))
+    print(f"\nvLLM {version}; load average before {load_before}, after the rounds "
+          f"{load_after}, at the end {load_end}; rounds {bench_s:.0f} s, profile "
+          f"{profile_s:.0f} s, total {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        info = machine_info()
+        info["server_vllm"] = version
+        write_json(args.json, {
+            "benchmark": "vllm_throughput", "vllm_version": version, "machine": info,
+            "load_avg_before": load_before, "load_avg_after": load_after,
+            "load_avg_end": load_end,
+            "load_avg_per_round": round_loads, "url": args.url,
+            "settings": {"rounds": args.rounds, "concurrency": concurrencies,
+                         "reps": args.reps, "batches": args.batches,
+                         "max_tokens": args.max_tokens, "temperature": 1.0,
+                         "fixed": FIXED, "opt_out": {"vllm_xargs": OPT_OUT},
+                         "specs": {s.name: s.params for s in specs},
+                         "unconstrained": UNCONSTRAINED.params},
+            "bench_s": round(bench_s, 1), "profile_s": round(profile_s, 1),
+            "summary": summary, "served": served, "cells": cells,
+            "profiles": profiles})
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,13 +13,17 @@
 from __future__ import annotations
 
 
-class GrammarError(ValueError):
-    """Base class; a ValueError so frameworks that map ValueError to HTTP 400 do the right thing."""
+class _Located(Exception):
+    """A message and, optionally, where in the input it applies."""
 
     def __init__(self, message: str, *, where: str | None = None) -> None:
         self.message = message
         self.where = where
         super().__init__(f"{message} (at {where})" if where else message)
+
+
+class GrammarError(_Located, ValueError):
+    """Base class; a ValueError so frameworks that map ValueError to HTTP 400 do the right thing."""
 
 
 class InvalidSpecError(GrammarError):
@@ -42,13 +46,8 @@ class UnsupportedError(GrammarError):
     """Valid input that no available backend can enforce (in strict routing mode)."""
 
 
-class ServerFault(RuntimeError):
+class ServerFault(_Located, RuntimeError):
     """Base class of the server's faults: the same request may succeed later."""
-
-    def __init__(self, message: str, *, where: str | None = None) -> None:
-        self.message = message
-        self.where = where
-        super().__init__(f"{message} (at {where})" if where else message)
 
 
 class CompileTimeoutError(ServerFault):

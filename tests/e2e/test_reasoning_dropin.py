@@ -27,16 +27,8 @@ from tests.e2e.standard import (
     served_by_grammask,
     weather_tool,
 )
+from tests.e2e.test_thinking import BIAS, MESSAGES, SCHEMA
 
-END_THINK = 151_668
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "ok": {"type": "boolean"}},
-    "required": ["n", "ok"], "additionalProperties": False}
-MESSAGES = [{"role": "user", "content": "Think, then answer as JSON."}]
-#: near-uniform logits over 151,936 tokens: +12 makes </think> likely within a few tokens
-BIAS = {str(END_THINK): 12}
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 REPS = 5
 

@@ -20,10 +20,10 @@ from ..compiler import Compiler
 from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
 from ..vocab import Vocabulary
-from .vllm_compat import admission_config
+from .vllm_compat import _speculative_on_v1, admission_config
 from .vllm_compiler import use_vllm_logging
 from .vllm_dropin import OPT_OUT_KEY, DropIn, field_of, log_status, status, take_over
-from .vllm_settings import Settings, _tp_size, describe_settings, load_settings
+from .vllm_settings import Settings, describe_settings, load_settings
 
 log = logging.getLogger("grammask")
 
@@ -81,20 +81,11 @@ def _frontend_settings(config: Any = None) -> Settings:
     the environment counts."""
     config = admission_config() if config is None else config
     extra = getattr(config, "additional_config", None) if config is not None else None
-    return _settings_of(json.dumps(extra or {}, sort_keys=True, default=str),
-                        _tp_size(config) if config is not None else 1)
-
-
-def _speculative_on_v1(config: Any) -> bool:
-    """vLLM's V1 runner drops entry-point logits processors when speculative decoding is
-    on (without a word), so a grammask request there would be served unconstrained."""
-    if config is None or not getattr(config, "speculative_config", None):
-        return False
-    return not bool(getattr(config, "use_v2_model_runner", False))
+    return _settings_of(json.dumps(extra or {}, sort_keys=True, default=str))
 
 
 @lru_cache(maxsize=8)
-def _settings_of(additional_config: str, tensor_parallel_size: int) -> Settings:
+def _settings_of(additional_config: str) -> Settings:
     settings = load_settings(json.loads(additional_config))
     use_vllm_logging()
     log.info("grammask %s: validating requests in the API server; %s", __version__,

@@ -39,10 +39,10 @@ from .vllm_admission import (  # re-exported: the adapters' (and tests') one imp
     _parsed,
     _request_key,
     _settings_of,
-    _speculative_on_v1,
     request_of,
     validate_sampling_params,
 )
+from .vllm_compat import _speculative_on_v1
 from .vllm_compiler import (
     _COMPILERS,
     shared_compiler,

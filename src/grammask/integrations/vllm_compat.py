@@ -99,6 +99,14 @@ def admission_config() -> Any:
     return None
 
 
+def _speculative_on_v1(config: Any) -> bool:
+    """vLLM's V1 runner drops entry-point logits processors when speculative decoding is
+    on (without a word), so a grammask request there would be served unconstrained."""
+    if config is None or not getattr(config, "speculative_config", None):
+        return False
+    return not bool(getattr(config, "use_v2_model_runner", False))
+
+
 def runner_of(args: tuple[Any, ...]) -> Literal["v1", "v2"]:
     """Which runner built the processor, from the arguments after ``vllm_config``."""
     if len(args) == 1:

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY
+from .vllm_compat import _speculative_on_v1
 from .vllm_compat import mismatch as vllm_mismatch
 from .vllm_settings import Settings
 
@@ -68,8 +69,7 @@ def status(vllm_config: Any, settings: Settings) -> DropIn:
         return DropIn(False, mismatch)
     if vllm_config is None:
         return DropIn(False, "the server's vLLM config was not found at admission")
-    if getattr(vllm_config, "speculative_config", None) and not getattr(
-            vllm_config, "use_v2_model_runner", False):
+    if _speculative_on_v1(vllm_config):
         return DropIn(False, "speculative decoding on vLLM's V1 model runner skips custom "
                              "logits processors; vLLM's engine serves structured outputs")
     so = getattr(vllm_config, "structured_outputs_config", None)

@@ -9,6 +9,9 @@
 2. For every kept schema, two fresh processes (vocabulary and compiler built before the clock
    starts): ``cold`` (no disk cache: compile, matcher, first fill of a (1, words) bitmask) and
    ``disk`` (the same request served from the file phase 1 wrote).
+
+Heavy grammars (patterned properties, tens of MB) and the writer's memory:
+bench/diskcache_heavy.py.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def worker(mode: str, directory: str, source: str) -> dict[str, Any]:
 
 def _run_worker(mode: str, directory: Path, source: str, timeout: float) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--dir",
+        [sys.executable, "-m", "bench.diskcache", "--worker", mode, "--dir",
          str(directory)], input=source, capture_output=True, text=True, timeout=timeout,
         cwd=REPO_ROOT)
     if proc.returncode != 0:

@@ -159,7 +159,7 @@ def calibrate(vocab: Vocabulary, schemas: list[Any], backend: str, n: int) -> di
     before = rss()
     for schema in picked:
         with contextlib.suppress(GrammarError):
-            compiler.compile(GrammarSpec.json_schema(schema, backend=backend))  # type: ignore[arg-type]
+            compiler.compile(GrammarSpec.json_schema(schema, backend=backend))
     trim_heap()
     grown = rss() - before
     info = compiler.cache_info()

@@ -215,5 +215,6 @@ def test_a_broken_llguidance_lexer_does_not_break_later_requests(compiler: Compi
 def test_an_unknown_backend_name_is_an_error_naming_the_known_ones() -> None:
     from grammask.backends import get_backend
 
-    with pytest.raises(ValueError, match="unknown backend 'outlines'; known: xgrammar, guidance"):
-        get_backend("outlines")  # type: ignore[arg-type]
+    with pytest.raises(ValueError,
+                       match="unknown backend 'outlines'; registered: auto, xgrammar, guidance"):
+        get_backend("outlines")

@@ -23,6 +23,7 @@ from grammask import (
     ServerFault,
     Vocabulary,
 )
+from grammask.attempts import PlanRunner
 from grammask.backends import get_backend
 
 from .helpers import accepts_complete
@@ -404,14 +405,14 @@ def test_one_deadline_covers_the_route_and_its_fallbacks(
     # the deadline each attempt is given, as the compiler computes it (no wall-clock bound:
     # the old code's second deadline was "now + timeout_s" after the first attempt's share)
     given: list[tuple[str, float, float | None]] = []
-    attempt = Compiler._attempt
+    attempt = PlanRunner._attempt
 
-    def spy(self: Compiler, spec: GrammarSpec, step: Any, reason: str, deadline: float,
+    def spy(self: PlanRunner, spec: GrammarSpec, step: Any, reason: str, deadline: float,
             *args: Any, **kwargs: Any) -> Any:
         given.append((step.backend, deadline, kwargs.get("slot_deadline")))
         return attempt(self, spec, step, reason, deadline, *args, **kwargs)
 
-    monkeypatch.setattr(Compiler, "_attempt", spy)
+    monkeypatch.setattr(PlanRunner, "_attempt", spy)
     _ = qwen25.xgrammar_info, qwen25.llguidance_tokenizer
     timeout_s = 1.0
     compiler = Compiler(qwen25, timeout_s=timeout_s, prefer="xgrammar")

@@ -1,6 +1,8 @@
 """The persistent compiled-grammar cache: a hit across processes serves the same masks as a
 fresh compile; every kind of bad file is a warning, a removal and a recompile, never a wrong
-grammar; private permissions; the size bound; concurrent writers (threads and processes)."""
+grammar; private permissions; the size bound; concurrent writers (threads and processes);
+heavy and deeply nested grammars are serialized by a child under a memory ceiling, never by
+the serving process."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,11 +26,17 @@ from grammask import Compiler, GrammarSpec, Vocabulary, metrics
 from grammask.backends import get_backend
 from grammask.diskcache import (
     _HEADER,
+    FORMAT_VERSION,
+    INLINE_DEPTH,
+    INLINE_MEMORY,
     MAGIC,
     SUFFIX,
     DiskCache,
+    alternation_depth,
     default_cache_dir,
     key_material,
+    pack_json,
+    unpack_json,
 )
 
 from .helpers import mask_of
@@ -127,7 +135,7 @@ print(json.dumps({{"from_disk": g.from_disk, "writes": eng.stats.disk_writes,
     assert compiler.stats.disk_hits == 1 and compiler.stats.compiles["xgrammar"] == 0
     if metrics.available():
         assert _metric("hit") == hits_before + 1
-    fresh = get_backend("xgrammar").compile(_spec(), qwen25)
+    fresh = get_backend("xgrammar").compile(_spec(), qwen25, lenient=False)
     assert _walk_masks_equal(qwen25, grammar.backend_grammar, fresh, INSTANCE) > 10
     compiler.flush_disk_cache(10)
     assert compiler.stats.disk_writes == 0  # a hit is not written again
@@ -236,21 +244,42 @@ CORRUPTIONS = {"truncated": _truncate, "flipped-byte": _flip, "wrong-magic": _ma
                "header-only": _header_only, "trailing-bytes": _trailing}
 
 
-@pytest.mark.parametrize("case", [*CORRUPTIONS, "directory", "backend-refuses-payload"])
+def _pieces(good: bytes) -> bytes:  # a piece index past the table
+    count = struct.unpack_from("<I", good)[0]
+    at = 16 + 4 * count  # the first index of the sequence
+    return good[:at] + struct.pack("<I", count) + good[at + 4:]
+
+
+#: Payloads with a right header, key and checksum (written through ``put``) that are wrong
+#: inside: the piece table, or the JSON xgrammar reads.
+PAYLOADS: dict[str, Callable[[bytes], bytes]] = {
+    "backend-refuses-payload": lambda good: pack_json('{"not": "a grammar"}'),
+    "pieces-truncated": lambda good: good[:-7],
+    "piece-index-out-of-range": _pieces,
+    "not-a-piece-table": lambda good: b"{}"}
+
+
+@pytest.mark.parametrize("case", [*CORRUPTIONS, "directory", *PAYLOADS])
 def test_bad_file_is_removed_warned_and_recompiled(
         case: str, qwen25: Vocabulary, seeded: tuple[Path, Path, Path], tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     directory, path, other = _copy_seed(seeded, tmp_path)
     good = path.read_bytes()
-    if case == "directory":
-        path.unlink()
-        path.mkdir()
-        (path / "inside").write_text("x")
-    elif case == "backend-refuses-payload":  # header, key and checksum right; payload not
-        DiskCache(directory).put(key_material(_spec(), qwen25), b'{"not": "a grammar"}')
-    else:
-        path.write_bytes(CORRUPTIONS[case](good, other))
+    material = key_material(_spec(), qwen25)
+    payload = DiskCache(directory).get(material)
+    assert payload is not None
 
+    def spoil() -> None:
+        if case == "directory":
+            path.unlink(missing_ok=True)
+            path.mkdir()
+            (path / "inside").write_text("x")
+        elif case in PAYLOADS:  # header, key and checksum right; payload not
+            assert DiskCache(directory).put(material, PAYLOADS[case](payload))
+        else:
+            path.write_bytes(CORRUPTIONS[case](good, other))
+
+    spoil()
     cache = DiskCache(directory)
     with caplog.at_level(logging.WARNING, logger="grammask"):
         assert cache.load_xgrammar(_spec(), qwen25) is None
@@ -259,12 +288,7 @@ def test_bad_file_is_removed_warned_and_recompiled(
                for r in caplog.records)
 
     # through the compiler: a bad file is a miss and a recompile, and a good file comes back
-    if case == "directory":
-        path.mkdir()
-    elif case == "backend-refuses-payload":
-        DiskCache(directory).put(key_material(_spec(), qwen25), b'{"not": "a grammar"}')
-    else:
-        path.write_bytes(CORRUPTIONS[case](good, other))
+    spoil()
     compiler = _compiler(qwen25, directory)
     grammar = compiler.compile(_spec())
     assert not grammar.from_disk
@@ -305,7 +329,7 @@ def test_raw_file_layout(tmp_path: Path) -> None:
     cache.put(b"material", b"payload")
     data = cache.path_for(b"material").read_bytes()
     magic, version, flags, klen, plen, _ = _HEADER.unpack_from(data)
-    assert (magic, version, flags, klen, plen) == (MAGIC, 1, 0, 8, 7)
+    assert (magic, version, flags, klen, plen) == (MAGIC, FORMAT_VERSION, 0, 8, 7)
     assert data[_HEADER.size:] == b"materialpayload"
 
 
@@ -450,7 +474,7 @@ def test_concurrent_thread_writers_leave_a_valid_file(
     assert [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp")] == []
     loaded = cache.load_xgrammar(_spec(), qwen25)
     assert loaded is not None
-    fresh = get_backend("xgrammar").compile(_spec(), qwen25)
+    fresh = get_backend("xgrammar").compile(_spec(), qwen25, lenient=False)
     _walk_masks_equal(qwen25, loaded, fresh, INSTANCE)
 
 
@@ -491,40 +515,171 @@ print("ok")
     compiler = _compiler(qwen25, directory)
     grammar = compiler.compile(_spec())
     assert grammar.from_disk
-    fresh = get_backend("xgrammar").compile(_spec(), qwen25)
+    fresh = get_backend("xgrammar").compile(_spec(), qwen25, lenient=False)
     _walk_masks_equal(qwen25, grammar.backend_grammar, fresh, INSTANCE)
     compiler.close()
 
 
-def test_grammars_too_large_to_serialize_are_not_written(qwen25: Vocabulary,
-                                                         tmp_path: Path) -> None:
-    """xgrammar's serializer peaks at ~35x the grammar's memory: big ones stay off disk."""
-    cache = DiskCache(tmp_path / "c", max_entry_memory=1)
-    compiled = get_backend("xgrammar").compile(_spec(OTHER), qwen25)
-    assert not cache.store_xgrammar(_spec(OTHER), qwen25, compiled)
-    assert cache.flush(5) and _files(tmp_path / "c") == []
-    roomy = DiskCache(tmp_path / "c")
-    assert roomy.store_xgrammar(_spec(OTHER), qwen25, compiled) and roomy.flush(60)
-    assert len(_files(tmp_path / "c")) == 1
+# ------------------------------------------------------------- the payload's pieces
+def test_pieces_join_back_to_the_exact_text(qwen25: Vocabulary) -> None:
+    compiled = get_backend("xgrammar").compile(_spec(), qwen25, lenient=False)
+    text = compiled._compiled.serialize_json()  # type: ignore[attr-defined]
+    packed = pack_json(text)
+    assert unpack_json(packed) == text
+    assert len(packed) < len(text) * 1.05  # distinct entries cost a few bytes of table
+    odd = 'é{"store_type":1,"a":[1]}\udc80{"store_type":1,"a":[1]}{"store_type":2}'
+    assert unpack_json(pack_json(odd)) == odd  # any text, lone surrogates included
+    assert unpack_json(pack_json("")) == ""
+    with pytest.raises(ValueError, match="bound"):
+        unpack_json(packed, max_chars=len(text) - 1)
+    for bad in (b"", packed[:10], packed[:-1], packed + b"x", _pieces(packed)):
+        with pytest.raises(ValueError):
+            unpack_json(bad)
 
 
-def test_deeply_nested_alternatives_are_never_serialized(qwen25: Vocabulary,
-                                                         tmp_path: Path) -> None:
-    """xgrammar's serializer grows about 3.6x per level of oneOf nesting (depth 10 ran a
-    server's worker out of memory): such specs are refused before serializing."""
-    from grammask.diskcache import MAX_ALTERNATION_DEPTH, alternation_depth
+# ------------------------------------------------------------------- heavy grammars
+def _heavy(props: int) -> GrammarSpec:
+    from bench.diskcache_heavy import patterned_schema
+
+    return _spec(patterned_schema(props))
+
+
+def _heavy_instance(props: int) -> str:
+    return json.dumps({f"field_{i}": f"Abc{'d' * i}-{'7' * (3 + i)}" for i in range(props)})
+
+
+@pytest.fixture(scope="module")
+def heavy(qwen25: Vocabulary) -> object:
+    """6 patterned properties: 5.4 MB, past the inline bound (a child writes it)."""
+    compiled = get_backend("xgrammar").compile(_heavy(6), qwen25, lenient=False)
+    assert compiled.memory_bytes > INLINE_MEMORY
+    return compiled
+
+
+def test_small_grammars_are_serialized_inline(qwen25: Vocabulary, tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c")
+    compiled = get_backend("xgrammar").compile(_spec(OTHER), qwen25, lenient=False)
+    assert cache.store_xgrammar(_spec(OTHER), qwen25, compiled) and cache.flush(60)
+    assert cache.last_write == {"where": "inline", "written": True, "why": "written"}
+
+
+def test_a_heavy_grammar_is_written_by_a_child_and_loads_the_same_masks(
+        qwen25: Vocabulary, heavy: object, tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c")
+    assert cache.store_xgrammar(_heavy(6), qwen25, heavy) and cache.flush(300)
+    report = cache.last_write
+    assert report is not None and report["where"] == "child" and report["written"], report
+    assert report["pid"] != os.getpid() and report["returncode"] == 0
+    (path,) = _files(tmp_path / "c")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # repeated mask entries are stored once (and compressed)
+    assert report["file_bytes"] == path.stat().st_size < report["json_bytes"] / 5
+    loaded = DiskCache(tmp_path / "c").load_xgrammar(_heavy(6), qwen25)
+    assert loaded is not None
+    assert _walk_masks_equal(qwen25, loaded, heavy, _heavy_instance(6)) > 20
+
+
+def test_the_serving_process_never_runs_the_heavy_serializer(tmp_path: Path) -> None:
+    """12 patterned properties: xgrammar's serializer takes the process's peak RSS up by
+    ~130 MB. Writing it through the cache must leave the serving process's peak where the
+    compile put it; the child that did the work reports its own peak."""
+    directory = tmp_path / "c"
+    script = f"""
+import json, re
+from pathlib import Path
+from grammask import load_vocabulary
+from grammask.backends import get_backend
+from grammask.diskcache import DiskCache
+from tests.test_diskcache import _heavy
+def growth(work):  # the peak RSS above the RSS before ``work`` (Linux: VmHWM reset)
+    def kib(field):
+        text = Path("/proc/self/status").read_text()
+        return int(re.search(field + r":\\s+(\\d+)", text).group(1)) * 1024
+    Path("/proc/self/clear_refs").write_text("5")
+    before = kib("VmRSS")
+    work()
+    return kib("VmHWM") - before
+vocab = load_vocabulary("qwen2.5")
+spec = _heavy(12)
+compiled = get_backend("xgrammar").compile(spec, vocab, lenient=False)
+cache = DiskCache({str(directory)!r})
+write = growth(lambda: cache.store_xgrammar(spec, vocab, compiled) and cache.flush(600))
+inline = growth(compiled._compiled.serialize_json)  # what writing it here would cost
+print(json.dumps({{"write": write, "inline": inline, "report": cache.last_write}}))
+"""
+    out = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, timeout=900,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    report = got["report"]
+    assert report["where"] == "child" and report["written"], report
+    assert got["inline"] > 80e6, got
+    assert got["write"] < 40e6, got
+    assert report["peak_rss"] - report["base_rss"] > 80e6  # the child held it instead
+    assert len(_files(directory)) == 1
+
+
+def test_a_grammar_past_the_writer_ceiling_is_not_written(
+        qwen25: Vocabulary, heavy: object, tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "c", writer_memory=16 * 1024 * 1024)
+    assert cache.store_xgrammar(_heavy(6), qwen25, heavy) and cache.flush(300)
+    report = cache.last_write
+    assert report is not None and report["where"] == "child", report
+    assert not report["written"] and "alloc" in report["why"], report
+    assert _files(tmp_path / "c") == []
+    assert [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_the_child_writes_only_under_the_parents_key(qwen25: Vocabulary, heavy: object,
+                                                     tmp_path: Path) -> None:
+    """Another key (other sources, versions, vocabulary) in the child: nothing is written."""
+    from grammask.diskcache import _vocab_frame, child_request, run_child
+
+    cache = DiskCache(tmp_path / "c")
+    job = {"lenient": False, "compile_ms": None, "memory": 1, "timeout_s": 120}
+    material = key_material(_heavy(6), qwen25)
+    report = run_child(child_request(cache, _heavy(6), _vocab_frame(qwen25),
+                                     material + b" ", job), 120)
+    assert not report["written"] and "key differs" in report["why"], report
+    report = run_child(child_request(cache, _heavy(6), _vocab_frame(qwen25), material, job),
+                       120)  # the right key, but a grammar of another size
+    assert not report["written"] and "another grammar" in report["why"], report
+    assert _files(tmp_path / "c") == []
+
+
+def test_deeply_nested_alternatives_are_serialized_only_in_a_child(qwen25: Vocabulary,
+                                                                   tmp_path: Path) -> None:
+    """xgrammar's serializer grows ~3.6x per level of oneOf nesting (depth 8: +2.5 GB for a
+    5 MB grammar; depth 10 ran a server's worker out of memory). Such specs are no longer
+    refused: a child serializes them under its ceiling, and what does not fit is not written;
+    a fast compile is not worth a child at all."""
     from tests.e2e.test_isolation import nested_one_of
 
     assert alternation_depth(GrammarSpec.json_schema(nested_one_of(9))) == 9
     assert alternation_depth(GrammarSpec.json_schema(SCHEMA)) == 0
     assert alternation_depth(GrammarSpec.regex("a|b")) == 0
-    compiler = Compiler(qwen25, backend="xgrammar", timeout_s=120)
-    try:
-        compiled = compiler.compile(GrammarSpec.json_schema(nested_one_of(2))).backend_grammar
-    finally:
-        compiler.close()
-    cache = DiskCache(tmp_path / "c")
-    deep = GrammarSpec.json_schema(nested_one_of(MAX_ALTERNATION_DEPTH + 1))
-    assert not cache.store_xgrammar(deep, qwen25, compiled)
-    shallow = GrammarSpec.json_schema(nested_one_of(2))
-    assert cache.store_xgrammar(shallow, qwen25, compiled)
+    deep = GrammarSpec.json_schema(nested_one_of(8), backend="xgrammar")
+    compiled = get_backend("xgrammar").compile(deep, qwen25, lenient=False)
+    cache = DiskCache(tmp_path / "c", writer_memory=256 * 1024 * 1024)
+    assert not cache.store_xgrammar(deep, qwen25, compiled, compile_ms=200.0)
+    assert cache.store_xgrammar(deep, qwen25, compiled) and cache.flush(300)
+    report = cache.last_write
+    assert report is not None and report["where"] == "child" and not report["written"], report
+    assert _files(tmp_path / "c") == []
+    # a tiny grammar nested past INLINE_DEPTH still goes to the child
+    shallow_size = GrammarSpec.json_schema(nested_one_of(INLINE_DEPTH + 1), backend="xgrammar")
+    small = get_backend("xgrammar").compile(shallow_size, qwen25, lenient=False)
+    assert small.memory_bytes < cache.inline_memory
+    assert cache.store_xgrammar(shallow_size, qwen25, small) and cache.flush(300)
+    assert cache.last_write is not None and cache.last_write["where"] == "child"
+
+
+def test_the_child_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child imports this grammask, sees no GPU and writes no Prometheus files."""
+    from grammask.diskcache import child_env
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/prom")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    env = child_env()
+    assert "PROMETHEUS_MULTIPROC_DIR" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "src")

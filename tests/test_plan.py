@@ -74,8 +74,8 @@ def test_other_kinds_fall_back_by_their_route_and_never_hedge() -> None:
     assert regex.hedge is None
     structural = plan(GrammarSpec.structural_tag({
         "type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}))
-    assert [(s.backend, s.after) for s in structural.attempts] == [
-        ("xgrammar", ALL_FAILURES), ("guidance", {"internal"})]
+    # llguidance serves only the legacy form: an attempt there could only refuse
+    assert [(s.backend, s.after) for s in structural.attempts] == [("xgrammar", ALL_FAILURES)]
 
 
 def test_rank_invariant_plans_have_no_timing_step() -> None:

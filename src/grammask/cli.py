@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .backends import get_backend, registry
 from .compiler import Compiler, running_compiles
 from .errors import CompileFailure, GrammarError
-from .spec import GrammarSpec, canonical_backend
+from .spec import GrammarSpec
 from .spec_text import spec_from_text
 from .vocab import load_vocabulary
 
@@ -31,7 +32,8 @@ BENCHMARKS = ("compile", "mask", "overlap")
 
 def _backend_arg(value: str) -> str:
     """A ``--backend`` value with its alias resolved (``llguidance`` -> ``guidance``)."""
-    return str(canonical_backend(value.strip().lower()))
+    text = value.strip().lower()
+    return registry.canonical(text) or text
 
 def main(argv: Sequence[str] | None = None) -> int:
     code = _main(argv)
@@ -60,8 +62,9 @@ def _main(argv: Sequence[str] | None) -> int:
     comp.add_argument("--kind", choices=["json", "regex", "choice", "grammar", "named"],
                       help="named: SPEC is a library grammar's name (grammask grammars)")
     comp.add_argument("--backend", default="auto", type=_backend_arg,
-                      choices=["auto", "xgrammar", "guidance"],
-                      help="auto (per-spec routing), xgrammar, or guidance (alias llguidance)")
+                      choices=["auto", *registry.names()],
+                      help="auto (per-spec routing) or a registered backend (an alias works "
+                      "too; `grammask backends` lists them)")
     comp.add_argument("--tokenizer", default="qwen2.5")
     comp.add_argument("--timeout", type=float, default=30.0)
     comp.add_argument("--json", action="store_true", help="print one JSON object")
@@ -76,6 +79,8 @@ def _main(argv: Sequence[str] | None) -> int:
                       help="also write the compiled grammars to this disk cache (the plugin's "
                            "default is ~/.cache/grammask): servers started later load them")
     sub.add_parser("grammars", help="list the shipped grammar library")
+    sub.add_parser("backends", help="list the registered backends: names, aliases, "
+                   "capabilities, the workloads each serves")
     demo = sub.add_parser("demo", help="compile a schema on each backend and auto")
     demo.add_argument("--tokenizer", default="qwen2.5")
     sub.add_parser("bench", help="benchmarks, from a source checkout: bench compile|mask|overlap "
@@ -93,7 +98,23 @@ def _main(argv: Sequence[str] | None) -> int:
         for name in library.names():
             print(f"{name:12} {library.load(name).syntax:5} {library.load(name).description}")
         return 0
+    if ns.command == "backends":
+        print(backends_table())
+        return 0
     return _compile(ns)
+
+
+def backends_table() -> str:
+    """One line per registered backend: what it is called, can do and serves, cheapest
+    first (the router's cost model, ``backends.registry``)."""
+    lines = [f"{'backend':<10} {'aliases':<11} {'capabilities':<28} serves (cost rank)"]
+    for b in registry.backends():
+        caps = [c for c, on in (("lenient", b.lenient), ("batch-fill", b.batch_fill),
+                                ("disk-cache", b.disk)) if on]
+        serves = ", ".join(f"{w} {c.rank:g}" for w, c in b.costs.items())
+        lines.append(f"{b.name:<10} {','.join(b.aliases) or '-':<11} "
+                     f"{','.join(caps) or '-':<28} {serves}")
+    return "\n".join(lines)
 
 
 def _warmup(ns: argparse.Namespace) -> int:
@@ -177,13 +198,14 @@ def _demo(tokenizer: str) -> int:
     print(f"vocabulary: {vocab.name}: {len(vocab.tokens)} tokens, model vocab {vocab.vocab_size},"
           f" stop ids {list(vocab.stop_ids)} ({(time.perf_counter() - t0) * 1000:.0f} ms)")
     t0 = time.perf_counter()
-    _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
+    for backend in registry.backends():
+        get_backend(backend.name).prepare(vocab)
     print(f"backend tokenizers ready ({(time.perf_counter() - t0) * 1000:.0f} ms, once per model)")
     print(f"schema: {json.dumps(DEMO_SCHEMA)}\n")
     specs = {
         "auto": GrammarSpec.json_schema(DEMO_SCHEMA),
-        "xgrammar": GrammarSpec.json_schema(DEMO_SCHEMA, backend="xgrammar"),
-        "guidance": GrammarSpec.json_schema(DEMO_SCHEMA, backend="guidance"),
+        **{name: GrammarSpec.json_schema(DEMO_SCHEMA, backend=name)
+           for name in registry.names()},
         "auto (no text)": GrammarSpec.json_schema(NUMERIC_SCHEMA),
         "auto+uniqueItems": GrammarSpec.json_schema(
             {**DEMO_SCHEMA, "properties": {**DEMO_SCHEMA["properties"],  # type: ignore[dict-item]

@@ -1,9 +1,10 @@
 """The compile service: runs the router's plan with bounded parallel compiles, single-flight,
 an LRU and one deadline per request.
 
-- A cold compile asks the router once (``grammask.router.plan``) and runs its attempts in
-  order, each in its mode and within its share of the time left; nothing here decides which
-  backend or which mode (data flows one way: router -> compiler -> backend).
+- A cold compile asks the router once (``grammask.router.plan``) and ``attempts.PlanRunner``
+  runs its attempts in order, each in its mode and within its share of the time left;
+  nothing here decides which backend or which mode (data flows one way: router -> compiler
+  -> backend).
 
 - ``compile_async`` returns at once; the compile starts immediately so it overlaps the prefill.
   Each caller gets a future of its own: cancelling it drops only that caller.
@@ -14,10 +15,12 @@ an LRU and one deadline per request.
   routed backend and its fallbacks; a reaper resolves any request still pending at its deadline.
 - A runaway native compile cannot be killed, so it is *abandoned*: its slot is handed back (up
   to ``max_abandoned`` at once per backend; beyond that it keeps the slot, so the CPU spent on
-  runaways stays bounded). Each backend has its own slots, so xgrammar runaways never hold up
-  llguidance compiles (fallbacks included). A spec that timed out on a backend is not retried
-  there until ``negative_ttl_s`` passes, and a runaway that finishes late fills the cache.
-- ``disk_cache_dir`` (off by default): xgrammar grammars persist across processes
+  runaways stays bounded; ``compile_slots``). Each backend has its own slots, so one backend's
+  runaways never hold up another's compiles (fallbacks included). A spec that timed out on
+  a backend is not retried there until ``negative_ttl_s`` passes, and a runaway that
+  finishes late fills the cache.
+- ``disk_cache_dir`` (off by default): grammars of backends that declare ``disk`` persist
+  across processes
   (``grammask.diskcache``). On a memory miss the disk is tried inside the request's flight
   (single-flight, and within its deadline) before compiling; a successful compile (a late one
   too) is written by a background thread (``flush_disk_cache`` waits for it).
@@ -25,27 +28,21 @@ an LRU and one deadline per request.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import copy
-import ctypes
-import ctypes.util
 import heapq
 import itertools
-import logging
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from typing import TypeVar
 
 from . import metrics
-from .backends import BackendGrammar, Matcher, get_backend
+from .attempts import PlanRunner
+from .backends import get_backend, registry
+from .compile_slots import Runners, running_compiles, trim_heap
 from .diskcache import DEFAULT_MAX_BYTES, DiskCache
 from .errors import (
     CompileFailure,
@@ -54,269 +51,13 @@ from .errors import (
     GrammarError,
     InternalCompileError,
     InvalidSpecError,
-    ServerFault,
 )
-from .router import Attempt, Failure, Plan, Preference, Route, plan, route
+from .grammar import Grammar, Stats, fresh_error
+from .router import Attempt, Plan, Preference, Route, plan, route
 from .spec import BackendName, GrammarSpec, backend_name
 from .vocab import Vocabulary
 
-log = logging.getLogger("grammask")
-T = TypeVar("T")
-
-#: Measured RSS growth per cached grammar = SCALE * the backend's own estimate + BASE bytes
-#: (bench/stress.py --calibrate; corpus schemas, Qwen2.5 vocabulary, glibc). xgrammar's
-#: ``memory_size_bytes`` misses allocator overhead and the matcher-side structures; the
-#: llguidance figure is grammask's own guess (llguidance reports none).
-FOOTPRINT: dict[str, tuple[float, int]] = {"xgrammar": (0.57, 180 * 1024),
-                                             "guidance": (2.3, 0)}
-
-#: Errors that say nothing about the spec: never cached as the spec's fault, and the other
-#: backend is tried.
-_INTERNAL = (MemoryError, RecursionError, SystemError, OSError, AssertionError)
-
-
-@dataclass(frozen=True, eq=False)
-class Grammar:
-    """A compiled spec: makes matchers, and says which backend serves it and why."""
-
-    spec: GrammarSpec
-    backend: BackendName
-    reason: str
-    unenforced: tuple[str, ...]
-    compile_ms: float
-    backend_grammar: BackendGrammar = field(repr=False)  #: the backend's own compiled form
-    fallback_from: BackendName | None = None
-    from_disk: bool = False  #: loaded from the disk cache (compile_ms is the load time)
-
-    def matcher(self) -> Matcher:
-        return self.backend_grammar.matcher()
-
-    @property
-    def memory_bytes(self) -> int:
-        """Estimated process memory this grammar holds (calibrated against measured RSS)."""
-        scale, base = FOOTPRINT.get(self.backend, (1.0, 0))
-        return int(scale * int(self.backend_grammar.memory_bytes) + base)
-
-
-@dataclass
-class Stats:
-    """Counters since the compiler started (read them; do not write)."""
-
-    hits: int = 0
-    misses: int = 0
-    joined: int = 0
-    compiles: dict[str, int] = field(default_factory=lambda: {"xgrammar": 0, "guidance": 0})
-    compile_ms: dict[str, float] = field(
-        default_factory=lambda: {"xgrammar": 0.0, "guidance": 0.0})
-    fallbacks: int = 0
-    timeouts: int = 0
-    errors: int = 0
-    negative_hits: int = 0
-    evictions: int = 0
-    abandoned: int = 0
-    internal_errors: int = 0
-    late_results: int = 0
-    trims: int = 0
-    disk_hits: int = 0
-    disk_misses: int = 0
-    disk_writes: int = 0
-
-
-def fresh_error(error: BaseException) -> BaseException:
-    """A copy without traceback, cause or context: raising a stored error object again and
-    again grows its traceback (and keeps every frame alive) on each raise."""
-    try:
-        twin = copy.copy(error)
-    except Exception:  # an exception class that does not copy: a plain one says the same
-        twin = (ServerFault if isinstance(error, ServerFault) else GrammarError)(str(error))
-    twin.__traceback__ = None
-    twin.__cause__ = None
-    twin.__context__ = None
-    twin.__suppress_context__ = True
-    return twin
-
-
-_libc: ctypes.CDLL | None = None
-with contextlib.suppress(OSError, TypeError):
-    _name = ctypes.util.find_library("c")
-    if _name:
-        _candidate = ctypes.CDLL(_name)
-        if hasattr(_candidate, "malloc_trim"):
-            _libc = _candidate
-
-
-def trim_heap() -> bool:
-    """Hand freed heap pages back to the OS (glibc ``malloc_trim``): freed grammars otherwise
-    stay in the process as free-list memory. False where the allocator has no such call."""
-    if _libc is None:
-        return False
-    _libc.malloc_trim(0)
-    return True
-
-
-class _Job:
-    """One backend call handed to a compile worker."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.value: object = None
-        self.error: BaseException | None = None
-        self.abandoned = False
-        self.keeps_slot = False
-        self.on_late: Callable[[object, BaseException | None], None] | None = None
-        self.tid = 0  # the worker's native thread id
-        self.tasks_before: set[str] = set()  # the process's threads when the job started
-
-
-_RUNNING: set[_Job] = set()
-_RUNNING_LOCK = threading.Lock()
-
-
-@atexit.register
-def _finish_running_compiles() -> None:
-    """Workers are daemons (idle ones must not block exit), but a native compile torn down
-    mid-flight aborts the process: let running ones finish first (bounded). A program that
-    must exit at once flushes its output and calls ``os._exit`` (the CLI does)."""
-    deadline = time.monotonic() + 120
-    with _RUNNING_LOCK:
-        jobs = list(_RUNNING)
-    for job in jobs:
-        job.done.wait(max(0.0, deadline - time.monotonic()))
-
-
-def running_compiles() -> int:
-    """Native compiles still running in this process (abandoned ones included)."""
-    with _RUNNING_LOCK:
-        return len(_RUNNING)
-
-
-def _tasks() -> set[str]:
-    try:
-        return set(os.listdir("/proc/self/task"))
-    except OSError:  # not Linux: nothing to lower
-        return set()
-
-
-def _deprioritize(job: _Job) -> int:
-    """Lower an abandoned compile's CPU priority to nice 19 (Linux: per thread): the worker
-    and the threads started since the job began that are not Python's (the backend's own
-    compile threads; a compile that started meanwhile on another worker may be caught too,
-    and merely runs at low priority while it competes). Runaways then take CPU only when
-    nothing else wants it. Returns how many threads were lowered."""
-    if not job.tid or not hasattr(os, "setpriority"):
-        return 0
-    python = {t.native_id for t in threading.enumerate()} - {job.tid}
-    targets = {job.tid} | {int(t) for t in _tasks() - job.tasks_before if t.isdigit()}
-    lowered = 0
-    for tid in targets - python:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-            lowered += 1
-    return lowered
-
-
-class _Runner:
-    """Runs one backend's native compiles on persistent worker threads with a concurrency bound
-    and a deadline. A worker whose job is abandoned finishes it and exits; a new worker is
-    started on demand, so capacity survives runaways (up to ``max_abandoned`` of them)."""
-
-    def __init__(self, max_running: int, max_abandoned: int) -> None:
-        self._slots = threading.BoundedSemaphore(max_running)
-        self._max_abandoned = max_abandoned
-        self._abandoned = 0
-        self._idle = 0
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-
-    @property
-    def abandoned(self) -> int:
-        return self._abandoned
-
-    def run(self, fn: Callable[[], T], deadline: float, what: str,
-            on_late: Callable[[object, BaseException | None], None] | None = None,
-            can_fall_back: bool = False, slot_deadline: float | None = None,
-            on_abandon: Callable[[_Job], None] | None = None) -> T:
-        """``fn()`` on a worker; CompileTimeoutError when it is not done by ``deadline`` (a
-        ``time.monotonic`` value; waiting for a slot counts). ``on_late`` gets the outcome of
-        a job that finished after its caller gave up. A request that ``can_fall_back`` does
-        not queue behind runaways that kept their slots: it goes to its fallback at once;
-        ``slot_deadline`` bounds the wait for a slot (default: ``deadline``); ``on_abandon``
-        gets the job when the caller gives up on it (later requests may wait on it)."""
-        if not self._slots.acquire(blocking=False):
-            if can_fall_back and self._abandoned > self._max_abandoned:
-                raise CompileTimeoutError(f"every {what} compile slot is held by a runaway")
-            budget = min(deadline, slot_deadline or deadline) - time.monotonic()
-            if budget <= 0 or not self._slots.acquire(timeout=budget):
-                raise CompileTimeoutError(f"no {what} compile slot free before the deadline")
-        job = _Job(fn)
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-            else:
-                threading.Thread(target=self._work, name="grammask-compile", daemon=True).start()
-        self._jobs.put(job)
-        if not job.done.wait(max(0.0, deadline - time.monotonic())):
-            with self._lock:
-                if not job.done.is_set():
-                    job.abandoned = True
-                    job.on_late = on_late
-                    self._abandoned += 1
-                    if self._abandoned <= self._max_abandoned:
-                        self._slots.release()  # a fresh compile may start meanwhile
-                    else:
-                        job.keeps_slot = True
-                    abandoned = True
-                else:
-                    abandoned = False
-            if abandoned:
-                _deprioritize(job)
-                if on_abandon is not None:
-                    on_abandon(job)
-                raise CompileTimeoutError(f"{what} compile exceeded its time budget")
-        if job.error is not None:
-            raise job.error
-        return job.value  # type: ignore[return-value]
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            job.tid = threading.get_native_id()
-            job.tasks_before = _tasks()
-            with _RUNNING_LOCK:
-                _RUNNING.add(job)
-            try:
-                job.value = job.fn()
-            except BaseException as exc:  # handed to the caller
-                job.error = exc
-            with _RUNNING_LOCK:
-                _RUNNING.discard(job)
-            with self._lock:
-                job.done.set()
-                if job.abandoned:
-                    self._abandoned -= 1
-                    if job.keeps_slot:
-                        self._slots.release()
-            if job.abandoned:
-                if job.on_late is not None:
-                    try:
-                        job.on_late(job.value, job.error)
-                    except Exception:  # a late result is a bonus; never kill the worker
-                        log.exception("grammask: storing a late compile result failed")
-                return  # the caller moved on; a fresh worker replaces this one
-            with self._lock:
-                self._slots.release()
-                self._idle += 1
-
-
-def _join(job: _Job, deadline: float, what: str) -> BackendGrammar:
-    """Wait (until ``deadline``) for a compile an earlier request abandoned."""
-    if not job.done.wait(max(0.0, deadline - time.monotonic())):
-        raise CompileTimeoutError(f"{what} is still compiling this spec (an earlier "
-                                  f"request's compile, past its budget)")
-    if job.error is not None:
-        raise job.error
-    return job.value  # type: ignore[return-value]
+__all__ = ["Compiler", "Grammar", "Stats", "running_compiles", "trim_heap"]
 
 
 class _Flight:
@@ -378,6 +119,12 @@ class _Reaper:
             self._fire(flight)
 
 
+def _open_disk(directory: str | os.PathLike[str] | None, max_bytes: int) -> DiskCache | None:
+    """The disk cache, or None: off, or its directory was refused (logged)."""
+    disk = None if directory is None else DiskCache(directory, max_bytes)
+    return disk if disk is not None and disk.enabled else None
+
+
 class Compiler:
     """Compiles specs for one vocabulary; thread-safe; one per model/tokenizer."""
 
@@ -408,12 +155,11 @@ class Compiler:
         self.cache_bytes = cache_bytes
         self.negative_ttl_s = negative_ttl_s
         self.max_negative = max_negative
-        self.prefer: Preference = prefer
+        self.prefer: Preference = registry.resolve(prefer, "prefer") or "auto"
         self.rank_invariant = rank_invariant
         self.stats = Stats()
-        self._runners: dict[str, _Runner] = {
-            "xgrammar": _Runner(max_workers, max_abandoned),
-            "guidance": _Runner(max_workers, max_abandoned)}
+        # one pool of compile slots per backend: one backend's runaways never starve another's
+        self._runners = Runners(max_workers, max_abandoned)
         # builders mostly wait on runners: twice the runners' slots, and the reaper enforces
         # deadlines for builds still queued here
         self._pool = ThreadPoolExecutor(max_workers=max(8, 4 * max_workers),
@@ -426,20 +172,16 @@ class Compiler:
         self._inflight: dict[str, _Flight] = {}
         # key -> (expiry, error without traceback); insertion order = expiry order
         self._failed: OrderedDict[str, tuple[float, GrammarError]] = OrderedDict()
-        # (key, backend) -> its abandoned compile, still running: later requests wait on it
-        # rather than start another runaway
-        self._slow: dict[tuple[str, str], _Job] = {}
         self._last_trim = 0.0
         self._trim_pending = False
-        self._disk: DiskCache | None = None
-        if disk_cache_dir is not None:
-            disk = DiskCache(disk_cache_dir, disk_cache_bytes)
-            self._disk = disk if disk.enabled else None
-        # the backends' tokenizers are built once per vocabulary (seconds, holding the GIL): here,
-        # outside every request's deadline
-        for name in ("xgrammar", "guidance"):
-            if self.default_backend in (None, name):
-                self._backend_tokenizer(name)
+        self._disk = _open_disk(disk_cache_dir, disk_cache_bytes)
+        self._plans = PlanRunner(vocab, self.stats, self._lock, self._runners, self._disk,
+                                 self._keep_late, lambda: self._closed)
+        # the backends' tokenizers are built once per vocabulary (seconds, holding the GIL):
+        # here, outside every request's deadline
+        chosen = self.default_backend
+        for name in registry.names() if chosen is None else (chosen,):
+            get_backend(name).prepare(vocab)
 
     # ----------------------------------------------------------------------- public
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> Grammar:
@@ -545,7 +287,7 @@ class Compiler:
             return {"entries": len(self._cache), "bytes": self._cache_used,
                     "limit_bytes": self.cache_bytes, "inflight": len(self._inflight),
                     "negative": len(self._failed),
-                    "abandoned": sum(r.abandoned for r in self._runners.values())}
+                    "abandoned": self._runners.abandoned()}
 
     def clear(self) -> None:
         """Drop every cached grammar and failure, and hand the memory back to the OS."""
@@ -581,9 +323,6 @@ class Compiler:
             return spec.with_backend(self.default_backend)
         return spec
 
-    def _backend_tokenizer(self, backend: str) -> None:
-        _ = self.vocab.xgrammar_info if backend == "xgrammar" else self.vocab.llguidance_tokenizer
-
     def _resolve(self, flight: _Flight, grammar: Grammar | None = None,
                  error: BaseException | None = None) -> bool:
         """Settle every caller's future of a flight once; False when already settled."""
@@ -615,7 +354,7 @@ class Compiler:
         if flight.done:  # expired or closed while queued
             return
         try:
-            grammar = self._compile_routed(spec, flight.deadline)
+            grammar = self._plans.run(spec, self.plan(spec), flight.deadline)
         except BaseException as exc:
             error = exc if isinstance(exc, CompileFailure) else InternalCompileError(
                 f"internal error while compiling: {type(exc).__name__}: {exc}")
@@ -674,186 +413,17 @@ class Compiler:
             self.stats.trims += 1
         trim_heap()
 
-    def _compile_routed(self, spec: GrammarSpec, deadline: float) -> Grammar:
-        """Run the router's plan: each attempt in order, within its share of the time left,
-        all under the request's one ``deadline``."""
-        plan = self.plan(spec)
-        steps = plan.attempts
-        first = steps[0]
-        failures: list[GrammarError | ServerFault] = []
-        for i, step in enumerate(steps):
-            if failures and _failure_kind(failures[-1]) not in step.after:
-                continue
-            left = max(0.0, deadline - time.monotonic())
-            last = i == len(steps) - 1
-            if failures:
-                log.warning("grammask: %s on %s failed (%s); trying %s%s", spec.describe(),
-                            first.backend, failures[0].message, step.backend,
-                            " (lenient)" if step.lenient else "")
-            try:
-                grammar = self._attempt(
-                    spec, step, plan.route.reason,
-                    deadline if last else deadline - (1 - step.budget) * left,
-                    skip_busy=step.skip_busy and not last,
-                    slot_deadline=deadline - (1 - step.slot_budget) * left)
-            except CompileFailure as exc:
-                failures.append(exc)
-                continue
-            if not failures:
-                return grammar
-            with self._lock:
-                self.stats.fallbacks += 1
-            metrics.FALLBACKS.labels(from_backend=first.backend, to_backend=step.backend,
-                                     reason=type(failures[0]).__name__).inc()
-            reason = (f"{first.backend} failed ({failures[0].message}); "
-                      f"fell back to {step.backend}")
-            return Grammar(spec, grammar.backend, reason, grammar.unenforced,
-                           grammar.compile_ms, grammar.backend_grammar,
-                           fallback_from=first.backend, from_disk=grammar.from_disk)
-        raise failures[0]
-
-    def _attempt(self, spec: GrammarSpec, step: Attempt, reason: str, deadline: float,
-                 skip_busy: bool = False, slot_deadline: float | None = None) -> Grammar:
-        backend = step.backend
-        impl = get_backend(backend)
-        slow_key = (spec.key, backend)
+    def _keep_late(self, key: str, make: Callable[[], Grammar]) -> bool:
+        """Cache an abandoned compile's late result unless the request was served otherwise
+        (the work is not lost, and the spec is no longer treated as a runaway)."""
         with self._lock:
-            running = self._slow.get(slow_key)
-        self._backend_tokenizer(backend)
-        if backend == "xgrammar" and self._disk is not None:
-            loaded = self._from_disk(spec, step, reason, deadline)
-            if loaded is not None:
-                return loaded
-        started = time.perf_counter()
-
-        def late(value: object, error: BaseException | None) -> None:
-            self._late_result(spec, step, reason, started, value, error)
-
-        def abandoned(job: _Job) -> None:
-            with self._lock:  # a job already done has had its late result handled
-                if not job.done.is_set():
-                    self._slow[slow_key] = job
-
-        try:
-            if running is not None:  # an earlier request's compile of it is still going
-                backend_grammar: BackendGrammar = _join(running, deadline, backend)
-            else:
-                backend_grammar = self._runners[backend].run(
-                    lambda: impl.compile(spec, self.vocab, lenient=step.lenient),
-                    deadline, backend, on_late=late, can_fall_back=skip_busy,
-                    slot_deadline=slot_deadline, on_abandon=abandoned)
-        except CompileTimeoutError:
-            with self._lock:
-                self.stats.timeouts += 1
-                self.stats.abandoned = sum(r.abandoned for r in self._runners.values())
-            _observe(backend, spec, "timeout", started)
-            raise
-        except GrammarError as exc:
-            _observe(backend, spec, "internal" if isinstance(exc.__cause__, _INTERNAL)
-                     else "error", started)
-            if isinstance(exc.__cause__, _INTERNAL):
-                raise InternalCompileError(f"{backend}: internal error: "
-                                           f"{type(exc.__cause__).__name__}") from exc
-            raise
-        except ServerFault:  # an earlier request's compile this one joined failed so
-            _observe(backend, spec, "internal", started)
-            raise
-        except Exception as exc:
-            _observe(backend, spec, "internal", started)
-            raise InternalCompileError(
-                f"{backend}: internal error: {type(exc).__name__}: {exc}") from exc
-        _observe(backend, spec, "ok", started)
-        elapsed = (time.perf_counter() - started) * 1000
+            if self._closed or key in self._cache:
+                return False
+        grammar = make()
         with self._lock:
-            self.stats.compiles[backend] += 1
-            self.stats.compile_ms[backend] += elapsed
-        self._to_disk(spec, step, backend_grammar, elapsed)
-        return self._grammar(spec, step, reason, backend_grammar, elapsed)
-
-    def _from_disk(self, spec: GrammarSpec, step: Attempt, reason: str,
-                   deadline: float) -> Grammar | None:
-        """A grammar an earlier compile (any process) left on disk. Runs inside the flight
-        (joined requests share it) and within the request's deadline: a load never starts
-        past it, and the compile that follows a miss gets what is left."""
-        disk = self._disk
-        if disk is None or time.monotonic() >= deadline:
-            return None
-        started = time.perf_counter()
-        backend_grammar = disk.load_xgrammar(spec, self.vocab, lenient=step.lenient)
-        elapsed = (time.perf_counter() - started) * 1000
-        with self._lock:
-            if backend_grammar is None:
-                self.stats.disk_misses += 1
-            else:
-                self.stats.disk_hits += 1
-        metrics.CACHE_REQUESTS.labels(tier="disk",
-                                      result="miss" if backend_grammar is None else "hit").inc()
-        if backend_grammar is None:
-            return None
-        log.info("grammask: %s loaded from the disk cache in %.1f ms", spec.describe(),
-                 elapsed)
-        grammar = self._grammar(spec, step, reason, backend_grammar, elapsed)
-        return Grammar(grammar.spec, grammar.backend, grammar.reason, grammar.unenforced,
-                       grammar.compile_ms, grammar.backend_grammar, from_disk=True)
-
-    def _to_disk(self, spec: GrammarSpec, step: Attempt, backend_grammar: object,
-                 compile_ms: float) -> None:
-        """Queue a fresh xgrammar compile for the disk cache (written off the request path)."""
-        disk = self._disk
-        if disk is None or step.backend != "xgrammar" or self._closed:
-            return
-        if disk.store_xgrammar(spec, self.vocab, backend_grammar, lenient=step.lenient,
-                               compile_ms=compile_ms):
-            with self._lock:
-                self.stats.disk_writes += 1
-
-    def _grammar(self, spec: GrammarSpec, step: Attempt, reason: str,
-                 backend_grammar: BackendGrammar, elapsed: float) -> Grammar:
-        backend = step.backend
-        unenforced = list(step.unenforced)
-        if step.lenient and not unenforced:
-            # lenient mode was asked for a formality (unknown format) or as a rescue: report
-            # whatever llguidance says it ignored
-            unenforced += [f"llguidance: {w}" for w in getattr(backend_grammar, "warnings", [])
-                           if "format" not in w.lower()]
-        if unenforced:
-            metrics.UNENFORCED.labels(backend=backend).inc()
-            log.warning("grammask: %s served by %s without enforcing %s", spec.describe(),
-                        backend, ", ".join(unenforced))
-        log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend, reason,
-                 elapsed)
-        return Grammar(spec, backend, reason, tuple(unenforced), elapsed, backend_grammar)
-
-    def _late_result(self, spec: GrammarSpec, step: Attempt, reason: str, started: float,
-                     value: object, error: BaseException | None) -> None:
-        """An abandoned compile finished: cache it unless the request was served otherwise,
-        so the work is not lost and the spec is no longer treated as a runaway."""
-        backend = step.backend
-        elapsed = (time.perf_counter() - started) * 1000
-        if error is None:  # a runaway's result is what the disk cache is for
-            self._to_disk(spec, step, value, elapsed)
-        with self._lock:
-            self._slow.pop((spec.key, backend), None)
-            self.stats.abandoned = sum(r.abandoned for r in self._runners.values())
-            if error is not None or self._closed or spec.key in self._cache:
-                return
-            self.stats.late_results += 1
-            self.stats.compiles[backend] += 1
-            self.stats.compile_ms[backend] += elapsed
-        grammar = self._grammar(spec, step, reason, value, elapsed)  # type: ignore[arg-type]
-        with self._lock:
-            if not self._closed and spec.key not in self._cache:
-                self._insert(spec.key, grammar)
+            if self._closed or key in self._cache:
+                return False
+            self._insert(key, grammar)
         self._trim()
-
-
-def _failure_kind(error: GrammarError | ServerFault) -> Failure:
-    if isinstance(error, InternalCompileError):
-        return "internal"
-    return "timeout" if isinstance(error, CompileTimeoutError) else "refused"
-
-
-def _observe(backend: str, spec: GrammarSpec, outcome: str, started: float) -> None:
-    metrics.COMPILE_SECONDS.labels(backend=backend, kind=spec.kind, outcome=outcome).observe(
-        time.perf_counter() - started)
+        return True
 

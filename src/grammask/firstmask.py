@@ -12,6 +12,9 @@ is not compiled at its first mask, the whole batch waits. So the wait is bounded
   alone; its compile finishes in the background for the next request with that spec.
 - With tensor parallelism each rank shares its view (``Agreement``) and ``decide`` turns the
   gathered views into one outcome, identical on every rank.
+
+``FirstMasks`` runs it: it starts each row's compile (``pending``) and, on the fill thread,
+gives the rows that need a mask now their grammar (``attach_all``).
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
+from . import metrics
+from .agreement import Agreement
 from .compiler import Compiler, Grammar
+from .errors import GrammarError
 from .spec import GrammarSpec
 
 PENDING, READY, FAILED = 0, 1, 2
@@ -104,6 +110,17 @@ class PendingGrammar:
         assert future is not None
         return future
 
+    def failure(self) -> str:
+        """Why the row has no grammar, for its error message."""
+        for future in (self.primary, self.alternate):
+            if future is not None and future.done() and not future.cancelled():
+                exc = future.exception()
+                if isinstance(exc, GrammarError):
+                    return str(exc)
+                if exc is not None:
+                    return f"{type(exc).__name__}: {exc}"
+        return "failed on another tensor-parallel rank"
+
 
 class RowView(NamedTuple):
     """One rank's view of one row, as it travels between ranks (``VIEW`` ints)."""
@@ -112,6 +129,11 @@ class RowView(NamedTuple):
     hedged: int  # the other backend's compile was started
     primary: int  # state of the routed compile (PENDING / READY / FAILED)
     alternate: int  # state of the hedge
+
+
+def row_views(gathered: Sequence[Sequence[int]], row: int) -> list[RowView]:
+    """Every rank's view of the ``row``-th row of a gather (rows of ``VIEW`` ints each)."""
+    return [RowView(*view[row * VIEW:(row + 1) * VIEW]) for view in gathered]
 
 
 @dataclass(frozen=True)
@@ -154,3 +176,112 @@ def wait_for_change(pending: Sequence[PendingGrammar], until: float, *,
         wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
     elif timeout > 0:
         time.sleep(timeout)
+
+
+class Waiting(Protocol):
+    """A row as the first-mask loop sees it (``rows.Row``)."""
+
+    pending: PendingGrammar
+    need_since: float | None  # when its first mask was needed (set by ``attach_all``)
+
+    def fail(self, message: str, cause: str = ...) -> None: ...
+
+    def attach(self, grammar: Grammar) -> None: ...
+
+
+class FirstMasks:
+    """Rows' first masks: each row's compile, and the bounded, hedged, agreed wait for it.
+
+    ``wait_s``: the longest a step waits for a row's grammar at its first mask (the batch
+    stalls meanwhile); ``hedge_s``: when the other backend starts compiling a late spec;
+    ``agreement``: how tensor-parallel ranks agree on those timing outcomes."""
+
+    def __init__(self, compiler: Compiler, *, wait_s: float, hedge_s: float,
+                 agreement: Agreement) -> None:
+        self.compiler = compiler
+        self.wait_s = wait_s
+        self.hedge_s = hedge_s
+        self.agreement = agreement
+
+    def pending(self, spec: GrammarSpec,
+                grammar: Grammar | Future[Grammar] | None) -> PendingGrammar:
+        """The compiles that may serve a new row: ``grammar`` (compiled, or a future of one)
+        or the routed compile, started now; the hedge only when it is late."""
+        if isinstance(grammar, Grammar):
+            done: Future[Grammar] = Future()
+            done.set_result(grammar)
+            return PendingGrammar(done, None, hedge_s=self.hedge_s)
+        compiler = self.compiler
+        if isinstance(grammar, Future):
+            primary = grammar
+        else:
+            try:
+                primary = compiler.compile_async(spec)
+            except Exception as exc:  # a closed compiler or a bad spec: an errored row
+                primary = Future()
+                primary.set_exception(exc)
+
+        def hedge() -> Starter | None:
+            try:
+                other = hedge_spec(compiler, spec)
+            except Exception:  # routing refused the spec: its compile reports why
+                return None
+            return None if other is None else (lambda: compiler.compile_async(other))
+
+        return PendingGrammar(primary, hedge, hedge_s=self.hedge_s)
+
+    def attach_all(self, rows: Sequence[Waiting]) -> None:
+        """Give each row its grammar: wait (bounded by ``wait_s``, hedged), agreed by ranks.
+
+        Every rank calls it with the same rows (errors and gates follow the shared sampled
+        tokens), so every rank gathers the same number of times."""
+        wait_s = self.wait_s
+        now = time.monotonic()
+        for r in rows:
+            if r.need_since is None:
+                r.need_since = now
+        while rows:
+            now = time.monotonic()
+            views: list[int] = []
+            for r in rows:
+                r.pending.tick(now)
+                assert r.need_since is not None
+                views += r.pending.view(now >= r.need_since + wait_s)
+            try:
+                gathered = self.agreement.gather(views)
+            except Exception as exc:  # a lost peer: these rows cannot be agreed on
+                for r in rows:
+                    r.fail(f"ranks could not agree on the grammar: {exc}", cause="agreement")
+                return
+            waiting = []
+            for i, r in enumerate(rows):
+                ranks = row_views(gathered, i)
+                # a grammar ready on every rank needs no hedge: do not route its spec again
+                ready = all(v.primary == READY for v in ranks)
+                decision = decide(not ready and r.pending.can_hedge, ranks)
+                if decision.fail is not None or decision.use is not None:
+                    outcome = ("hedge" if decision.use == 1 else "ready"
+                               if decision.use == 0 else decision.fail or "failed")
+                    metrics.FIRST_MASK_WAIT.labels(outcome=outcome).observe(
+                        now - (r.need_since or now))
+                    if r.pending.hedged and decision.use is not None:
+                        metrics.HEDGES.labels(
+                            served_by="hedge" if decision.use else "routed").inc()
+                if decision.use is not None:
+                    r.attach(r.pending.attempt(decision.use).result())
+                elif decision.fail == "late":
+                    r.fail(f"grammar not compiled within wait_s={wait_s:g} s of its "
+                           "first mask (it goes on compiling for the cache)", cause="late")
+                elif decision.fail is not None:
+                    r.fail(f"grammar failed to compile: {r.pending.failure()}", cause="compile")
+                else:
+                    if decision.hedge:
+                        r.pending.start_hedge()
+                    waiting.append(r)
+            rows = waiting
+            if rows:
+                until = min(min(r.need_since or now for r in rows) + wait_s,
+                            min(r.pending.hedge_at if r.pending.can_hedge and
+                                not r.pending.hedged else float("inf") for r in rows))
+                wait_for_change([r.pending for r in rows], until,
+                                poll_s=None if self.agreement.world_size == 1 else 0.002)

@@ -1,25 +1,23 @@
 """Per-request backend choice, decided from the spec alone (never from timing).
 
 Tensor-parallel ranks must build identical masks, so the route is a pure function of the spec:
-the same request gives the same backend on every rank. The policy:
+the same request gives the same backend on every rank. The router names no backend: it reads
+the declarations in ``backends.registry`` (gaps, lenient mode, cost model). The policy:
 
 1. a forced backend (``spec.backend``) wins;
-2. JSON schemas: find the keywords each backend does not enforce (``GAPS`` below, measured on
-   xgrammar 0.2.8 / llguidance 1.7); take the backend that enforces everything. When both do,
-   xgrammar first -- unless its compile would stall the request. Measured on corpus schemas
-   with the Qwen2.5 vocabulary: xgrammar compiles schemas without free-form text (no plain
-   string, free key or untyped value) in 1-2 ms, but any free-form string costs ~25 ms and the
-   tail reaches seconds, while llguidance compiles in ~1.4 ms at p50. Open objects
-   (``extra_properties=True``, xgrammar's non-strict mode) cost xgrammar 864 ms p50 on 300
-   corpus schemas, 2-10 s for single schemas that take 20-60 ms closed. So free-form text and
-   open objects go to llguidance (``free_text_pointer`` decides; deterministic), the rest to
-   xgrammar. Reasons name the keyword and the backend, never a timing (timings are facts of
-   this machine and this release, kept here);
-3. when neither enforces everything: the one with fewer gaps (ties to llguidance), the gaps
-   listed in ``Route.unenforced``; in strict mode that is an ``UnsupportedError`` instead;
-4. other kinds: xgrammar for choice lists, structural tags and GBNF (its native syntax; the
-   llguidance conversion changes the language), llguidance for regexes and Lark (measured:
-   xgrammar's regex/Lark compiles are 5-80x slower).
+2. the spec's ``workload`` (a JSON schema with or without free-form text or open objects, a
+   regex, GBNF, ...) and, for JSON schemas, the keywords each backend does not enforce (its
+   ``gaps``, measured with bench/keyword_probe.py) decide: of the backends that enforce
+   everything, the cheapest for the workload by its declared ``Cost`` (``prefer`` first);
+   the runner-up is the fallback. Measured facts behind the costs (corpus schemas, Qwen2.5
+   vocabulary): xgrammar compiles schemas without free-form text (no plain string, free key
+   or untyped value) in 1-2 ms, but any free-form string costs ~25 ms and the tail reaches
+   seconds, while llguidance compiles in ~1.4 ms at p50; open objects (xgrammar's non-strict
+   mode) cost xgrammar 864 ms p50 on 300 corpus schemas; xgrammar's regex/Lark compiles are
+   5-80x slower. Reasons name the keyword and the backend, never a timing;
+3. when none enforces everything: the one that misses fewest (a backend with a lenient mode
+   first on a tie: it knows its gaps), the gaps listed in ``Route.unenforced``; in strict
+   mode that is an ``UnsupportedError`` instead.
 
 ``plan`` turns the decision into the ordered attempts a compile runs (fallbacks, lenient
 retries, budget shares, the hedge a batch processor may start) from the same single walk of
@@ -34,65 +32,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from .backends import registry
+from .backends.registry import BackendInfo, Workload
 from .errors import InvalidSchemaError, UnsupportedError
 from .normalize import ends_with_anchor, escape_key, structural_chars, subschemas
 from .spec import BackendName, GrammarSpec, canonical_json, check_keywords, resolve_pointer
-
-#: What xgrammar 0.2.8 ignores, gets wrong or refuses, keyword by keyword (measured with
-#: bench/keyword_probe.py; table in docs/keyword-probe.md).
-XGRAMMAR_GAPS: dict[str, str] = {
-    "uniqueItems": "ignored",
-    "contains": "wrong: accepts only []",
-    "dependentRequired": "ignored",
-    "dependentSchemas": "ignored",
-    "dependencies": "ignored",
-    "if/then/else": "ignored",
-    "not": "ignored",
-    "multipleOf (non-integer)": "ignored",
-    "allOf (several branches)": "ignored",
-    "oneOf": "treated as anyOf",
-    "$ref (remote)": "matches anything",
-    "$ref with siblings": "siblings ignored",
-    "$anchor / $dynamicRef": "matches anything",
-    "pattern with minLength/maxLength": "length ignored",
-    "patternProperties": "refuses keys that match when additionalProperties is absent",
-    "whitespace_pattern": "not supported",
-    "required (undeclared names)": "ignored for names not in properties",
-    "string minLength/maxLength": "admits raw control characters (invalid JSON)",
-    "format (untyped)": "ignored without type: string",
-    "pattern (inner anchors)": "^ and $ inside the pattern are ignored",
-    "pattern (lookaround)": "look-around and \\b are ignored",
-    "$ref to the root": "mask forbids tokens accept takes (`}}` after `{\"x\":{`)",
-}
-
-#: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
-GUIDANCE_GAPS: dict[str, str] = {
-    "uniqueItems": "refused",
-    "contains": "refused",
-    "propertyNames": "refused",
-    "dependentRequired": "refused",
-    "dependentSchemas": "refused",
-    "dependencies": "refused",
-    "if/then/else": "refused",
-    "not": "refused",
-    "unevaluatedProperties": "refused",
-    "unevaluatedItems": "refused",
-    "$ref (remote)": "refused",
-    "$anchor / $dynamicRef": "refused ($dynamicRef)",
-    "minProperties/maxProperties": "refused unless every property is required",
-    "format (llguidance unknown)": "refused as unknown (lenient mode ignores it)",
-    "pattern (lookaround)": "refused, even in lenient mode",
-    "oneOf (overlapping branches)": "refused; lenient mode treats it as anyOf (an instance "
-                                    "matching several branches passes)",
-}
-
-#: llguidance gaps lenient mode cannot serve: when both backends have gaps, xgrammar then
-#: serves (with its gaps listed) instead of a doomed llguidance attempt.
-GUIDANCE_HARD = frozenset({"pattern (lookaround)"})
-
-#: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
-#: (unknown formats are annotations in JSON Schema 2020-12).
-GUIDANCE_LENIENT_SAFE = frozenset({"format (unknown)", "format (neither backend)"})
 
 #: Formats both backends enforce (``date`` with the common gap below).
 _KNOWN_FORMATS = frozenset({
@@ -125,7 +69,8 @@ class Route:
     features: dict[str, str] = field(default_factory=dict, compare=False)
 
 
-Preference = Literal["auto", "xgrammar", "guidance"]
+#: "auto" or a registered backend's name (``Compiler(prefer=...)``)
+Preference = str
 
 
 Failure = Literal["refused", "timeout", "internal"]
@@ -178,34 +123,30 @@ def plan(spec: GrammarSpec, *, prefer: Preference = "auto",
          rank_invariant: bool = False) -> Plan:
     """The attempts that may serve ``spec``, best first, from one walk of the schema.
 
-    After the routed backend, for JSON schemas: the other backend when it enforces everything
-    too; llguidance in lenient mode (e.g. overlapping oneOf); the other backend with its gaps
-    listed (the ``hedge``). Other kinds: the route's fallback, else the other backend after an
-    internal error only. Strict specs never fall back to a backend with gaps; forced backends
-    never fall back.
+    After the routed backend, for JSON schemas: the runner-up when it enforces everything
+    too; the routed backend in lenient mode (e.g. llguidance with overlapping oneOf); the best
+    other backend with its gaps listed (the ``hedge``). Other kinds: the route's fallback.
+    Strict specs never fall back to a backend with gaps; forced backends never fall back.
 
     ``rank_invariant`` (tensor parallelism: every rank must end with the same grammar): no step
     depends on timing. The first attempt gets the whole budget and waits for its slot, and
     only a refusal or an internal error, which every rank sees alike, moves to the next."""
     features = _features(spec)
-    decision = _decide(spec, features, prefer)
-    hedge = _hedge(spec, features, decision)
+    work = workload(spec)
+    decision = _decide(spec, features, prefer, work)
+    hedge = _hedge(spec, features, decision, work)
     after = NOT_TIMING if rank_invariant else ALL_FAILURES
     rest: list[Attempt] = []
-    if spec.backend is None and spec.kind == "json_schema":
+    if spec.backend is None:
+        if decision.fallback is not None:
+            rest.append(Attempt(decision.fallback, after=after))
         if hedge is not None and decision.fallback == hedge.backend:
-            rest.append(replace(hedge, after=after))
-        if decision.backend == "guidance" and not decision.lenient:
-            rest.append(Attempt("guidance", lenient=True, unenforced=decision.unenforced,
+            rest[-1] = replace(hedge, after=after)
+        if registry.info(decision.backend).lenient and not decision.lenient and work[0] in _JSON:
+            rest.append(Attempt(decision.backend, lenient=True, unenforced=decision.unenforced,
                                 after=after))
         if hedge is not None and all(a.backend != hedge.backend for a in rest):
             rest.append(replace(hedge, after=after))
-    elif spec.backend is None:
-        if decision.fallback is not None:
-            rest.append(Attempt(decision.fallback, after=after))
-        else:
-            other: BackendName = "xgrammar" if decision.backend == "guidance" else "guidance"
-            rest.append(Attempt(other, after=frozenset({"internal"})))
     timed = bool(rest) and not rank_invariant
     first = Attempt(decision.backend, decision.lenient, decision.unenforced,
                     budget=FIRST_BUDGET if timed else 1.0,
@@ -213,37 +154,80 @@ def plan(spec: GrammarSpec, *, prefer: Preference = "auto",
     return Plan(decision, (first, *rest), hedge)
 
 
-def _hedge(spec: GrammarSpec, features: dict[str, str], decision: Route) -> Attempt | None:
-    """The other backend for a JSON schema, when it may serve it (not forced; not strict about
-    gaps it has). Only JSON schemas: their compile times differ by orders of magnitude
-    between the backends; grammars do not (llguidance's GBNF conversion refuses valid
-    texts)."""
-    if spec.kind != "json_schema" or spec.backend is not None:
+#: The JSON-schema workloads: the ones whose compile times differ by orders of magnitude
+#: between backends (what a hedge is for).
+_JSON = frozenset({"json_closed", "json_free_text", "json_open_objects"})
+
+
+def workload(spec: GrammarSpec) -> tuple[Workload, str | None]:
+    """What the spec asks of a backend, as the backends' cost models name it, with the
+    pointer of the free-form text that makes a schema ``json_free_text``."""
+    if spec.kind == "json_schema":
+        if spec.extra_properties:
+            return "json_open_objects", None
+        free = free_text_pointer(spec.schema)
+        return ("json_closed", None) if free is None else ("json_free_text", free)
+    if spec.kind == "grammar":
+        return ("gbnf" if spec.syntax == "ebnf" else "lark"), None
+    if spec.kind == "structural_tag":
+        legacy = "structures" in json.loads(spec.source)
+        return ("structural_tag_legacy" if legacy else "structural_tag"), None
+    return spec.kind, None
+
+
+def _label(work: tuple[Workload, str | None]) -> str:
+    name, pointer = work
+    return {"json_closed": "no free-form text",
+            "json_free_text": f"free-form text at {pointer}",
+            "json_open_objects": "open objects (extra_properties=True)",
+            "json_object": "json_object is free-form JSON",
+            "gbnf": "GBNF", "lark": "Lark", "choice": "a choice list",
+            "structural_tag": "structural tags",
+            "structural_tag_legacy": "legacy structural tags"}.get(name, name)
+
+
+def _hedge(spec: GrammarSpec, features: dict[str, str], decision: Route,
+           work: tuple[Workload, str | None]) -> Attempt | None:
+    """The best other backend for a JSON schema, when one may serve it (not forced; not
+    strict about gaps it has). Only JSON schemas: their compile times differ by orders of
+    magnitude between the backends; grammars do not (llguidance's GBNF conversion refuses
+    valid texts)."""
+    if work[0] not in _JSON or spec.backend is not None:
         return None
-    other: BackendName = "guidance" if decision.backend == "xgrammar" else "xgrammar"
-    gaps, lenient = _on_backend(other, features)
-    if spec.strict and _real_gaps(gaps):
+    others = [b for b in _serving(work[0]) if b.name != decision.backend
+              and not (spec.strict and _gaps(features, b))]
+    if not others:
         return None
-    return Attempt(other, lenient=lenient, unenforced=tuple(gaps))
+    best = min(others, key=lambda b: (len(_gaps(features, b)), b.costs[work[0]].rank))
+    gaps, lenient = _on_backend(best, features)
+    return Attempt(best.name, lenient=lenient, unenforced=gaps)
 
 
-def _on_backend(backend: BackendName, features: dict[str, str]) -> tuple[list[str], bool]:
-    """What ``backend`` leaves unenforced of these features, and whether llguidance needs its
-    lenient mode for them (a forced backend, or the other backend of a plan)."""
-    gaps = _gaps(features, XGRAMMAR_GAPS if backend == "xgrammar" else GUIDANCE_GAPS)
-    lenient = backend == "guidance" and (bool(gaps) or any(
-        n in GUIDANCE_LENIENT_SAFE for n in features))
-    return gaps + [f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS], lenient
+def _serving(work: Workload) -> list[BackendInfo]:
+    return [b for b in registry.backends() if work in b.costs]
 
 
-def _real_gaps(gaps: list[str]) -> bool:
-    """Gaps a backend has (strict mode refuses them), not the ones both share."""
-    return any(g in XGRAMMAR_GAPS or g in GUIDANCE_GAPS for g in gaps)
+def _gaps(features: dict[str, str], backend: BackendInfo) -> list[str]:
+    """The features ``backend`` does not enforce (the gaps every backend shares excluded)."""
+    return [name for name in features if name in backend.gaps]
+
+
+def _common(features: dict[str, str]) -> tuple[str, ...]:
+    return tuple(f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS)
+
+
+def _on_backend(backend: BackendInfo, features: dict[str, str]) -> tuple[tuple[str, ...], bool]:
+    """What ``backend`` leaves unenforced of these features, and whether it needs its lenient
+    mode for them (a forced backend, or the hedge of a plan)."""
+    gaps = _gaps(features, backend)
+    lenient = backend.lenient and (bool(gaps) or any(
+        n in backend.lenient_exact for n in features))
+    return (*gaps, *_common(features)), lenient
 
 
 def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
     """The routed backend for a spec, with its reason and gaps (the first step of ``plan``)."""
-    return _decide(spec, _features(spec), prefer)
+    return _decide(spec, _features(spec), prefer, workload(spec))
 
 
 def _features(spec: GrammarSpec) -> dict[str, str]:
@@ -271,89 +255,62 @@ def _features(spec: GrammarSpec) -> dict[str, str]:
     return features
 
 
-def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference) -> Route:
+def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference,
+            work: tuple[Workload, str | None]) -> Route:
+    """The cheapest backend that enforces every keyword (``prefer`` among those first);
+    when none does, the one that misses fewest (strict specs: refused)."""
     if spec.backend is not None:
         return _forced(spec, features)
-    if spec.kind != "json_schema":
-        return _route_other(spec, features)
-    common = tuple(f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS)
-    lenient_safe = any(n in GUIDANCE_LENIENT_SAFE for n in features)
-    xg_gaps = _gaps(features, XGRAMMAR_GAPS)
-    ll_gaps = _gaps(features, GUIDANCE_GAPS)
-    if not xg_gaps and not ll_gaps:
-        free = None if prefer == "xgrammar" else free_text_pointer(spec.schema)
-        open_objects = spec.extra_properties and prefer != "xgrammar"
-        if prefer != "guidance" and free is None and not open_objects:
-            why = ("xgrammar preferred by configuration" if prefer == "xgrammar" else
-                   "no free-form text, so xgrammar compiles fast and fills fastest")
-            return Route("xgrammar", f"both backends enforce every keyword; {why}",
-                         unenforced=common, fallback="guidance", features=features)
-        if open_objects:
-            why = ("open objects (extra_properties=True) put xgrammar in its non-strict mode, "
-                   "whose compile is slow; llguidance compiles them lazily")
-        elif free is None:
-            why = "llguidance preferred by configuration"
+    serving = _serving(work[0])
+    if not serving:
+        raise UnsupportedError(f"no registered backend serves {_label(work)}", where="kind")
+    gaps = {b.name: _gaps(features, b) for b in serving}
+    gapped = "; ".join(f"{b.title} does not enforce {_names(gaps[b.name])}"
+                       for b in serving if gaps[b.name])
+    full = [b for b in serving if not gaps[b.name]]
+    if full:
+        ranked = sorted(full, key=lambda b: (b.name != prefer, b.costs[work[0]].rank))
+        chosen, runner_up = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        if chosen.name == prefer:
+            why = f"{chosen.title} preferred by configuration"
         else:
-            why = (f"free-form text at {free} makes xgrammar precompute string masks at "
-                   "compile time; llguidance computes masks lazily")
-        return Route("guidance", f"both backends enforce every keyword; {why}",
-                     unenforced=common, lenient=lenient_safe, fallback="xgrammar",
-                     features=features)
-    if not ll_gaps:
-        return Route("guidance", f"xgrammar does not enforce {_names(xg_gaps)}; llguidance "
-                     "does", unenforced=common, lenient=lenient_safe, features=features)
-    if not xg_gaps:
-        return Route("xgrammar", f"llguidance refuses {_names(ll_gaps)}; xgrammar enforces it",
-                     unenforced=common, features=features)
+            why = f"{_label(work)}: {chosen.title} {chosen.costs[work[0]].why}"
+            if runner_up is not None:
+                why += f"; {runner_up.title} {runner_up.costs[work[0]].why}"
+        if gapped:
+            why = f"{gapped}; {chosen.title} does; {why}"
+        elif spec.kind == "json_schema":
+            everyone = "both backends" if len(serving) == 2 else "every backend"
+            why = f"{everyone} enforce every keyword; {why}"
+        return Route(chosen.name, why, unenforced=_common(features),
+                     lenient=chosen.lenient and any(n in chosen.lenient_exact for n in features),
+                     fallback=None if runner_up is None else runner_up.name, features=features)
     if spec.strict:
-        raise UnsupportedError(
-            f"no backend enforces every keyword (xgrammar lacks {_names(xg_gaps)}; "
-            f"llguidance lacks {_names(ll_gaps)})",
-            where=_first_pointer(features, sorted(set(xg_gaps) | set(ll_gaps))))
-    if len(xg_gaps) < len(ll_gaps) or any(g in GUIDANCE_HARD for g in ll_gaps):
-        return Route("xgrammar", f"neither backend enforces everything; xgrammar misses fewer "
-                     f"({_names(xg_gaps)})", unenforced=(*xg_gaps, *common), features=features)
-    return Route("guidance", f"neither backend enforces everything; llguidance (lenient) misses "
-                 f"{_names(ll_gaps)}", unenforced=(*ll_gaps, *common), lenient=True,
+        lacks = "; ".join(f"{b.title} lacks {_names(gaps[b.name])}" for b in serving)
+        raise UnsupportedError(f"no backend enforces every keyword ({lacks})",
+                               where=_first_pointer(features, sorted(set().union(*gaps.values()))))
+    # a lenient mode that cannot serve a gap would only refuse: such a backend goes last, and
+    # on a tie the backend that knows its gaps (lenient mode) goes before one that ignores them
+    chosen = min(serving, key=lambda b: (
+        b.lenient and any(g in b.lenient_cannot for g in gaps[b.name]),
+        len(gaps[b.name]), not b.lenient))
+    mode = " (lenient)" if chosen.lenient else ""
+    return Route(chosen.name, f"no backend enforces everything; {chosen.title}{mode} misses "
+                 f"fewest ({_names(gaps[chosen.name])})",
+                 unenforced=(*gaps[chosen.name], *_common(features)), lenient=chosen.lenient,
                  features=features)
 
 
 def _forced(spec: GrammarSpec, features: dict[str, str]) -> Route:
-    backend = spec.backend
-    assert backend is not None
+    assert spec.backend is not None
+    backend = registry.info(spec.backend)
     gaps, lenient = _on_backend(backend, features)
-    if spec.strict and _real_gaps(gaps):
-        raise UnsupportedError(f"{backend} does not enforce {_names(gaps)}",
-                               where=_first_pointer(features, gaps))
-    return Route(backend, "backend forced by the request", unenforced=tuple(gaps),
+    real = _gaps(features, backend)
+    if spec.strict and real:
+        raise UnsupportedError(f"{backend.title} does not enforce {_names(real)}",
+                               where=_first_pointer(features, real))
+    return Route(backend.name, "backend forced by the request", unenforced=gaps,
                  lenient=lenient, features=features)
-
-
-def _route_other(spec: GrammarSpec, features: dict[str, str]) -> Route:
-    if spec.kind == "json_object":
-        if spec.whitespace_pattern is not None:
-            return Route("guidance", "whitespace_pattern needs llguidance", features=features)
-        return Route("guidance", "json_object is free-form JSON: xgrammar precomputes its string "
-                     "masks at compile time, llguidance computes masks lazily",
-                     fallback="xgrammar", features=features)
-    if spec.kind == "grammar" and spec.syntax == "ebnf":
-        return Route("xgrammar", "GBNF is native to xgrammar; llguidance's GBNF-to-Lark "
-                     "conversion folds trailing whitespace into terminals and refuses some "
-                     "valid texts",
-                     fallback="guidance", features=features)
-    if spec.kind == "grammar":
-        return Route("guidance", "Lark is native to llguidance (xgrammar compiles it eagerly)",
-                     fallback="xgrammar", features=features)
-    if spec.kind == "structural_tag":
-        legacy = "structures" in json.loads(spec.source)
-        return Route("xgrammar", "structural tags are native to xgrammar",
-                     fallback="guidance" if legacy else None, features=features)
-    if spec.kind == "regex":
-        return Route("guidance", "regex: llguidance compiles it lazily; xgrammar's compile "
-                     "grows with the pattern",
-                     fallback="xgrammar", features=features)
-    return Route("xgrammar", "choice: a finite set, xgrammar compiles it eagerly and fills "
-                 "fastest", fallback="guidance", features=features)
 
 
 def free_text_pointer(schema: Any) -> str | None:
@@ -469,10 +426,6 @@ def _disjoint(a: Any, b: Any) -> bool:
                 and any(k not in declared for k in other_required)):
             return True
     return False
-
-
-def _gaps(features: dict[str, str], table: dict[str, str]) -> list[str]:
-    return [name for name in features if name in table]
 
 
 def _names(names: list[str]) -> str:

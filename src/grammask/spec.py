@@ -23,12 +23,12 @@ from .catalog import load as load_library_grammar
 from .errors import GrammarError, InvalidGrammarError, InvalidSchemaError, InvalidSpecError
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
-BackendName = Literal["xgrammar", "guidance"]
+#: a registered backend's name (``backends.registry``)
+BackendName = str
 
 KINDS: tuple[Kind, ...] = (
     "json_schema", "json_object", "regex", "choice", "grammar", "structural_tag",
 )
-BACKEND_NAMES: tuple[BackendName, ...] = ("xgrammar", "guidance")
 
 #: Inputs above this many bytes are refused before any backend sees them (configurable per call).
 MAX_SOURCE_BYTES = 4 * 1024 * 1024
@@ -369,27 +369,14 @@ def _check_opt_str(value: object, what: str) -> str | None:
     return value
 
 
-#: other names users give the backends (the one place aliases are resolved)
-BACKEND_ALIASES: dict[str, BackendName] = {"llguidance": "guidance"}
-
-
-def canonical_backend(value: object) -> object:
-    """``value`` with an alias resolved (``llguidance`` -> ``guidance``); other values as
-    given, for the caller to validate."""
-    return BACKEND_ALIASES.get(value, value) if isinstance(value, str) else value
-
-
 def backend_name(value: object) -> BackendName | None:
-    """A backend name as given by a user (``auto``/None, an alias, a name): the canonical
-    name, None for auto routing; ``InvalidSpecError`` for anything else."""
-    value = canonical_backend(value)
-    if value in (None, "auto"):
+    """A backend as given by a user (``auto``/None, an alias, a name): the registered name,
+    None for auto routing; ``InvalidSpecError`` naming the registered ones otherwise."""
+    if value is None or value == "auto":
         return None
-    if value not in BACKEND_NAMES:
-        raise InvalidSpecError(
-            f"backend must be auto, xgrammar or guidance, got {value!r}", where="backend"
-        )
-    return value
+    # importing the registry loads the backends package, which registers the built-ins
+    from .backends.registry import resolve
+    return resolve(value)
 
 
 def _parse_schema(schema: object, max_bytes: int) -> Any:

@@ -1,25 +1,22 @@
-"""Backend adapters (xgrammar, llguidance) behind one protocol (see ``base``)."""
+"""Backend adapters behind one protocol (``base``), each declared in ``registry``.
+
+Importing this package registers the built-in backends; a third one registers itself the same
+way (``registry.register``).
+"""
 
 from __future__ import annotations
 
-from functools import cache
-
-from ..spec import BackendName
+from . import guidance, xgrammar
 from .base import Backend, BackendGrammar, BackendMatcher, Matcher
-from .guidance import GuidanceBackend
-from .xgrammar import XGrammarBackend
+from .registry import BackendInfo, Cost, Workload, adapter, backends, info, register
 
-__all__ = ["Backend", "BackendGrammar", "BackendMatcher", "Matcher", "get_backend"]
-
-
-_BACKENDS: dict[str, type[Backend]] = {"xgrammar": XGrammarBackend, "guidance": GuidanceBackend}
+__all__ = ["Backend", "BackendGrammar", "BackendInfo", "BackendMatcher", "Cost", "Matcher",
+           "Workload", "backends", "get_backend", "info", "register"]
+assert xgrammar and guidance  # imported for their registration
 
 
-@cache
-def get_backend(name: BackendName) -> Backend:
-    """The adapter of a canonical backend name; an unknown name is an error naming the known
-    ones (never silently another backend)."""
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(_BACKENDS)}") from None
+def get_backend(name: str) -> Backend:
+    """The adapter of a registered backend (by name or alias), built once; an unknown name
+    is an ``InvalidSpecError`` naming the registered ones."""
+    backend: Backend = adapter(name)
+    return backend

@@ -84,6 +84,10 @@ class BackendGrammar(Protocol):
 class Backend(Protocol):
     name: BackendName
 
+    def prepare(self, vocab: Vocabulary) -> None:
+        """Build this backend's view of the vocabulary (cached on it; seconds, once), so that
+        no request's deadline pays for it."""
+
     def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool) -> BackendGrammar:
         """Compile for one vocabulary; raises a ``GrammarError`` subclass on bad input, and
         ``UnsupportedError`` when the grammar's language is empty.

@@ -29,6 +29,7 @@ from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
+from .registry import BackendInfo, Cost, register
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
@@ -197,6 +198,9 @@ class GuidanceCompiled:
 class GuidanceBackend:
     name: BackendName = "guidance"
 
+    def prepare(self, vocab: Vocabulary) -> None:
+        _ = vocab.llguidance_tokenizer
+
     def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False
                 ) -> GuidanceCompiled:
         grammar = grammar_text(spec, lenient=lenient)
@@ -325,3 +329,53 @@ def _translate(spec: GrammarSpec, message: str) -> GrammarError:
     if spec.kind == "regex":
         return InvalidRegexError(text, where=where)
     return InvalidGrammarError(text, where=where)
+
+
+#: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
+GAPS: dict[str, str] = {
+    "uniqueItems": "refused",
+    "contains": "refused",
+    "propertyNames": "refused",
+    "dependentRequired": "refused",
+    "dependentSchemas": "refused",
+    "dependencies": "refused",
+    "if/then/else": "refused",
+    "not": "refused",
+    "unevaluatedProperties": "refused",
+    "unevaluatedItems": "refused",
+    "$ref (remote)": "refused",
+    "$anchor / $dynamicRef": "refused ($dynamicRef)",
+    "minProperties/maxProperties": "refused unless every property is required",
+    "format (llguidance unknown)": "refused as unknown (lenient mode ignores it)",
+    "pattern (lookaround)": "refused, even in lenient mode",
+    "oneOf (overlapping branches)": "refused; lenient mode treats it as anyOf (an instance "
+                                    "matching several branches passes)",
+}
+
+#: llguidance gaps lenient mode cannot serve: when both backends have gaps, xgrammar then
+#: serves (with its gaps listed) instead of a doomed llguidance attempt.
+LENIENT_CANNOT = frozenset({"pattern (lookaround)"})
+
+#: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
+#: (unknown formats are annotations in JSON Schema 2020-12).
+LENIENT_EXACT = frozenset({"format (unknown)", "format (neither backend)"})
+
+
+register(BackendInfo(
+    name="guidance", priority=1, label="llguidance", aliases=("llguidance",),
+    adapter=GuidanceBackend, gaps=GAPS, lenient=True, lenient_exact=LENIENT_EXACT,
+    lenient_cannot=LENIENT_CANNOT, batch_fill=True,
+    footprint=(2.3, 0),  # llguidance reports no size: grammask's own estimate
+    costs={
+        "json_closed": Cost(2, "computes each step's mask lazily, at fill time"),
+        "json_free_text": Cost(1, "computes masks lazily"),
+        "json_open_objects": Cost(1, "compiles open objects lazily"),
+        "json_object": Cost(1, "computes masks lazily"),
+        "regex": Cost(1, "compiles regexes lazily"),
+        "lark": Cost(1, "parses Lark natively"),
+        "gbnf": Cost(3, "converts GBNF to Lark, which folds trailing whitespace into "
+                        "terminals and refuses some valid texts"),
+        "choice": Cost(2, "compiles a finite set lazily"),
+        "structural_tag_legacy": Cost(2, "converts the legacy form to its own structural "
+                                         "tags"),
+    }))

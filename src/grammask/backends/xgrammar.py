@@ -18,6 +18,7 @@ from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
+from .registry import BackendInfo, Cost, register
 
 _COMPACT = (",", ":")
 _THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large grammars
@@ -113,6 +114,9 @@ class XGrammarCompiled:
 
 class XGrammarBackend:
     name: BackendName = "xgrammar"
+
+    def prepare(self, vocab: Vocabulary) -> None:
+        _ = vocab.xgrammar_info
 
     def __init__(self) -> None:
         self._compilers: dict[str, xgr.GrammarCompiler] = {}
@@ -246,3 +250,53 @@ def _translate(spec: GrammarSpec, exc: Exception) -> GrammarError:
 
 
 _LINE = re.compile(r"(line \d+(?:,? ?(?:col(?:umn)?)? ?\d+)?)", re.IGNORECASE)
+
+
+#: What xgrammar 0.2.8 ignores, gets wrong or refuses, keyword by keyword (measured with
+#: bench/keyword_probe.py; table in docs/keyword-probe.md).
+GAPS: dict[str, str] = {
+    "uniqueItems": "ignored",
+    "contains": "wrong: accepts only []",
+    "dependentRequired": "ignored",
+    "dependentSchemas": "ignored",
+    "dependencies": "ignored",
+    "if/then/else": "ignored",
+    "not": "ignored",
+    "multipleOf (non-integer)": "ignored",
+    "allOf (several branches)": "ignored",
+    "oneOf": "treated as anyOf",
+    "$ref (remote)": "matches anything",
+    "$ref with siblings": "siblings ignored",
+    "$anchor / $dynamicRef": "matches anything",
+    "pattern with minLength/maxLength": "length ignored",
+    "patternProperties": "refuses keys that match when additionalProperties is absent",
+    "whitespace_pattern": "not supported",
+    "required (undeclared names)": "ignored for names not in properties",
+    "string minLength/maxLength": "admits raw control characters (invalid JSON)",
+    "format (untyped)": "ignored without type: string",
+    "pattern (inner anchors)": "^ and $ inside the pattern are ignored",
+    "pattern (lookaround)": "look-around and \\b are ignored",
+    "$ref to the root": "mask forbids tokens accept takes (`}}` after `{\"x\":{`)",
+}
+
+
+register(BackendInfo(
+    name="xgrammar", priority=0, adapter=XGrammarBackend, gaps=GAPS, batch_fill=True,
+    disk=True,
+    # measured RSS per cached grammar: memory_size_bytes misses allocator overhead and the
+    # matcher-side structures (bench/stress.py --calibrate; corpus schemas, Qwen2.5, glibc)
+    footprint=(0.57, 180 * 1024),
+    costs={
+        "json_closed": Cost(1, "compiles a schema without free-form text fast and fills "
+                               "fastest"),
+        "json_free_text": Cost(3, "precomputes string masks at compile time"),
+        "json_open_objects": Cost(4, "compiles open objects in its non-strict mode, which is "
+                                     "slow"),
+        "json_object": Cost(3, "precomputes the masks of free-form strings at compile time"),
+        "regex": Cost(3, "compiles regexes eagerly: the compile grows with the pattern"),
+        "lark": Cost(3, "compiles Lark eagerly"),
+        "gbnf": Cost(1, "parses GBNF natively"),
+        "choice": Cost(1, "compiles a finite set eagerly and fills fastest"),
+        "structural_tag": Cost(1, "has structural tags natively"),
+        "structural_tag_legacy": Cost(1, "has structural tags natively"),
+    }))

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends import get_backend, registry
 from ..compiler import Compiler, Grammar
 from ..errors import CompileFailure, CompileTimeoutError, GrammarError
 from ..spec import BackendName, GrammarSpec
@@ -50,7 +51,6 @@ from .oracles import (
 )
 from .walk import AuditReport, MaskReader, PrefixOracle, TokenTable, feed, random_walk, token_table
 
-BACKEND_LABELS: tuple[str, ...] = ("xgrammar", "guidance", "auto")
 MAX_ROW_EXAMPLES = 5
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -151,7 +151,7 @@ def seed_for(cfg: CheckConfig, *parts: object) -> np.random.Generator:
 
 
 def spec_for(item: Item, backend: str, cfg: CheckConfig) -> GrammarSpec:
-    forced: BackendName | None = None if backend == "auto" else backend  # type: ignore[assignment]
+    forced: BackendName | None = None if backend == "auto" else backend
     if item.kind == "json_schema":
         return GrammarSpec.json_schema(item.source, any_whitespace=cfg.any_whitespace,
                                        extra_properties=cfg.extra_properties, backend=forced)
@@ -188,7 +188,8 @@ class Checker:
     def __init__(self, cfg: CheckConfig, vocab: Vocabulary | None = None) -> None:
         self.cfg = cfg
         self.vocab = vocab if vocab is not None else load_vocabulary(cfg.tokenizer)
-        _ = self.vocab.xgrammar_info, self.vocab.llguidance_tokenizer
+        for name in registry.names():
+            get_backend(name).prepare(self.vocab)
         self.compiler = Compiler(self.vocab, timeout_s=cfg.timeout_s, max_workers=1,
                              negative_ttl_s=0.0)
         self.table: TokenTable = token_table(self.vocab)
@@ -236,10 +237,10 @@ class Checker:
                 if grammar is not None and label != "auto":
                     compiled[label] = grammar
                 emit("row", asdict(row))
-            if diff and self.cfg.diff and {"xgrammar", "guidance"} <= compiled.keys():
+            pair = [compiled[b] for b in registry.names() if b in compiled][:2]
+            if diff and self.cfg.diff and len(pair) == 2:  # the first two registered
                 emit("start", {"backend": "diff"})
-                emit("diff", self.differential(item, compiled["xgrammar"],
-                                               compiled["guidance"], oracle))
+                emit("diff", self.differential(item, pair[0], pair[1], oracle))
         finally:
             self.compiler.clear()
 
@@ -406,11 +407,13 @@ class Checker:
                             detail=verdict.detail,
                             output=walk.data[:300].decode("utf-8", "backslashreplace"))
 
-    def differential(self, item: Item, xg: Grammar, ll: Grammar, oracle: ItemOracle
+    def differential(self, item: Item, one: Grammar, other: Grammar, oracle: ItemOracle
                      ) -> dict[str, Any]:
+        """Two backends' masks along walks led by each in turn."""
         cfg = self.cfg
         report = DiffReport()
-        pairs = ((ll, xg, ("guidance", "xgrammar")), (xg, ll, ("xgrammar", "guidance")))
+        pairs = ((other, one, (other.backend, one.backend)),
+                 (one, other, (one.backend, other.backend)))
         for n, (lead, follow, names) in enumerate(pairs):
             rng = seed_for(cfg, item.id, "diff", n)
             free, _ = _walk_plan(rng, cfg)

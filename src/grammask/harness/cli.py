@@ -1,7 +1,7 @@
 """``grammask check``: prove the masks right on a corpus, or on one spec and its instances.
 
     grammask check --corpus PATH [--subset NAME ...] [--sample N] [--seed S]
-                   [--backend auto|xgrammar|guidance|all] [--tokenizer T] [--timeout SEC]
+                   [--backend auto|BACKEND|all] [--tokenizer T] [--timeout SEC]
                    [--json OUT]
     grammask check SPEC --instances FILE.jsonl [--kind json|regex|choice|grammar] ...
 
@@ -25,11 +25,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..spec import canonical_backend
+from ..backends import registry
 from . import extras
-from .check import BACKEND_LABELS, CheckConfig, Checker
+from .check import CheckConfig, Checker
 from .corpus import GROUPS, Item, ItemKind, load_items, read_instances
-from .report import build_report, markdown, render
+from .report import build_report, labels, markdown, render
 from .runner import Pool, Results, run_serial
 
 _KINDS: dict[str, ItemKind] = {"json": "json_schema", "regex": "regex", "choice": "choice",
@@ -49,9 +49,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--whole", action="append", metavar="NAME", default=[],
                    help="a subset exempt from --sample (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="all", choices=["auto", "xgrammar", "guidance", "all"],
-                   type=lambda v: str(canonical_backend(v.strip().lower())),
-                   help="one backend (guidance: alias llguidance), auto routing, or all three")
+    p.add_argument("--backend", default="all", choices=[*labels(), "all"],
+                   type=lambda v: registry.canonical(v.strip().lower()) or v.strip().lower(),
+                   help="one registered backend (an alias works too), auto routing, or all")
     p.add_argument("--tokenizer", default="qwen2.5")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="compile budget per spec and backend (Compiler timeout_s)")
@@ -130,7 +130,7 @@ def main(argv: Sequence[str]) -> int:
     if missing:  # the oracles' packages: a plain install has them only with grammask[check]
         print(extras.message(missing), file=sys.stderr)
         return 2
-    backends = BACKEND_LABELS if ns.backend == "all" else (ns.backend,)
+    backends = labels() if ns.backend == "all" else (ns.backend,)
     started = time.time()
     if ns.corpus is not None:
         try:

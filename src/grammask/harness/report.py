@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from ..backends import registry
 from ..router import schema_features
 from .corpus import Item
 
@@ -62,7 +63,7 @@ def by_backend(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         groups[row["backend"]].append(row)
-    return {b: summarize(groups[b]) for b in ("xgrammar", "guidance", "auto") if b in groups}
+    return {b: summarize(groups[b]) for b in labels() if b in groups}
 
 
 def by_subset(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -111,45 +112,47 @@ def targets(rows: list[dict[str, Any]], items: dict[str, Item]) -> dict[str, Any
     per_item: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
     for row in rows:
         per_item[(row["subset"], row["id"])][row["backend"]] = row
-    full = {k: v for k, v in per_item.items() if {"xgrammar", "guidance", "auto"} <= v.keys()}
+    named = registry.names()
+    full = {k: v for k, v in per_item.items() if set(labels()) <= v.keys()}
     union = auto_compiled = 0
     totals = Counter[str]()
     misses: dict[str, list[dict[str, Any]]] = {"compiled": [], "valid": [], "under": []}
     for (subset, item_id), r in full.items():
-        xg, ll, au = r["xgrammar"], r["guidance"], r["auto"]
+        au = r["auto"]
         ok = {b: r[b]["status"] == "ok" for b in r}
-        if ok["xgrammar"] or ok["guidance"]:
+        if any(ok[b] for b in named):
             union += 1
             if not ok["auto"]:
                 misses["compiled"].append(_miss(subset, item_id, r, items))
         auto_compiled += ok["auto"]
-        for b in ("xgrammar", "guidance", "auto"):
+        for b in labels():
             totals[f"valid_{b}"] += r[b]["valid_accepted"]
             totals[f"under_{b}"] += r[b]["under"]
-        totals["valid_bound"] += max(xg["valid_accepted"], ll["valid_accepted"])
-        if au["valid_accepted"] < max(xg["valid_accepted"], ll["valid_accepted"]):
+        bound = max(r[b]["valid_accepted"] for b in named)
+        totals["valid_bound"] += bound
+        if au["valid_accepted"] < bound:
             misses["valid"].append(_miss(subset, item_id, r, items))
-        compiled_unders = [r[b]["under"] for b in ("xgrammar", "guidance") if ok[b]]
+        compiled_unders = [r[b]["under"] for b in named if ok[b]]
         if ok["auto"] and compiled_unders:
             totals["under_bound"] += min(compiled_unders)
             totals["under_auto_bounded"] += au["under"]
             if au["under"] > min(compiled_unders):
                 misses["under"].append(_miss(subset, item_id, r, items))
-    best_valid = max(totals["valid_xgrammar"], totals["valid_guidance"])
-    best_under = min(totals["under_xgrammar"], totals["under_guidance"])
+    best_valid = max(totals[f"valid_{b}"] for b in named)
+    best_under = min(totals[f"under_{b}"] for b in named)
     common = _common(full)
     return {
         "items": len(full),
         "compiled": {"auto": auto_compiled, "union": union,
                      "met": auto_compiled >= union and not misses["compiled"],
                      "missing": misses["compiled"]},
-        "valid_accepted": {"auto": totals["valid_auto"], "xgrammar": totals["valid_xgrammar"],
-                           "guidance": totals["valid_guidance"], "best": best_valid,
+        "valid_accepted": {"auto": totals["valid_auto"],
+                           **{b: totals[f"valid_{b}"] for b in named}, "best": best_valid,
                            "met": totals["valid_auto"] >= best_valid,
                            "per_item_bound": totals["valid_bound"],
                            "items_below_best": misses["valid"]},
-        "invalid_accepted": {"auto": totals["under_auto"], "xgrammar": totals["under_xgrammar"],
-                             "guidance": totals["under_guidance"], "best": best_under,
+        "invalid_accepted": {"auto": totals["under_auto"],
+                             **{b: totals[f"under_{b}"] for b in named}, "best": best_under,
                              "met": totals["under_auto"] <= best_under,
                              "per_item_bound": totals["under_bound"],
                              "auto_where_bounded": totals["under_auto_bounded"],
@@ -164,7 +167,7 @@ def _common(full: dict[tuple[str, str], dict[str, dict[str, Any]]]) -> dict[str,
     raw totals also count coverage (a schema not compiled accepts no invalid instance)."""
     rows = [r for r in full.values() if all(r[b]["status"] == "ok" for b in r)]
     out: dict[str, Any] = {"items": len(rows)}
-    for b in ("xgrammar", "guidance", "auto"):
+    for b in labels():
         out[b] = {k: sum(r[b][k] for r in rows) for k in
                   ("valid_total", "valid_accepted", "invalid_total", "under", "under_known",
                    "samples_total", "samples_valid", "samples_invalid")}
@@ -180,7 +183,7 @@ def _miss(subset: str, item_id: str, r: dict[str, dict[str, Any]], items: dict[s
             "auto_served_by": r["auto"].get("served_by") or r["auto"]["status"],
             "auto_reason": r["auto"].get("reason", "")[:200],
             "auto_error": r["auto"].get("error", "")[:200],
-            **{f"{b}_{k}": r[b][k] for b in ("xgrammar", "guidance", "auto")
+            **{f"{b}_{k}": r[b][k] for b in labels()
                for k in ("status", "valid_accepted", "under")}}
 
 
@@ -264,6 +267,17 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def labels() -> tuple[str, ...]:
+    """The rows of one item: each registered backend, forced, and auto routing."""
+    return (*registry.names(), "auto")
+
+
+def _each(values: dict[str, Any], key: str | None = None, first: str | None = None) -> str:
+    """``name value`` for each registered backend (``first`` before them)."""
+    names = ((first,) if first else ()) + registry.names()
+    return ", ".join(f"{b} {values[b] if key is None else values[b][key]}" for b in names)
+
+
 def render(report: dict[str, Any]) -> str:
     """The human summary printed at the end of a run."""
     parts = [table(report["subsets"], report["summary"])]
@@ -274,21 +288,19 @@ def render(report: dict[str, Any]) -> str:
             f"\nauto targets over {t['items']} items:\n"
             f"  compiled          auto {c['auto']} vs union {c['union']}: "
             f"{'met' if c['met'] else 'MISSED'} ({len(c['missing'])} items missing)\n"
-            f"  valid accepted    auto {v['auto']} vs best {v['best']} (xgrammar "
-            f"{v['xgrammar']}, guidance {v['guidance']}): {'met' if v['met'] else 'MISSED'}"
+            f"  valid accepted    auto {v['auto']} vs best {v['best']} ({_each(v)}): "
+            f"{'met' if v['met'] else 'MISSED'}"
             f" ({len(v['items_below_best'])} items below the better backend)\n"
-            f"  invalid accepted  auto {u['auto']} vs best {u['best']} (xgrammar "
-            f"{u['xgrammar']}, guidance {u['guidance']}): {'met' if u['met'] else 'MISSED'}"
+            f"  invalid accepted  auto {u['auto']} vs best {u['best']} ({_each(u)}): "
+            f"{'met' if u['met'] else 'MISSED'}"
             f" ({len(u['items_above_best'])} items above the better backend)")
         cm = t["common"]
         if cm["items"]:
             parts.append(
-                f"  on the {cm['items']} items all three compiled: valid accepted auto "
-                f"{cm['auto']['valid_accepted']}, xgrammar {cm['xgrammar']['valid_accepted']}, "
-                f"guidance {cm['guidance']['valid_accepted']} (of {cm['auto']['valid_total']});"
-                f" invalid accepted auto {cm['auto']['under']}, xgrammar "
-                f"{cm['xgrammar']['under']}, guidance {cm['guidance']['under']} "
-                f"(of {cm['auto']['invalid_total']})\n"
+                f"  on the {cm['items']} items every row compiled: valid accepted "
+                f"{_each(cm, 'valid_accepted', first='auto')} (of "
+                f"{cm['auto']['valid_total']}); invalid accepted "
+                f"{_each(cm, 'under', first='auto')} (of {cm['auto']['invalid_total']})\n"
                 f"  per-item bound (the better backend on each item): valid "
                 f"{v['per_item_bound']} vs auto {v['auto']}; invalid accepted "
                 f"{u['per_item_bound']} vs auto {u['auto_where_bounded']}")

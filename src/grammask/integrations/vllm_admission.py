@@ -62,7 +62,7 @@ def request_of(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None
 def _checker(backend: str, prefer: str) -> Compiler:
     """A compiler over a one-token vocabulary: ``check`` needs routing and syntax only."""
     vocab = Vocabulary([b"\x00"], special_ids=[0], stop_ids=[0], name="validation")
-    return Compiler(vocab, backend=backend, prefer=prefer,  # type: ignore[arg-type]
+    return Compiler(vocab, backend=backend, prefer=prefer,
                   max_workers=1)
 
 

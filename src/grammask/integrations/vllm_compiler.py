@@ -80,7 +80,7 @@ def shared_compiler(vllm_config: Any, settings: Settings) -> Compiler:
         compiler = _COMPILERS.get(key)
         if compiler is None:
             vocab = vocabulary_from_vllm(mc)
-            compiler = Compiler(vocab, backend=settings.backend, prefer=settings.prefer,  # type: ignore[arg-type]
+            compiler = Compiler(vocab, backend=settings.backend, prefer=settings.prefer,
                             max_workers=settings.compile_threads,
                             cache_bytes=settings.cache_mb * 1024 * 1024,
                             timeout_s=settings.compile_timeout_s,

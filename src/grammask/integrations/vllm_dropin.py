@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends import registry
 from ..errors import GrammarError
 from ..request import EXTRA_ARGS_KEY
 from .vllm_compat import _speculative_on_v1
@@ -38,8 +39,6 @@ from .vllm_settings import Settings
 log = logging.getLogger("grammask")
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-#: vLLM's server-wide backend names that map onto grammask's own.
-BACKENDS = {"auto": None, "xgrammar": "xgrammar", "guidance": "guidance"}
 #: Marks a request that came in through vLLM's structured outputs (metrics, thinking rule).
 SOURCE_KEY = "grammask_source"
 #: Per request (``vllm_xargs``): leave this request's structured outputs to vLLM's engine.
@@ -74,10 +73,12 @@ def status(vllm_config: Any, settings: Settings) -> DropIn:
                              "logits processors; vLLM's engine serves structured outputs")
     so = getattr(vllm_config, "structured_outputs_config", None)
     name = str(getattr(so, "backend", "auto") or "auto")
-    if name not in BACKENDS:
+    named = None if name == "auto" else registry.canonical(name)
+    if name != "auto" and named is None:
         return DropIn(False, f"--structured-outputs-config backend={name} is not one of "
-                             f"grammask's ({', '.join(BACKENDS)}); vLLM's engine serves it")
-    backend = BACKENDS[name] or (None if settings.backend == "auto" else settings.backend)
+                             f"grammask's (auto, {', '.join(registry.names())}); vLLM's "
+                             "engine serves it")
+    backend = named or (None if settings.backend == "auto" else settings.backend)
     parser = str(getattr(so, "reasoning_parser", "") or "")
     thinking = bool(parser) and not bool(getattr(so, "enable_in_reasoning", False))
     think_end = None

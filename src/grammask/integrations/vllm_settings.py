@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..spec import canonical_backend
+from ..backends import registry
 
 log = logging.getLogger("grammask")
 
@@ -61,13 +61,14 @@ def _bool(value: object) -> bool:
     raise ValueError(f"expected a boolean, got {value!r}")
 
 
-def _choice(*options: str) -> Callable[[object], str]:
-    def parse(value: object) -> str:
-        text = str(canonical_backend(str(value).strip().lower()))
-        if text not in options:
-            raise ValueError(f"expected one of {', '.join(options)}, got {value!r}")
-        return text
-    return parse
+def _backend(value: object) -> str:
+    """auto, or a registered backend's name or alias (as its name)."""
+    text = str(value).strip().lower()
+    name = "auto" if text == "auto" else registry.canonical(text)
+    if name is None:
+        raise ValueError(f"expected auto or a registered backend "
+                         f"({', '.join(registry.names())}), got {value!r}")
+    return name
 
 
 def _word(*options: str) -> Callable[[object], str]:
@@ -128,10 +129,9 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "json_whitespace": (_word("compact", "any"), "JSON whitespace of those requests when "
                         "they set no whitespace option: compact (no whitespace between "
                         "tokens, so a weak model cannot run to max_tokens on it) or any"),
-    "backend": (_choice("auto", "xgrammar", "guidance"),
-                "backend for requests that do not name one (auto: per-request routing)"),
-    "prefer": (_choice("auto", "xgrammar", "guidance"),
-               "tie-break when both backends enforce a schema"),
+    "backend": (_backend, "backend for requests that do not name one (auto: per-request "
+                "routing; else a registered backend: `grammask backends`)"),
+    "prefer": (_backend, "tie-break when several backends enforce a schema"),
     "cache_mb": (_positive(int), "compiled-grammar LRU cache size, MiB"),
     "compile_threads": (_positive(int), "concurrent grammar compiles"),
     "compile_timeout_s": (_positive(float), "compile budget per backend (the compile goes on "
@@ -143,7 +143,7 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                 "compiling is compiled by the other backend too; the first ready serves"),
     "fill_threads": (_optional_int, "threads of the batch-parallel mask fill (auto)"),
     "parallel_min": (_positive(int), "fewest rows of one backend that use the batch fill"),
-    "on_error": (_choice("stop", "free"),
+    "on_error": (_word("stop", "free"),
                  "a failed row gets a stop-only mask (stop) or none (free)"),
     "think_end": (_think_end, "thinking end marker: auto (from the tokenizer, e.g. "
                   "</think>), none, or the marker text"),

@@ -1,0 +1,160 @@
+"""The backends grammask knows, each declared by its own module: the one place names live.
+
+A backend module registers a ``BackendInfo`` when it is imported: its name and aliases, what it
+leaves unenforced (``gaps``), what it can do (lenient mode, batch fill, disk cache) and its
+``costs``, the router's cost model. The router, compiler, settings, CLI and harness iterate
+over ``backends()`` and look names up here; none of them names a backend. Among equals the
+lower ``priority`` is preferred, then the earlier registered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import InvalidSpecError
+
+#: What a spec asks a backend to do, as the cost model sees it (``router.workload``).
+Workload = Literal[
+    "json_closed",        # a JSON schema without free-form text, objects closed
+    "json_free_text",     # a JSON schema with a free string, key or untyped value
+    "json_open_objects",  # a JSON schema with extra properties allowed (``extra_properties``)
+    "json_object",        # any JSON object
+    "regex", "lark", "gbnf", "choice",
+    "structural_tag",         # the current structural-tag format
+    "structural_tag_legacy",  # the older ``structures``/``triggers`` format
+]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """How well a backend serves one workload: ``rank`` orders backends (lower is cheaper:
+    compile and per-step fill together), ``why`` is the fact behind it, never a timing."""
+
+    rank: float
+    why: str
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One backend, as it declares itself."""
+
+    name: str
+    #: builds the adapter, a ``backends.base.Backend`` (called once per process, on first
+    #: use; typed loosely here so that this module imports nothing the adapters import)
+    adapter: Callable[[], Any]
+    #: the tie-break among backends of equal cost: lower first
+    priority: int = 100
+    #: label in messages ("llguidance" for the backend named ``guidance``)
+    label: str = ""
+    aliases: tuple[str, ...] = ()
+    #: routing feature (``router.schema_features``) -> what the backend does with it
+    gaps: Mapping[str, str] = field(default_factory=dict)
+    #: has a lenient mode: ignores the keywords it lacks instead of refusing the spec
+    lenient: bool = False
+    #: features refused by default only as a formality: lenient mode serves them exactly
+    lenient_exact: frozenset[str] = frozenset()
+    #: gaps even lenient mode refuses
+    lenient_cannot: frozenset[str] = frozenset()
+    #: the workloads it serves, with their cost; a workload absent here is not served
+    costs: Mapping[Workload, Cost] = field(default_factory=dict)
+    #: its matchers offer ``batch_fill`` (one parallel fill per step for all its rows)
+    batch_fill: bool = False
+    #: its compiled grammars can be stored in grammask's disk cache
+    disk: bool = False
+    #: process memory per cached grammar = scale * the grammar's ``memory_bytes`` + base
+    #: (measured with bench/stress.py --calibrate)
+    footprint: tuple[float, int] = (1.0, 0)
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
+
+
+_lock = threading.Lock()
+_registered: dict[str, BackendInfo] = {}
+_adapters: dict[str, Any] = {}
+
+
+def register(info: BackendInfo) -> None:
+    """Add a backend (a module does this once, at import). A name or alias already taken by
+    another backend is an error: two backends answering to one name would route at random."""
+    with _lock:
+        taken = {n: b.name for b in _registered.values() for n in (b.name, *b.aliases)}
+        for n in (info.name, *info.aliases):
+            if n in ("auto", "all") or taken.get(n, info.name) != info.name:
+                raise ValueError(f"backend name {n!r} is already taken")
+        _registered[info.name] = info
+        _adapters.pop(info.name, None)
+
+
+def unregister(name: str) -> None:
+    """Remove a backend (tests register throw-away ones)."""
+    with _lock:
+        _registered.pop(name, None)
+        _adapters.pop(name, None)
+
+
+def backends() -> tuple[BackendInfo, ...]:
+    """Every registered backend, in preference order (``priority``, then registration)."""
+    with _lock:
+        return tuple(sorted(_registered.values(), key=lambda b: b.priority))
+
+
+def names() -> tuple[str, ...]:
+    return tuple(b.name for b in backends())
+
+
+def canonical(value: str) -> str | None:
+    """The registered name a user's name or alias stands for; None when unknown."""
+    for b in backends():
+        if value == b.name or value in b.aliases:
+            return b.name
+    return None
+
+
+def resolve(value: object, what: str = "backend") -> str | None:
+    """A backend as a user gives it (None or ``auto`` for auto routing, a name, an alias):
+    the registered name, None for auto; ``InvalidSpecError`` naming the registered ones."""
+    if value is None or value == "auto":
+        return None
+    name = canonical(value.strip().lower()) if isinstance(value, str) else None
+    if name is None:
+        raise InvalidSpecError(f"unknown {what} {value!r}; registered: auto, "
+                               f"{', '.join(names())}", where=what)
+    return name
+
+
+def info(name: str) -> BackendInfo:
+    """A registered backend's declaration (by name or alias); ``InvalidSpecError`` for an
+    unknown one."""
+    with _lock:
+        found = _registered.get(name)
+    if found is not None:
+        return found
+    resolved = resolve(name)
+    if resolved is None:
+        raise InvalidSpecError("a backend name is needed here, not auto", where="backend")
+    return info(resolved)
+
+
+def footprint(name: str) -> tuple[float, int]:
+    """The memory model of a backend, also for one no longer registered (a test's)."""
+    with _lock:
+        found = _registered.get(name)
+    return found.footprint if found is not None else (1.0, 0)
+
+
+def adapter(name: str) -> Any:
+    """The adapter of a registered backend, built once (``backends.get_backend`` types it).
+    Built outside the lock: an adapter may wrap another one (and look it up here)."""
+    declared = info(name)
+    with _lock:
+        built = _adapters.get(declared.name)
+    if built is None:
+        fresh = declared.adapter()
+        with _lock:
+            built = _adapters.setdefault(declared.name, fresh)
+    return built

@@ -1,0 +1,98 @@
+"""Speculative decoding: a row's masks along its draft tokens, from its committed state.
+
+Draft tokens are fed tentatively and rolled back, so the row keeps its committed state. The
+rules are vLLM's own: a position still inside the thinking section is free (all ones, or the
+marker-boundary guard); after a draft token the grammar refuses, every later position repeats
+the last valid mask (which already refuses that token, so the rejection sampler rejects it
+there and no later row is used); after a placeholder (negative id) positions are free; an
+errored row gets its error mask everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .firstmask import FirstMasks
+from .rowmasks import RowMasks
+from .rows import Row
+from .stepjob import FillStats
+
+
+class Drafts:
+    """Fills draft positions on the host's thread (between the step's fill and the apply)."""
+
+    def __init__(self, first: FirstMasks, masks: RowMasks, stats: FillStats) -> None:
+        self.first = first
+        self.masks = masks
+        self.stats = stats
+
+    def fill(self, r: Row, drafts: Sequence[int], out: torch.Tensor,
+             out_rows: Sequence[int]) -> None:
+        """``out[out_rows[k + 1]]`` gets the mask of the position after ``drafts[:k + 1]``;
+        ``out[out_rows[0]]`` already holds the committed position's."""
+        fed = gated = 0
+        prev = out_rows[0]
+        refused = free = False
+        masks = self.masks
+        try:
+            for tid, target in zip(drafts, out_rows[1:], strict=True):
+                if r.error is not None:
+                    masks.error_or_free(out, target)
+                elif free or tid < 0:
+                    free = True
+                    out[target].fill_(-1)
+                elif refused:
+                    out[target].copy_(out[prev])
+                else:
+                    accepted, g, f = self._feed_tentatively(r, int(tid))
+                    gated += g
+                    fed += f
+                    if not accepted:
+                        refused = True
+                        out[target].copy_(out[prev])
+                    else:
+                        self._fill_position(r, out, target)
+                        prev = target
+        except Exception as exc:  # a bug of ours: this row alone ends
+            r.fail(f"speculative masks failed: {type(exc).__name__}: {exc}", cause="drafts")
+            for target in out_rows:
+                masks.error_or_free(out, target)
+        finally:
+            try:
+                if fed:
+                    assert r.matcher is not None
+                    r.matcher.rollback(fed)
+                if gated:
+                    assert r.gate is not None
+                    r.gate.rollback(gated)
+            except Exception as exc:
+                r.fail(f"undoing draft tokens failed: {type(exc).__name__}: {exc}",
+                       cause="drafts")
+
+    def _feed_tentatively(self, r: Row, tid: int) -> tuple[bool, int, int]:
+        """Feed one draft token: (accepted, gate tokens taken, matcher tokens taken)."""
+        if r.gate is not None and r.gate.thinking:
+            r.gate.feed([tid])
+            if r.gate.leftover:  # would end the marker mid-token: refused
+                return False, 1, 0
+            if not r.gate.thinking and r.matcher is None:
+                self.first.attach_all([r])  # thinking ends inside the window
+            return True, 1, 0
+        if r.matcher is None:
+            return False, 0, 0
+        accepted = r.matcher.accept(tid)
+        return accepted, 0, int(accepted)
+
+    def _fill_position(self, r: Row, out: torch.Tensor, target: int) -> None:
+        if r.error is not None:
+            self.masks.error_or_free(out, target)
+        elif r.gate is not None and r.gate.thinking:
+            if not self.masks.guard(r.gate, out, target):
+                out[target].fill_(-1)
+        elif r.matcher is not None:
+            r.matcher.fill(out, target)
+            self.stats.rows_filled += 1
+        else:
+            out[target].fill_(-1)

@@ -1,0 +1,262 @@
+"""The per-step fill job: read each row's new tokens, then advance, attach and fill on the
+worker thread while the model's forward runs; collect the masks when the host needs them.
+
+A fill job's failures stay inside it: one row's (a refused token, a broken matcher) fail that
+row alone; a bug in the job itself fails the job's rows, never the host (``_contain``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import metrics
+from .apply import CpuPlan, cpu_plannable, plan_cpu_apply
+from .backends.base import Matcher
+from .firstmask import FirstMasks
+from .masks import Filler, FillWorker, MaskBuffers, Ticket
+from .rowmasks import RowMasks
+from .rows import Row
+
+log = logging.getLogger("grammask")
+
+#: one row's share of a step: (batch row, the row, its new tokens); a plain tuple, since one
+#: is made per row per step on the host's critical path
+Work = tuple[int, Row, list[int]]
+
+
+class CpuLayout(NamedTuple):
+    """The CPU logits the next fill job plans its apply for."""
+
+    width: int
+    stride: int  # of a row
+
+
+class StepMasks(NamedTuple):
+    """A step's masks: the bitmask, the rows it masks (sorted), the CPU apply's plan."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    plan: CpuPlan | None  # None: none made, or stale
+
+
+@dataclass
+class FillStats:
+    """What the fill jobs did (metrics, benchmarks and tests read it)."""
+
+    #: milliseconds the last job spent advancing matchers and filling
+    last_advance_ms: float = 0.0
+    last_fill_ms: float = 0.0
+    #: ... and expanding the masks into the CPU apply's plan (0 when logits are not CPU)
+    last_plan_ms: float = 0.0
+    #: mask rows filled by the backends so far (work done)
+    rows_filled: int = 0
+
+
+@dataclass
+class Step:
+    """One step's job: its rows and tokens, its buffer, and its result once handed over."""
+
+    future: Ticket[list[int]] | None
+    buffer: torch.Tensor
+    work: list[Work]
+    #: the CPU apply's index plan for the job's rows, made by the job (None: none made)
+    plan: CpuPlan | None = None
+
+
+class StepJobs:
+    """Runs one fill job per step on the worker thread, and hands its masks to the host."""
+
+    def __init__(self, *, max_batch: int, vocab_size: int, filler: Filler,
+                 first: FirstMasks, masks: RowMasks, stats: FillStats) -> None:
+        self.vocab_size = vocab_size
+        self.buffers = MaskBuffers(max_batch, vocab_size)
+        self.first = first
+        self.masks = masks
+        self.stats = stats
+        self._filler = filler
+        self._worker = FillWorker()
+        self.pending: Step | None = None
+        #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
+        #: or planning would not fit in the forward: see ``_plan_fits``)
+        self.cpu_layout: CpuLayout | None = None
+        self._stepped_at = 0.0  # when the last step's job was handed over
+        self._steps = 0
+
+    @property
+    def thread_id(self) -> int | None:
+        return self._worker.thread_id
+
+    def step(self, table: dict[int, Row], rows: Collection[int] | None) -> None:
+        """Read the rows' new tokens (``rows``: only these) and hand the job to the worker."""
+        if self.pending is not None:
+            self.settle()
+            self.pending = None
+        take = Row.take
+        if rows is None:
+            work = [(index, r, take(r)) for index, r in table.items()]
+        else:
+            work = [(i, table[i], take(table[i])) for i in sorted(set(rows)) if i in table]
+        step = Step(None, self.buffers.acquire(), work)
+        self._stepped_at = time.perf_counter()
+        self._steps += 1
+        if work:
+            layout = self.cpu_layout
+            step.future = self._worker.run(lambda: self._job(step, layout))
+        self.pending = step
+
+    def settle(self) -> None:
+        """Wait for an in-flight fill so the host thread may touch matchers again."""
+        step = self.pending
+        if step is not None and step.future is not None:
+            try:
+                step.future.result()
+            except BaseException as exc:
+                step.future = Ticket.completed(
+                    sorted(self._contain(step.work, step.buffer, exc)))
+                step.plan = None
+
+    def discard(self) -> None:
+        """A mutation of the batch: the pending fill no longer holds."""
+        self.settle()
+        self.pending = None
+
+    def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor) -> StepMasks:
+        """``wait``, for ``apply`` on ``logits``: also decides whether the next job plans
+        the CPU apply for their layout."""
+        window_ms = (time.perf_counter() - self._stepped_at) * 1000
+        masks = self.wait(table, None)
+        self.cpu_layout = (CpuLayout(logits.shape[1], logits.stride(0))
+                           if cpu_plannable(logits) and self._plan_fits(window_ms) else None)
+        return masks
+
+    def wait(self, table: dict[int, Row], rows: Collection[int] | None) -> StepMasks:
+        """Wait for this step's fill (``step`` now, when none is pending); rows read late and
+        ``rows`` the step skipped are filled here. Ends the step."""
+        if self.pending is None:
+            self.step(table, rows)
+        step = self.pending
+        assert step is not None
+        self.pending = None
+        if step.future is None:
+            indices: set[int] = set()
+        else:
+            try:
+                result = step.future.result()
+            except BaseException as exc:  # a bug in the job: contain it to this step's rows
+                indices = self._contain(step.work, step.buffer, exc)
+            else:
+                if rows is None and not any(r.late for _, r, _ in step.work):
+                    return StepMasks(step.buffer, sorted(set(result)), step.plan)  # common
+                indices = set(result)
+        late = [(index, r, r.take()) for index, r, _ in step.work if r.late]
+        done = {index for index, _, _ in step.work}
+        if rows is not None:  # rows the step skipped: read and fill them here
+            late += [(i, table[i], table[i].take()) for i in sorted(set(rows))
+                     if i in table and i not in done]
+        if late:  # placeholders resolved since step(): advance and fill these rows here
+            indices.difference_update(index for index, _, _ in late)
+            try:
+                indices.update(self._run(late, step.buffer))
+            except BaseException as exc:
+                indices.update(self._contain(late, step.buffer, exc))
+            for index, r, _ in late:
+                if r.late and r.needs_mask and r.error is None:
+                    r.fail("an output token was still a placeholder (negative id) when its "
+                           "mask was needed", cause="host")
+                    indices.discard(index)
+                    if self.masks.error(step.buffer, index):
+                        indices.add(index)
+        # rows filled here, after the job planned: its plan is stale
+        return StepMasks(step.buffer, sorted(indices), step.plan if not late else None)
+
+    def close(self) -> None:
+        self.settle()
+        self.pending = None
+        self._worker.close()
+
+    def _plan_fits(self, window_ms: float) -> bool:
+        """Whether the next job should also plan the CPU apply: only while the job, planning
+        included, ends within the forward it overlaps (planning moves the apply's index work
+        off the critical path; when the forward is too short it would lengthen the step
+        instead). Planning is tried again every 64 steps, as batches and masks change."""
+        stats = self.stats
+        job_ms = stats.last_advance_ms + stats.last_fill_ms + stats.last_plan_ms
+        return job_ms <= 0.9 * window_ms or self._steps % 64 == 0
+
+    def _job(self, step: Step, layout: CpuLayout | None) -> list[int]:
+        """The worker's job: ``_run``, then (CPU logits) the apply plan for its rows, so the
+        apply on the host's critical path is only gather / memset / scatter."""
+        indices = self._run(step.work, step.buffer)
+        if layout is not None and indices:
+            width, stride = layout
+            started = time.perf_counter()
+            try:
+                step.plan = plan_cpu_apply(step.buffer, sorted(indices),
+                                           vocab_size=self.vocab_size, width=width,
+                                           stride=stride)
+            except Exception as exc:  # never fatal: apply plans inline instead
+                log.debug("grammask: apply plan failed: %s", exc)
+            self.stats.last_plan_ms = (time.perf_counter() - started) * 1000
+        return indices
+
+    def _run(self, work: list[Work], buffer: torch.Tensor) -> list[int]:
+        """The fill job (worker thread, or the host thread for late rows): advance every row
+        by its new tokens, attach grammars that are needed now, fill; returns the rows to
+        mask."""
+        started = time.perf_counter()
+        for _, r, tokens in work:
+            try:
+                r.advance(tokens)
+            except Exception as exc:  # the gate or a matcher broke: this row alone fails
+                r.fail(f"advancing failed: {type(exc).__name__}: {exc}", cause="matcher")
+        # the same rows on every rank: errors and gates follow the (shared) sampled tokens
+        self.first.attach_all([r for _, r, _ in work
+                               if r.error is None and r.needs_mask and r.matcher is None])
+        advanced = time.perf_counter()
+        masks = self.masks
+        indices: list[int] = []
+        fills: list[tuple[Matcher, int]] = []
+        for index, r, _ in work:
+            if r.error is not None:
+                if masks.error(buffer, index):
+                    indices.append(index)
+            elif r.needs_mask and r.matcher is not None:
+                fills.append((r.matcher, index))
+            elif r.gate is not None and r.gate.thinking and masks.guard(r.gate, buffer, index):
+                indices.append(index)
+        try:
+            self._filler.fill(fills, buffer)
+        except Exception:  # find the culprit row by row; the others still get their masks
+            for matcher, index in fills:
+                try:
+                    matcher.fill(buffer, index)
+                except Exception as exc:
+                    row = next(r for i, r, _ in work if i == index)
+                    row.fail(f"mask fill failed: {exc}", cause="fill")
+                    buffer[index].copy_(masks.stop_row)
+        indices.extend(index for _, index in fills)
+        stats = self.stats
+        stats.rows_filled += len(fills)
+        stats.last_advance_ms = (advanced - started) * 1000
+        finished = time.perf_counter()
+        stats.last_fill_ms = (finished - advanced) * 1000
+        metrics.FILL_SECONDS.observe(finished - started)
+        return indices
+
+    def _contain(self, work: list[Work], buffer: torch.Tensor,
+                 exc: BaseException) -> set[int]:
+        """A bug in a fill job (not one row's failure, which ``_run`` contains): its rows
+        fail, the host goes on."""
+        log.error("grammask: fill job failed: %s: %s", type(exc).__name__, exc)
+        indices = set()
+        for index, r, _ in work:
+            r.fail(f"fill job failed: {type(exc).__name__}: {exc}", cause="fill")
+            if self.masks.error(buffer, index):
+                indices.add(index)
+        return indices

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.worker, args.dir or "", sys.stdin.read())))
         return 0
 
-    from grammask.diskcache import DiskCache, key_material
+    from grammask.backends.xgrammar_disk import key_material
+    from grammask.diskcache import DiskCache
 
     directory = Path(tempfile.mkdtemp(prefix="grammask-diskbench-"))
     try:

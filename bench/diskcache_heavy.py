@@ -8,7 +8,7 @@ The schemas are objects of N required string properties, each with its own ``pat
 every pattern, so the compile takes seconds and the grammar tens of MB. Every measurement is a
 fresh process (vocabulary and compiler built before anything is measured):
 
-1. ``write``: compile, then ``DiskCache.store_xgrammar`` and wait for it; the serving process's
+1. ``write``: compile, then the adapter's ``store_compiled`` and wait for it; the serving process's
    peak RSS growth during the write, and the writer child's report (its peak RSS above its
    start-up footprint, the JSON and file sizes).
 2. ``inline``: compile, then ``serialize_json()`` in the process: the peak RSS growth the
@@ -77,7 +77,8 @@ def worker(mode: str, directory: str, source: str) -> dict[str, Any]:
     spec = GrammarSpec.json_schema(source)
     if mode in ("write", "inline"):
         started = time.perf_counter()
-        compiled = XGrammarBackend().compile(spec, vocab, lenient=False)
+        backend = XGrammarBackend()
+        compiled = backend.compile(spec, vocab, lenient=False)
         compile_ms = (time.perf_counter() - started) * 1000
         before = _start_peak()
         out: dict[str, Any] = {"compile_ms": compile_ms,
@@ -89,7 +90,8 @@ def worker(mode: str, directory: str, source: str) -> dict[str, Any]:
             (Path(directory) / "old.zjson").write_bytes(zlib.compress(text.encode(), 1))
         else:
             cache = DiskCache(directory, 1 << 40)
-            out["queued"] = cache.store_xgrammar(spec, vocab, compiled, compile_ms=compile_ms)
+            out["queued"] = backend.store_compiled(cache, spec, vocab, compiled,
+                                                   compile_ms=compile_ms)
             out["flushed"] = cache.flush(1800)
             out["child"] = cache.last_write
         out["growth_bytes"] = _kib("VmHWM") - before

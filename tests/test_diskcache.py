@@ -19,27 +19,33 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from grammask import Compiler, GrammarSpec, Vocabulary, metrics
 from grammask.backends import get_backend
-from grammask.diskcache import (
-    _HEADER,
-    FORMAT_VERSION,
+from grammask.backends.xgrammar_disk import (
     INLINE_DEPTH,
-    INLINE_MEMORY,
-    MAGIC,
-    SUFFIX,
-    DiskCache,
     alternation_depth,
-    default_cache_dir,
     key_material,
     pack_json,
     unpack_json,
 )
+from grammask.diskcache import (
+    _HEADER,
+    FORMAT_VERSION,
+    INLINE_MEMORY,
+    MAGIC,
+    SUFFIX,
+    DiskCache,
+    default_cache_dir,
+)
 
 from .helpers import mask_of
+
+#: the xgrammar adapter, whose disk codec these tests exercise
+XG: Any = get_backend("xgrammar")
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -282,7 +288,7 @@ def test_bad_file_is_removed_warned_and_recompiled(
     spoil()
     cache = DiskCache(directory)
     with caplog.at_level(logging.WARNING, logger="grammask"):
-        assert cache.load_xgrammar(_spec(), qwen25) is None
+        assert XG.load_compiled(cache, _spec(), qwen25) is None
     assert not path.exists(), "the bad file is removed"
     assert any("unusable" in r.getMessage() and path.name in r.getMessage()
                for r in caplog.records)
@@ -310,7 +316,7 @@ def test_warns_once_per_file(qwen25: Vocabulary, seeded: tuple[Path, Path, Path]
     with caplog.at_level(logging.WARNING, logger="grammask"):
         for _ in range(3):
             path.write_bytes(b"garbage")
-            assert cache.load_xgrammar(_spec(), qwen25) is None
+            assert XG.load_compiled(cache, _spec(), qwen25) is None
     assert sum(path.name in r.getMessage() for r in caplog.records) == 1
 
 
@@ -472,7 +478,7 @@ def test_concurrent_thread_writers_leave_a_valid_file(
     assert all(s is None or s == payload for s in seen) and any(s == payload for s in seen)
     assert len(_files(tmp_path / "c")) == 1
     assert [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp")] == []
-    loaded = cache.load_xgrammar(_spec(), qwen25)
+    loaded = XG.load_compiled(cache, _spec(), qwen25)
     assert loaded is not None
     fresh = get_backend("xgrammar").compile(_spec(), qwen25, lenient=False)
     _walk_masks_equal(qwen25, loaded, fresh, INSTANCE)
@@ -559,14 +565,14 @@ def heavy(qwen25: Vocabulary) -> object:
 def test_small_grammars_are_serialized_inline(qwen25: Vocabulary, tmp_path: Path) -> None:
     cache = DiskCache(tmp_path / "c")
     compiled = get_backend("xgrammar").compile(_spec(OTHER), qwen25, lenient=False)
-    assert cache.store_xgrammar(_spec(OTHER), qwen25, compiled) and cache.flush(60)
+    assert XG.store_compiled(cache, _spec(OTHER), qwen25, compiled) and cache.flush(60)
     assert cache.last_write == {"where": "inline", "written": True, "why": "written"}
 
 
 def test_a_heavy_grammar_is_written_by_a_child_and_loads_the_same_masks(
         qwen25: Vocabulary, heavy: object, tmp_path: Path) -> None:
     cache = DiskCache(tmp_path / "c")
-    assert cache.store_xgrammar(_heavy(6), qwen25, heavy) and cache.flush(300)
+    assert XG.store_compiled(cache, _heavy(6), qwen25, heavy) and cache.flush(300)
     report = cache.last_write
     assert report is not None and report["where"] == "child" and report["written"], report
     assert report["pid"] != os.getpid() and report["returncode"] == 0
@@ -574,7 +580,7 @@ def test_a_heavy_grammar_is_written_by_a_child_and_loads_the_same_masks(
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     # repeated mask entries are stored once (and compressed)
     assert report["file_bytes"] == path.stat().st_size < report["json_bytes"] / 5
-    loaded = DiskCache(tmp_path / "c").load_xgrammar(_heavy(6), qwen25)
+    loaded = XG.load_compiled(DiskCache(tmp_path / "c"), _heavy(6), qwen25)
     assert loaded is not None
     assert _walk_masks_equal(qwen25, loaded, heavy, _heavy_instance(6)) > 20
 
@@ -603,7 +609,8 @@ vocab = load_vocabulary("qwen2.5")
 spec = _heavy(12)
 compiled = get_backend("xgrammar").compile(spec, vocab, lenient=False)
 cache = DiskCache({str(directory)!r})
-write = growth(lambda: cache.store_xgrammar(spec, vocab, compiled) and cache.flush(600))
+write = growth(lambda: get_backend("xgrammar").store_compiled(cache, spec, vocab, compiled)
+               and cache.flush(600))
 inline = growth(compiled._compiled.serialize_json)  # what writing it here would cost
 print(json.dumps({{"write": write, "inline": inline, "report": cache.last_write}}))
 """
@@ -622,7 +629,7 @@ print(json.dumps({{"write": write, "inline": inline, "report": cache.last_write}
 def test_a_grammar_past_the_writer_ceiling_is_not_written(
         qwen25: Vocabulary, heavy: object, tmp_path: Path) -> None:
     cache = DiskCache(tmp_path / "c", writer_memory=16 * 1024 * 1024)
-    assert cache.store_xgrammar(_heavy(6), qwen25, heavy) and cache.flush(300)
+    assert XG.store_compiled(cache, _heavy(6), qwen25, heavy) and cache.flush(300)
     report = cache.last_write
     assert report is not None and report["where"] == "child", report
     assert not report["written"] and "alloc" in report["why"], report
@@ -633,7 +640,7 @@ def test_a_grammar_past_the_writer_ceiling_is_not_written(
 def test_the_child_writes_only_under_the_parents_key(qwen25: Vocabulary, heavy: object,
                                                      tmp_path: Path) -> None:
     """Another key (other sources, versions, vocabulary) in the child: nothing is written."""
-    from grammask.diskcache import _vocab_frame, child_request, run_child
+    from grammask.backends.xgrammar_disk import _vocab_frame, child_request, run_child
 
     cache = DiskCache(tmp_path / "c")
     job = {"lenient": False, "compile_ms": None, "memory": 1, "timeout_s": 120}
@@ -661,8 +668,8 @@ def test_deeply_nested_alternatives_are_serialized_only_in_a_child(qwen25: Vocab
     deep = GrammarSpec.json_schema(nested_one_of(8), backend="xgrammar")
     compiled = get_backend("xgrammar").compile(deep, qwen25, lenient=False)
     cache = DiskCache(tmp_path / "c", writer_memory=256 * 1024 * 1024)
-    assert not cache.store_xgrammar(deep, qwen25, compiled, compile_ms=200.0)
-    assert cache.store_xgrammar(deep, qwen25, compiled) and cache.flush(300)
+    assert not XG.store_compiled(cache, deep, qwen25, compiled, compile_ms=200.0)
+    assert XG.store_compiled(cache, deep, qwen25, compiled) and cache.flush(300)
     report = cache.last_write
     assert report is not None and report["where"] == "child" and not report["written"], report
     assert _files(tmp_path / "c") == []
@@ -670,13 +677,13 @@ def test_deeply_nested_alternatives_are_serialized_only_in_a_child(qwen25: Vocab
     shallow_size = GrammarSpec.json_schema(nested_one_of(INLINE_DEPTH + 1), backend="xgrammar")
     small = get_backend("xgrammar").compile(shallow_size, qwen25, lenient=False)
     assert small.memory_bytes < cache.inline_memory
-    assert cache.store_xgrammar(shallow_size, qwen25, small) and cache.flush(300)
+    assert XG.store_compiled(cache, shallow_size, qwen25, small) and cache.flush(300)
     assert cache.last_write is not None and cache.last_write["where"] == "child"
 
 
 def test_the_child_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """The child imports this grammask, sees no GPU and writes no Prometheus files."""
-    from grammask.diskcache import child_env
+    from grammask.backends.xgrammar_disk import child_env
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/prom")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")

@@ -290,3 +290,54 @@ def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
                 proc.advance(row, [tok])
         assert planned == 7  # every step after the first
         assert proc.errors == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("width", "vocab"), [(320, 320), (352, 320), (300, 320)])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 0], [2]])
+def test_planned_apply_on_back_to_back_rows_matches_reference(
+        dtype: torch.dtype, width: int, vocab: int, rows: list[int]) -> None:
+    """Contiguous logits (the common layout: the plan's flat view is a reshape of them), rows
+    in any order, wiped and scattered rows mixed: masked exactly like the reference."""
+    gen = torch.Generator().manual_seed(width + len(rows))
+    logits = torch.randn(4, width, generator=gen).to(dtype)
+    logits[:, ::9] = float("nan")
+    bitmask = make_bitmask("mixed", 4, (vocab + 31) // 32, gen)
+    plan = plan_cpu_apply(bitmask, rows, vocab_size=vocab, width=width, stride=width)
+    if len(rows) > 1:  # even rows allow few tokens (wiped), odd ones most (scattered)
+        assert plan.keep.size and plan.kill.size and plan.runs
+    expected = reference_apply(logits, bitmask, vocab, rows)
+    apply_bitmask(logits, bitmask, vocab_size=vocab, indices=rows, plan=plan)
+    assert torch.equal(logits.isnan(), expected.isnan())
+    assert torch.equal(logits.nan_to_num(0.5), expected.nan_to_num(0.5))
+
+
+def test_a_plan_keeps_the_row_checks() -> None:
+    """Rows outside the bitmask are refused when planning; logits with fewer rows than the
+    plan's are refused when applying, as without a plan."""
+    gen = torch.Generator().manual_seed(3)
+    bitmask = make_bitmask("mixed", 4, 10, gen)
+    for bad in ([0, 4], [-1, 2]):
+        with pytest.raises(ValueError, match="outside"):
+            plan_cpu_apply(bitmask, bad, vocab_size=320, width=320, stride=320)
+    plan = plan_cpu_apply(bitmask, [0, 3], vocab_size=320, width=320, stride=320)
+    short = torch.randn(2, 320, generator=gen)
+    before = short.clone()
+    with pytest.raises(ValueError, match="outside"):
+        apply_bitmask(short, bitmask, vocab_size=320, indices=[0, 3], plan=plan)
+    assert torch.equal(short, before)
+
+
+def test_a_small_batch_skips_the_batch_fill(advanced: list[Matcher],
+                                            qwen25: Vocabulary) -> None:
+    """Fewer matchers than ``parallel_min``: each row goes through its own ``fill`` (the
+    batch fill's pools are never made), with the same masks."""
+    n = len(advanced)
+    expected = allocate_bitmask(n, qwen25.vocab_size)
+    for row, m in enumerate(advanced):
+        m.fill(expected, row)
+    filler = Filler(parallel_min=n + 1, threads=2)
+    got = torch.zeros_like(expected)
+    filler.fill([(m, row) for row, m in enumerate(advanced)], got)
+    assert torch.equal(got, expected)
+    assert filler._pools == {}

@@ -36,6 +36,8 @@ _INT_VIEW: dict[torch.dtype, tuple[torch.dtype, int]] = {
 #: wiped by a memset costs ~1/32 of one scattered index, and a kept logit two indexed
 #: accesses (gather before the memset, scatter after).
 _WIPE_DIVISOR = 32
+#: mask words the plan expands at a time (a chunk of rows; see ``plan_cpu_apply``)
+_PLAN_CHUNK_BYTES = 1 << 18
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +48,8 @@ class CpuPlan:
     rows: rows that allow few tokens, which are filled with -inf wholesale (``runs``: their
     consecutive runs, ``[start, stop)``) after their allowed logits are saved, then restored.
     ``kill``: flat indices of the refused logits of the other rows, model padding included.
-    Valid for ``rows`` of logits with row stride ``stride`` and width ``width`` only."""
+    Valid for ``rows`` of logits with row stride ``stride`` and width ``width`` only;
+    ``bound``: ``max(rows) + 1``, the rows the logits and the bitmask need."""
 
     rows: tuple[int, ...]
     stride: int
@@ -55,30 +58,49 @@ class CpuPlan:
     keep: np.ndarray[Any, np.dtype[np.intp]]
     kill: np.ndarray[Any, np.dtype[np.intp]]
     runs: tuple[tuple[int, int], ...]
+    bound: int = 0
 
     def fits(self, logits: torch.Tensor, rows: Sequence[int], covered: int) -> bool:
         return (logits.stride(0) == self.stride and logits.shape[1] == self.width
                 and covered == self.covered and tuple(rows) == self.rows)
 
 
-def _bit_positions(words: np.ndarray[Any, np.dtype[np.uint32]]
-                   ) -> tuple[np.ndarray[Any, np.dtype[np.intp]],
-                              np.ndarray[Any, np.dtype[np.intp]]]:
-    """(row, bit index) of every set bit of a 2-D uint32 array, in row-major order.
+def _flat_bits(words: np.ndarray[Any, np.dtype[np.uint32]]
+               ) -> np.ndarray[Any, np.dtype[np.intp]]:
+    """The position (``32 * word + bit``, words in row-major order) of every set bit of a
+    2-D uint32 array, ascending.
 
     Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path:
     ~10x faster than on uint8)."""
-    nwords = words.shape[1]
     at = np.flatnonzero(words != 0)
     bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").view(np.bool_)
     found = np.flatnonzero(bits)
-    row, col = np.divmod(at[found >> 5], nwords)
-    return row, col * 32 + (found & 31)
+    flat: np.ndarray[Any, np.dtype[np.intp]] = (at[found >> 5] << 5) | (found & 31)
+    return flat
+
+
+def _logit_indices(words: np.ndarray[Any, np.dtype[np.uint32]],
+                   rows: np.ndarray[Any, np.dtype[np.intp]],
+                   counts: np.ndarray[Any, np.dtype[np.int64]],
+                   stride: int) -> np.ndarray[Any, np.dtype[np.intp]]:
+    """Flat logit indices (``rows[i] * stride + token``) of the set bits of ``words``: row
+    ``i`` of it belongs to logits row ``rows[i]`` and has ``counts[i]`` bits set.
+
+    Bit ``token`` of row ``i`` sits at ``i * 32 * nwords + token`` of ``words``: its index is
+    that plus one offset per row, repeated over the row's bits (no division per bit to find
+    its row)."""
+    offsets = rows * stride - np.arange(len(rows), dtype=np.intp) * (words.shape[1] * 32)
+    flat = _flat_bits(words)
+    flat += np.repeat(offsets, counts)
+    return flat
 
 
 def cpu_plannable(logits: torch.Tensor) -> bool:
-    """Whether ``apply_bitmask`` masks these (2-D) logits through a ``CpuPlan``."""
-    return (logits.dim() == 2 and logits.device.type == "cpu"
+    """Whether ``apply_bitmask`` masks these (2-D) logits through a ``CpuPlan``.
+
+    Runs right after the forward, with cold caches: ``is_cpu`` costs a third of
+    ``device.type`` there (no ``torch.device`` object is made)."""
+    return (logits.dim() == 2 and logits.is_cpu
             and logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1)
 
 
@@ -89,43 +111,64 @@ def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: in
     The logits' layout (``width`` columns, rows ``stride`` elements apart) is fixed here.
     Each row takes the cheaper way by its allowed count ``k`` and refused count ``d``:
     wipe and restore (a memset of the row plus ``2k`` indexed accesses) or scatter -inf at
-    the ``d`` refused tokens. Costs O(rows x words) numpy work; made on the fill thread."""
+    the ``d`` refused tokens. Costs O(rows x words) numpy work; made on the fill thread, a
+    few rows at a time (``_PLAN_CHUNK_BYTES`` of mask words): the temporaries then stay in
+    cache and in the allocator's free lists, where whole-batch ones (~20 MB at 256 rows)
+    came back as fresh pages, thousands of page faults per plan."""
     covered = min(width, vocab_size, bitmask.shape[1] * 32)
     nwords = (covered + 31) // 32
     order = tuple(rows)
     index = np.asarray(order, dtype=np.intp)
-    words = bitmask.numpy().view(np.uint32)[index, :nwords]  # a copy
+    if index.size and (index.min() < 0 or index.max() >= bitmask.shape[0]):
+        raise ValueError(f"row indices {index.min()}..{index.max()} outside bitmask "
+                         f"{tuple(bitmask.shape)}")
+    source = bitmask.numpy().view(np.uint32)
     tail = np.uint32((1 << (covered % 32)) - 1) if covered % 32 else np.uint32(0xFFFFFFFF)
-    if nwords:
-        words[:, -1] &= tail  # bits at or past ``covered`` never count
-    allowed = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
-    wipe = 2 * allowed + width // _WIPE_DIVISOR < covered - allowed
-    empty = np.zeros(0, dtype=np.intp)
-    keep = kill = empty
-    runs: list[tuple[int, int]] = []
-    if wipe.any():
-        wiped = index[wipe]
-        at, token = _bit_positions(words[wipe])
-        keep = wiped[at] * stride + token
-        start = prev = -2
-        for r in sorted(set(wiped.tolist())):  # fill runs of consecutive rows at once
-            if r != prev + 1:
-                if prev >= 0:
-                    runs.append((start, prev + 1))
-                start = r
-            prev = r
-        runs.append((start, prev + 1))
-    if not wipe.all():
-        scattered = index[~wipe]
-        refused = ~words[~wipe]
+    keeps: list[np.ndarray[Any, np.dtype[np.intp]]] = []
+    kills: list[np.ndarray[Any, np.dtype[np.intp]]] = []
+    wiped_rows: list[int] = []
+    chunk = max(1, _PLAN_CHUNK_BYTES // (4 * max(1, nwords)))
+    for lo in range(0, len(index), chunk):
+        part = index[lo:lo + chunk]
+        words = source[part, :nwords]  # a copy
         if nwords:
-            refused[:, -1] &= tail
-        at, token = _bit_positions(refused)
-        kill = scattered[at] * stride + token
-        if width > covered:  # model padding past the mask
-            pad = np.arange(covered, width, dtype=np.intp)
-            kill = np.concatenate([kill, (scattered[:, None] * stride + pad).ravel()])
-    return CpuPlan(order, stride, width, covered, keep, kill, tuple(runs))
+            words[:, -1] &= tail  # bits at or past ``covered`` never count
+        allowed = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
+        wipe = 2 * allowed + width // _WIPE_DIVISOR < covered - allowed
+        if wipe.any():
+            wiped = part[wipe]
+            keeps.append(_logit_indices(words[wipe], wiped, allowed[wipe], stride))
+            wiped_rows += wiped.tolist()
+        if not wipe.all():
+            scattered = part[~wipe]
+            refused = words[~wipe]  # a copy: inverted in place
+            np.invert(refused, out=refused)
+            if nwords:
+                refused[:, -1] &= tail
+            # ``words`` has no bit at or past ``covered``: each row refuses the rest
+            kills.append(_logit_indices(refused, scattered, covered - allowed[~wipe], stride))
+            if width > covered:  # model padding past the mask
+                pad = np.arange(covered, width, dtype=np.intp)
+                kills.append((scattered[:, None] * stride + pad).ravel())
+    empty = np.zeros(0, dtype=np.intp)
+    runs: list[tuple[int, int]] = []
+    start = prev = -2
+    for r in sorted(set(wiped_rows)):  # fill runs of consecutive rows at once
+        if r != prev + 1:
+            if prev >= 0:
+                runs.append((start, prev + 1))
+            start = r
+        prev = r
+    if wiped_rows:
+        runs.append((start, prev + 1))
+    return CpuPlan(order, stride, width, covered,
+                   _joined(keeps, empty), _joined(kills, empty), tuple(runs),
+                   int(index.max()) + 1 if index.size else 0)
+
+
+def _joined(parts: list[np.ndarray[Any, np.dtype[np.intp]]],
+            empty: np.ndarray[Any, np.dtype[np.intp]]) -> np.ndarray[Any, np.dtype[np.intp]]:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else empty
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: int,
@@ -149,6 +192,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"expected 2-D logits and a 2-D int32 bitmask, got {tuple(logits.shape)}"
                          f" and {tuple(bitmask.shape)} {bitmask.dtype}")
+    if plan is not None and _plan_holds(logits, bitmask, vocab_size, indices, plan):
+        _apply_plan(logits, plan)  # the plan covers the padding columns
+        return
     rows = list(range(logits.shape[0])) if indices is None else list(indices)
     if not rows:
         return
@@ -157,12 +203,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
                          f"{tuple(logits.shape)} / bitmask {tuple(bitmask.shape)}")
     width = logits.shape[1]
     covered = min(width, vocab_size, bitmask.shape[1] * 32)
-    if logits.device.type == "cpu":
+    if logits.is_cpu:
         if logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1:
-            if plan is not None and plan.fits(logits, rows, covered):
-                _apply_plan(logits, plan)
-                return  # the plan covers the padding columns
-            # no plan made ahead: planning here would cost more than it saves
+            # no plan made ahead (or not for these logits): planning here would cost more
+            # than it saves
             _apply_cpu(logits, bitmask, covered, rows)
         else:
             _apply_torch(logits, bitmask, covered, rows)
@@ -178,6 +222,18 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     if width > covered:
         index = torch.tensor(rows, device=logits.device)
         logits[index, covered:] = float("-inf")
+
+
+def _plan_holds(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
+                indices: Sequence[int] | None, plan: CpuPlan) -> bool:
+    """Whether ``plan`` masks exactly these (2-D) logits rows: the apply's checks in O(1)
+    plus one compare of the rows (on the critical path, right after the forward)."""
+    rows = tuple(range(logits.shape[0])) if indices is None else tuple(indices)
+    return (bool(rows) and rows == plan.rows
+            and plan.bound <= logits.shape[0] and plan.bound <= bitmask.shape[0]
+            and cpu_plannable(logits)
+            and plan.fits(logits, plan.rows, min(logits.shape[1], vocab_size,
+                                                 bitmask.shape[1] * 32)))
 
 
 def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
@@ -218,10 +274,12 @@ def _apply_plan(logits: torch.Tensor, plan: CpuPlan) -> None:
     numpy's indexing costs ~1 us a call where torch's costs ~10 us)."""
     int_dtype, minus_inf = _INT_VIEW[logits.dtype]
     stride = plan.stride
-    # the rows' storage as one flat view (rows may be strided apart, columns are not)
-    flat = logits.detach().as_strided(((logits.shape[0] - 1) * stride + logits.shape[1],),
-                                      (1,), logits.storage_offset())
-    view = flat.view(int_dtype).numpy()
+    base = logits.detach() if logits.requires_grad else logits
+    if stride == logits.shape[1]:  # rows back to back: the flat view is a reshape
+        view = base.view(int_dtype).numpy().reshape(-1)
+    else:  # the rows' storage as one flat view (rows strided apart, columns are not)
+        view = base.as_strided(((logits.shape[0] - 1) * stride + logits.shape[1],), (1,),
+                               logits.storage_offset()).view(int_dtype).numpy()
     keep = plan.keep
     saved = view[keep] if keep.size else None
     for start, stop in plan.runs:
@@ -256,7 +314,7 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
         if not sparse_rows:
             return
         words = words[flags]
-    at = np.flatnonzero(words)
+    at = np.flatnonzero(words != 0)
     bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").reshape(-1, 32)
     pair, bit = np.nonzero(bits)
     at = at[pair]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from . import metrics
-from .backends import BackendGrammar, get_backend, registry
+from .backends import BackendGrammar, DiskBackend, disk_backend, get_backend, registry
 from .compile_slots import Job, Runners, join_abandoned
 from .diskcache import DiskCache
 from .errors import (
@@ -99,8 +99,9 @@ class PlanRunner:
         with self._lock:
             running = self._slow.get(slow_key)
         impl.prepare(self.vocab)
-        if registry.info(backend).disk and self._disk is not None:
-            loaded = self._from_disk(spec, step, reason, deadline)
+        codec = disk_backend(backend) if self._disk is not None else None
+        if codec is not None:
+            loaded = self._from_disk(codec, spec, step, reason, deadline)
             if loaded is not None:
                 return loaded
         started = time.perf_counter()
@@ -149,7 +150,7 @@ class PlanRunner:
         self._to_disk(spec, step, backend_grammar, elapsed)
         return self._grammar(spec, step, reason, backend_grammar, elapsed)
 
-    def _from_disk(self, spec: GrammarSpec, step: Attempt, reason: str,
+    def _from_disk(self, codec: DiskBackend, spec: GrammarSpec, step: Attempt, reason: str,
                    deadline: float) -> Grammar | None:
         """A grammar an earlier compile (any process) left on disk. Runs inside the flight
         (joined requests share it) and within the request's deadline: a load never starts
@@ -158,7 +159,7 @@ class PlanRunner:
         if disk is None or time.monotonic() >= deadline:
             return None
         started = time.perf_counter()
-        backend_grammar = disk.load_xgrammar(spec, self.vocab, lenient=step.lenient)
+        backend_grammar = codec.load_compiled(disk, spec, self.vocab, lenient=step.lenient)
         elapsed = (time.perf_counter() - started) * 1000
         with self._lock:
             if backend_grammar is None:
@@ -175,14 +176,16 @@ class PlanRunner:
         return Grammar(grammar.spec, grammar.backend, grammar.reason, grammar.unenforced,
                        grammar.compile_ms, grammar.backend_grammar, from_disk=True)
 
-    def _to_disk(self, spec: GrammarSpec, step: Attempt, backend_grammar: object,
+    def _to_disk(self, spec: GrammarSpec, step: Attempt, backend_grammar: BackendGrammar,
                  compile_ms: float) -> None:
-        """Queue a fresh xgrammar compile for the disk cache (written off the request path)."""
+        """Queue a fresh compile for the disk cache (written off the request path), when its
+        backend declares the disk capability."""
         disk = self._disk
-        if disk is None or not registry.info(step.backend).disk or self._closed():
+        codec = None if disk is None or self._closed() else disk_backend(step.backend)
+        if disk is None or codec is None:
             return
-        if disk.store_xgrammar(spec, self.vocab, backend_grammar, lenient=step.lenient,
-                               compile_ms=compile_ms):
+        if codec.store_compiled(disk, spec, self.vocab, backend_grammar, lenient=step.lenient,
+                                compile_ms=compile_ms):
             with self._lock:
                 self.stats.disk_writes += 1
 
@@ -211,7 +214,7 @@ class PlanRunner:
         backend = step.backend
         elapsed = (time.perf_counter() - started) * 1000
         if error is None:  # a runaway's result is what the disk cache is for
-            self._to_disk(spec, step, value, elapsed)
+            self._to_disk(spec, step, value, elapsed)  # type: ignore[arg-type]
         with self._lock:
             self._slow.pop((spec.key, backend), None)
             self.stats.abandoned = self._runners.abandoned()

@@ -417,11 +417,10 @@ class Compiler:
         """Cache an abandoned compile's late result unless the request was served otherwise
         (the work is not lost, and the spec is no longer treated as a runaway)."""
         with self._lock:
-            if self._closed or key in self._cache:
-                return False
-        grammar = make()
+            wanted = not self._closed and key not in self._cache
+        grammar = make() if wanted else None  # (make counts it: only when wanted)
         with self._lock:
-            if self._closed or key in self._cache:
+            if grammar is None or self._closed or key in self._cache:
                 return False
             self._insert(key, grammar)
         self._trim()

@@ -183,7 +183,13 @@ class Filler:
         """Write ``bitmask[row]`` for every ``(matcher, row)``; rows must be distinct.
 
         Matchers whose class offers ``batch_fill`` (the backend protocol's capability) are
-        grouped by it; a group of at least ``parallel_min`` goes through it at once."""
+        grouped by it; a group of at least ``parallel_min`` goes through it at once. With
+        fewer entries than that no group can get there: the loop runs without grouping (a
+        class lookup and a native ``is_terminated`` less per row, on the fill thread)."""
+        if len(entries) < self.parallel_min:
+            for matcher, row in entries:
+                matcher.fill(bitmask, row)
+            return
         groups: dict[Any, list[tuple[Matcher, int]]] = {}
         rest: list[tuple[Matcher, int]] = []
         for matcher, row in entries:

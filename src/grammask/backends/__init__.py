@@ -7,11 +7,11 @@ way (``registry.register``).
 from __future__ import annotations
 
 from . import guidance, xgrammar
-from .base import Backend, BackendGrammar, BackendMatcher, Matcher
+from .base import Backend, BackendGrammar, BackendMatcher, DiskBackend, Matcher
 from .registry import BackendInfo, Cost, Workload, adapter, backends, info, register
 
-__all__ = ["Backend", "BackendGrammar", "BackendInfo", "BackendMatcher", "Cost", "Matcher",
-           "Workload", "backends", "get_backend", "info", "register"]
+__all__ = ["Backend", "BackendGrammar", "BackendInfo", "BackendMatcher", "Cost", "DiskBackend",
+           "Matcher", "Workload", "backends", "disk_backend", "get_backend", "info", "register"]
 assert xgrammar and guidance  # imported for their registration
 
 
@@ -20,3 +20,9 @@ def get_backend(name: str) -> Backend:
     is an ``InvalidSpecError`` naming the registered ones."""
     backend: Backend = adapter(name)
     return backend
+
+
+def disk_backend(name: str) -> DiskBackend | None:
+    """The adapter of a backend that declares the disk capability; None for the others."""
+    found: DiskBackend | None = adapter(name) if info(name).disk else None
+    return found

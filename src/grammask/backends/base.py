@@ -42,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from ..diskcache import DiskCache
 from ..errors import UnsupportedError
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
@@ -99,6 +100,20 @@ class Backend(Protocol):
         """Cheap syntax check without a vocabulary (request validation); raises GrammarError.
 
         ``lenient`` as in ``compile``: a check must refuse exactly what a compile would."""
+
+
+class DiskBackend(Protocol):
+    """The disk capability (``BackendInfo.disk``): compiled grammars as ``diskcache``
+    payloads. Both calls never raise: the cache is a bonus."""
+
+    def load_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,
+                      lenient: bool) -> BackendGrammar | None:
+        """A grammar an earlier compile (any process) stored, or None."""
+
+    def store_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary,
+                       grammar: BackendGrammar, *, lenient: bool,
+                       compile_ms: float | None) -> bool:
+        """Queue ``grammar`` for writing (off the request path); False when not queued."""
 
 
 class BackendMatcher:

@@ -362,7 +362,7 @@ LENIENT_EXACT = frozenset({"format (unknown)", "format (neither backend)"})
 
 
 register(BackendInfo(
-    name="guidance", priority=1, label="llguidance", aliases=("llguidance",),
+    name="guidance", package="llguidance", priority=1, label="llguidance", aliases=("llguidance",),
     adapter=GuidanceBackend, gaps=GAPS, lenient=True, lenient_exact=LENIENT_EXACT,
     lenient_cannot=LENIENT_CANNOT, batch_fill=True,
     footprint=(2.3, 0),  # llguidance reports no size: grammask's own estimate

@@ -45,6 +45,8 @@ class BackendInfo:
     #: builds the adapter, a ``backends.base.Backend`` (called once per process, on first
     #: use; typed loosely here so that this module imports nothing the adapters import)
     adapter: Callable[[], Any]
+    #: its distribution on PyPI (versions in reports and in disk-cache keys)
+    package: str = ""
     #: the tie-break among backends of equal cost: lower first
     priority: int = 100
     #: label in messages ("llguidance" for the backend named ``guidance``)

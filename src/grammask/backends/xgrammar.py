@@ -13,10 +13,12 @@ import torch
 import xgrammar as xgr
 
 from ..bitmask import normal_tensors
+from ..diskcache import DiskCache
 from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
 from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
+from . import xgrammar_disk
 from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
 from .registry import BackendInfo, Cost, register
 
@@ -115,12 +117,28 @@ class XGrammarCompiled:
 class XGrammarBackend:
     name: BackendName = "xgrammar"
 
-    def prepare(self, vocab: Vocabulary) -> None:
-        _ = vocab.xgrammar_info
-
     def __init__(self) -> None:
         self._compilers: dict[str, xgr.GrammarCompiler] = {}
         self._lock = threading.Lock()
+
+    def prepare(self, vocab: Vocabulary) -> None:
+        _ = vocab.xgrammar_info
+        xgrammar_disk.recipe_digest()  # reads sources: now, not in a request's first load
+
+    # the disk capability (``BackendInfo.disk``): ``xgrammar_disk`` is the codec
+    def load_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,
+                      lenient: bool = False) -> XGrammarCompiled | None:
+        compiled = xgrammar_disk.load(cache, spec, vocab, lenient=lenient)
+        return None if compiled is None else XGrammarCompiled(compiled, vocab.stop_ids,
+                                                               vocab.vocab_size)
+
+    def store_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary,
+                       grammar: object, *, lenient: bool = False,
+                       compile_ms: float | None = None) -> bool:
+        if not isinstance(grammar, XGrammarCompiled):
+            return False
+        return xgrammar_disk.store(cache, spec, vocab, grammar._compiled, lenient=lenient,
+                                   compile_ms=compile_ms)
 
     def _compiler(self, vocab: Vocabulary) -> xgr.GrammarCompiler:
         with self._lock:
@@ -280,9 +298,17 @@ GAPS: dict[str, str] = {
 }
 
 
+def disk_child_main() -> None:
+    """The disk cache's writer process (``xgrammar_disk.run_child``): it compiles as this
+    adapter does, so the key and the grammar match the parent's."""
+    backend = XGrammarBackend()
+    xgrammar_disk.child_main(
+        lambda spec, vocab, lenient: backend.compile(spec, vocab, lenient=lenient)._compiled)
+
+
 register(BackendInfo(
-    name="xgrammar", priority=0, adapter=XGrammarBackend, gaps=GAPS, batch_fill=True,
-    disk=True,
+    name="xgrammar", package="xgrammar", priority=0, adapter=XGrammarBackend, gaps=GAPS,
+    batch_fill=True, disk=True,
     # measured RSS per cached grammar: memory_size_bytes misses allocator overhead and the
     # matcher-side structures (bench/stress.py --calibrate; corpus schemas, Qwen2.5, glibc)
     footprint=(0.57, 180 * 1024),

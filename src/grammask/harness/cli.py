@@ -116,7 +116,8 @@ def spec_item(ns: argparse.Namespace) -> Item:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for pkg in ("grammask", "xgrammar", "llguidance", "jsonschema", "regex", "lark", "torch"):
+    backends = [b.package for b in registry.backends() if b.package]
+    for pkg in ("grammask", *backends, "jsonschema", "regex", "lark", "torch"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

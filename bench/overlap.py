@@ -2,11 +2,13 @@
 
     python -m bench.overlap [--quick] [--json OUT] [--corpus PATH] [--sample N] [--seed S]
                             [--forward-ms 2,10,30] [--batch-sizes 1,16,64,256] [--steps N]
+                            [--forward-kind idle,matmul] [--handover advance|step]
 
 One decode step is simulated as the host would run it with ``BatchProcessor``:
 ``step()`` (start advance + fill on the worker) -> forward -> fresh logits (a copy into a
 (B, V) fp32 tensor) -> ``apply(logits)`` -> the host hands the sampled tokens over
-(``advance``). The baseline step is the same without the processor. Both kinds of step
+(``advance`` per row; ``--handover step``: with the next ``step(rows, tokens)``, one pass
+that appends and reads). The baseline step is the same without the processor. Both kinds of step
 alternate in one run, so background load hits them alike.
 
 Rows walk valid corpus instances (``json.dumps`` of maskbench test data, Qwen2.5 vocabulary):
@@ -87,6 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--forward-ms", default="2,10,30")
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--steps", type=int, help="timed steps of each kind (default 60, quick 8)")
+    ap.add_argument("--handover", default="advance", choices=["advance", "step"],
+                    help="how the host hands the sampled tokens over: advance() per row "
+                         "(default), or step(rows, tokens), one pass with the read")
     ap.add_argument("--forward-kind", default="idle,matmul",
                     help="idle (a GPU host: a wait that uses no CPU), matmul (CPU serving), "
                          "or both (default)")
@@ -129,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind in kinds:
         for b in batches:
             for f in forwards:
-                row = measure_overlap(compiler, vocab, walks, b, f, steps, kind)
+                row = measure_overlap(compiler, vocab, walks, b, f, steps, kind,
+                                      args.handover)
                 row.update(apply_ms=fill_rows[b]["apply_planned_ms"],
                            apply_inline_ms=fill_rows[b]["apply_ms"],
                            memcpy_ms=fill_rows[b]["memcpy_ms"])
@@ -152,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("fwd+fill: the forward while the fill job runs beside it (CPU contention when no "
           "core is free); plan: the job expanding the masks for the CPU apply; wait+apply: "
           "proc.apply(), split into the masking kernel, the wait for the job and the rest "
-          "(apply's bookkeeping); host: step() + handing tokens over; exp-apply: exposed "
+          f"(apply's bookkeeping); host: step() + handing tokens over ({args.handover}); "
+          "exp-apply: exposed "
           "less this step's own kernel (per step, then the median)\n"
           "target: exp-apply <= 10% of advance+fill+plan when that is shorter than the "
           "forward; host < 50 us + 2 us/row; apply <= 1.5x memcpy (the table above)")
@@ -258,7 +265,8 @@ class Probe:
 
 
 def measure_overlap(compiler: Compiler, vocab: Vocabulary, walks: list[Walk], batch: int,
-                    forward_ms: float, steps: int, kind: str = "matmul") -> dict[str, Any]:
+                    forward_ms: float, steps: int, kind: str = "matmul",
+                    handover: str = "advance") -> dict[str, Any]:
     """One (batch, forward) cell: masked and plain steps alternating.
 
     Fresh logits (a copy of a template into the (B, V) fp32 tensor) come at the end of the
@@ -269,10 +277,13 @@ def measure_overlap(compiler: Compiler, vocab: Vocabulary, walks: list[Walk], ba
     after it runs cold, which ``apply_rest_ms`` shows.)
 
     The hand-over (the host giving the sampled tokens to the processor: ``add`` for a row
-    whose request ended, ``advance`` for every row) is timed; the walk's own bookkeeping
-    (which token is next) is prepared outside the timed window, since a host has its sampled
-    tokens at hand."""
+    whose request ended, ``advance`` for every row) is timed; with ``handover="step"`` the
+    tokens (one array, as a sampler returns them) go to the next ``step(rows, tokens)``
+    instead, timed there. The walk's own bookkeeping (which token is next, which rows
+    restart) is prepared outside the timed window, since a host has its sampled tokens at
+    hand."""
     forward = make_forward(forward_ms, kind)
+    handover_step = handover == "step"
     template = torch.randn(batch, vocab.vocab_size)
     logits = torch.empty_like(template)
     proc = BatchProcessor(compiler, max_batch=batch, think_end=None)
@@ -287,8 +298,10 @@ def measure_overlap(compiler: Compiler, vocab: Vocabulary, walks: list[Walk], ba
         forward()
         logits.copy_(template)
 
-    def next_tokens() -> list[tuple[int, list[int], Walk | None]]:
-        """(row, its sampled tokens, the walk it restarts when its request ended)."""
+    def next_tokens() -> tuple[list[tuple[int, list[int], Walk | None]], list[int],
+                               list[tuple[int, Walk]]]:
+        """Per row (row, its sampled tokens, the walk it restarts when its request ended);
+        the same tokens as one array (a host's sampler output) and the restarts alone."""
         out = []
         for row in range(batch):
             walk = walks[row % len(walks)]
@@ -297,14 +310,21 @@ def measure_overlap(compiler: Compiler, vocab: Vocabulary, walks: list[Walk], ba
                 positions[row] = 0
             out.append((row, [walk.tokens[positions[row]]], walk if restart else None))
             positions[row] += 1
-        return out
+        return (out, [tokens[0] for _, tokens, _ in out],
+                [(row, walk) for row, _, walk in out if walk is not None])
 
     probe = Probe()
+    every = list(range(batch))
+    carried: list[int] | None = None  # handover="step": the tokens the next step() takes
 
     def masked_step() -> dict[str, float]:
-        handover = next_tokens()  # the walk's bookkeeping: not the host's work
+        nonlocal carried
+        handover, sampled, restarts = next_tokens()  # the walk's bookkeeping: not the host's
         t0 = time.perf_counter()
-        proc.step()
+        if carried is None:
+            proc.step()
+        else:
+            proc.step(every, carried)
         t1 = time.perf_counter()
         model()
         t2 = time.perf_counter()
@@ -312,11 +332,17 @@ def measure_overlap(compiler: Compiler, vocab: Vocabulary, walks: list[Walk], ba
         proc.apply(logits)  # waits for the job, then masks with the plan it made
         t4 = time.perf_counter()
         kernel, wait = probe.kernel_s, probe.wait_s
-        for row, tokens, restart in handover:  # the host hands over the "sampled" tokens
-            if restart is not None:
-                proc.add(row, restart.grammar.spec, grammar=restart.grammar)
-            proc.advance(row, tokens)
-        t5 = time.perf_counter()
+        if handover_step:  # new requests now; the tokens go with the next step()
+            for row, walk in restarts:
+                proc.add(row, walk.grammar.spec, grammar=walk.grammar)
+            carried = sampled
+            t5 = time.perf_counter()
+        else:
+            for row, tokens, restart in handover:  # the host hands the "sampled" tokens over
+                if restart is not None:
+                    proc.add(row, restart.grammar.spec, grammar=restart.grammar)
+                proc.advance(row, tokens)
+            t5 = time.perf_counter()
         return {"step": (t5 - t0) * 1000, "host": (t1 - t0 + t5 - t4) * 1000,
                 "host_step": (t1 - t0) * 1000, "host_handover": (t5 - t4) * 1000,
                 "forward": (t2 - t1) * 1000, "wait_apply": (t4 - t2) * 1000,
@@ -353,8 +379,8 @@ def measure_overlap(compiler: Compiler, vocab: Vocabulary, walks: list[Walk], ba
                                            strict=True)]
     plain_p50 = percentile(plain, 50)
     return {
-        "forward_kind": kind, "batch": batch, "forward_ms": round(plain_p50, 3),
-        "forward_target_ms": forward_ms,
+        "forward_kind": kind, "handover": handover, "batch": batch,
+        "forward_ms": round(plain_p50, 3), "forward_target_ms": forward_ms,
         "advance_ms_p50": p("advance"), "fill_ms_p50": p("fill"), "fill_ms_p99": p("fill", 99),
         "job_ms_p50": round(percentile(job, 50), 4),
         "plan_ms_p50": p("plan"), "wait_apply_ms_p50": p("wait_apply"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from grammask import Compiler, GrammarSpec, Vocabulary
+from grammask import Compiler, ConstraintRequest, GrammarSpec, Vocabulary
 from grammask.processor import BatchProcessor
 
 from .helpers import RawReference
@@ -71,3 +71,55 @@ def test_allowed_token_ids_disjoint_from_the_grammar(compiler: Compiler,
         assert not torch.isfinite(logits[0, host_ids]).any()
     finally:
         proc.close()
+
+
+def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    """The apply skips the restore's pass while no row asks for it (``HostLogits.risky``);
+    a row that asks is still restored when it joins after a plain row, when a plain row
+    joins after it, after a move, and after a step where it was not masked (thinking) and
+    only a plain row was. Once the rows that asked have left, the pass is skipped again."""
+    grammar = compiler.compile(CHOICE)
+    done = [*qwen25.encode("green")]
+    stops = list(qwen25.stop_ids)
+    marker = "Z"
+    assert len(qwen25.encode(marker)) == 1
+    thinking = ConstraintRequest(CHOICE, think_end=marker)
+    proc = BatchProcessor(compiler, max_batch=4)
+
+    def step(restored: list[int], plain: list[int]) -> None:
+        """Every constrained row is finished (stop-only) and the host hides the stops."""
+        proc.step()
+        logits = torch.zeros(4, qwen25.vocab_size)
+        for row in restored + plain:
+            _host_forbids(logits, row, stops)
+        proc.apply(logits)
+        for row in restored:
+            assert only_finite(logits[row]) == sorted(stops), row
+        for row in plain:
+            assert not torch.isfinite(logits[row]).any(), row
+
+    try:
+        proc.add(0, CHOICE, output_ids=list(done), grammar=grammar)
+        step([], [0])
+        assert not proc._logits.risky
+        proc.add(1, CHOICE, output_ids=list(done), grammar=grammar, host_masks=True)
+        step([1], [0])
+        proc.add(2, CHOICE, output_ids=list(done), grammar=grammar)
+        step([1], [0, 2])
+        proc.move(1, 0)  # row 0's plain request is dropped
+        step([0], [2])
+        proc.add(3, thinking, grammar=grammar, host_masks=True)
+        proc.remove(0)
+        step([], [2])  # row 3 thinks (not masked): only plain row 2 is
+        proc.advance(3, [qwen25.token_id(marker), *done])
+        step([3], [2])
+        proc.remove(3)
+        step([], [2])
+        assert not proc._logits.risky
+    finally:
+        proc.close()
+
+
+def only_finite(row: torch.Tensor) -> list[int]:
+    return sorted(torch.isfinite(row).nonzero().flatten().tolist())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -289,6 +291,42 @@ def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
             for row in rows:
                 proc.advance(row, [tok])
         assert planned == 7  # every step after the first
+        assert proc.errors == {}
+
+
+def test_one_slow_plan_leaves_planning_on(compiler: Compiler, qwen25: Vocabulary,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan far longer than the forward, first (a cold start) or once among fast ones (a
+    preempted thread), does not turn planning off: the decision takes the fastest of the
+    recent plans, the first two left out. A job that does not plan reports 0 ms."""
+    import grammask.stepjob as stepjob
+
+    real = stepjob.plan_cpu_apply
+    calls: list[int] = []
+
+    def plan(*args: Any, **kwargs: Any) -> Any:
+        calls.append(len(calls) + 1)
+        if len(calls) in (1, 5):
+            time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stepjob, "plan_cpu_apply", plan)
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    tokens = qwen25.encode(INSTANCE)
+    with BatchProcessor(compiler, max_batch=2, think_end=None) as proc:
+        proc.add(0, grammar.spec, grammar=grammar)
+        for step, tok in enumerate(tokens[:9]):
+            proc.step()
+            time.sleep(0.08)  # the forward the job overlaps
+            proc.apply(torch.zeros(2, qwen25.vocab_size))
+            assert proc._cpu_layout is not None, step  # the next job plans
+            assert (proc.last_plan_ms > 0) == (step > 0), step
+            proc.advance(0, [tok])
+        assert len(calls) == 8  # every step after the first
+        proc._cpu_layout = None  # as after GPU logits
+        proc.step()
+        proc.wait_masks()
+        assert proc.last_plan_ms == 0.0 and len(calls) == 8
         assert proc.errors == {}
 
 

@@ -139,6 +139,131 @@ def test_placeholders_are_read_when_resolved(compiler: Compiler, qwen25: Vocabul
         assert only(logits[0]) == sorted(qwen25.stop_ids)
 
 
+def test_one_and_several_tokens_per_read_follow_the_reference(
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    """Reads of one token (``Row.take``'s fast path) and of several alternate, on a live
+    list and an owned one: every token is fed once, in order."""
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ids = qwen25.encode(INSTANCE)
+    g = compiler.compile(spec)
+    refs = [RawReference.of(g, qwen25), RawReference.of(g, qwen25)]
+    live: list[int] = []
+    with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
+        proc.add(1, spec, grammar=g)  # the table's order is not the rows' order
+        proc.add(0, spec, output_ids=live, grammar=g)
+        at = 0
+        for n in (1, 2, 1, 1, 3, 1, 2, 1):
+            chunk = ids[at:at + n]
+            at += n
+            live.extend(chunk)
+            proc.advance(1, chunk)
+            for ref in refs:
+                assert all(ref.accept(t) for t in chunk)
+            logits = run_step(proc, 2, qwen25)
+            for row, ref in enumerate(refs):
+                assert torch.equal(allowed(logits[row]), ref_allowed(ref, qwen25)), (row, at)
+        assert proc.info(0).constrained_tokens == at == proc.info(1).constrained_tokens
+        proc.step()
+        assert proc.wait_masks()[1] == [0, 1]  # sorted, as documented
+        assert proc.errors == {}
+
+
+def test_a_lone_placeholder_is_read_again_before_the_mask(
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    """One new entry that is a placeholder (the one-token read must not take it): the row
+    is read again in ``apply`` / ``wait_masks(rows)`` once resolved, beside a row that is
+    not late; still unresolved when its mask is needed, it errors."""
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ids = qwen25.encode(INSTANCE)
+    g = compiler.compile(spec)
+    refs = [RawReference.of(g, qwen25), RawReference.of(g, qwen25)]
+    outs: list[list[int]] = [[], []]
+    with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
+        for row in (0, 1):
+            proc.add(row, spec, output_ids=outs[row], grammar=g)
+        for at, rows in ((0, None), (1, [0, 1]), (2, None)):
+            outs[0].append(-1)  # async scheduling: row 0's token is not known yet
+            outs[1].append(ids[at])
+            proc.step(rows)
+            outs[0][-1] = ids[at]  # resolved before the mask is needed
+            for ref in refs:
+                assert ref.accept(ids[at])
+            if rows is None:
+                logits = torch.zeros(2, qwen25.vocab_size)
+                proc.apply(logits)
+                for row, ref in enumerate(refs):
+                    assert torch.equal(allowed(logits[row]), ref_allowed(ref, qwen25)), at
+            else:
+                bitmask, masked = proc.wait_masks(rows)
+                assert masked == [0, 1]
+                for row, ref in enumerate(refs):
+                    assert torch.equal(bitmask[row], ref.words()), at
+        outs[0].append(-1)
+        outs[1].append(ids[3])
+        logits = run_step(proc, 2, qwen25)
+        assert proc.status(0) == "error" and "placeholder" in (proc.error(0) or "")
+        assert only(logits[0]) == sorted(qwen25.stop_ids)
+        assert refs[1].accept(ids[3])
+        assert torch.equal(allowed(logits[1]), ref_allowed(refs[1], qwen25))
+
+
+def test_step_with_tokens_hands_over_and_reads_in_one_pass(
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    """``step(rows, tokens)`` is ``advance(rows[i], [tokens[i]])`` for each row, then
+    ``step(rows)``: rows in any order, unread tokens first, a row listed twice gets both
+    tokens in order, unconstrained rows are skipped. A live row raises as ``advance``
+    does, and the other rows' step still runs; rows and tokens must pair up."""
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    ids = qwen25.encode(INSTANCE)
+    g = compiler.compile(spec)
+    refs = [RawReference.of(g, qwen25), RawReference.of(g, qwen25)]
+    live: list[int] = []
+    with BatchProcessor(compiler, max_batch=4, **PATIENT) as proc:
+        for row in (0, 1):
+            proc.add(row, spec, grammar=g)
+        proc.add(3, spec, output_ids=live, grammar=g)
+        noise = torch.randn(4, qwen25.vocab_size)
+
+        def check(steps: list[tuple[list[int], list[int]]]) -> None:
+            for rows, tokens in steps:
+                for row, tid in zip(rows, tokens, strict=True):
+                    if row in (0, 1):
+                        assert refs[row].accept(tid)
+                proc.step(rows, tokens)
+                logits = noise.clone()
+                proc.apply(logits)
+                for row in range(4):  # only the step's constrained rows are masked
+                    if row in rows and row in (0, 1):
+                        assert torch.equal(allowed(logits[row]), ref_allowed(refs[row], qwen25))
+                    else:
+                        assert torch.equal(logits[row], noise[row])
+
+        check([([0, 1, 2], [ids[0], ids[0], 7]), ([1, 0], [ids[1], ids[1]])])
+        proc.advance(0, [ids[2]])  # unread: read before the step's own token
+        assert refs[0].accept(ids[2])
+        check([([0, 1], [ids[3], ids[2]]), ([1, 1], [ids[3], ids[4]])])
+        with pytest.raises(ValueError, match="live"):
+            proc.step([3, 0, 1], [ids[0], ids[4], ids[5]])
+        for row, tid in ((0, ids[4]), (1, ids[5])):
+            assert refs[row].accept(tid)
+        logits = noise.clone()
+        proc.apply(logits)  # the step of the other rows ran
+        for row, ref in enumerate(refs):
+            assert torch.equal(allowed(logits[row]), ref_allowed(ref, qwen25))
+        assert torch.equal(logits[3], noise[3]) and live == []
+        assert proc.info(0).constrained_tokens == 5 and proc.info(1).constrained_tokens == 6
+        proc.step([1, 0, 1], [ids[6], ids[5], ids[7]])
+        bitmask, masked = proc.wait_masks()
+        assert masked == [0, 1]  # sorted and distinct
+        for row, fed in ((0, [ids[5]]), (1, [ids[6], ids[7]])):
+            assert all(refs[row].accept(t) for t in fed)
+            assert torch.equal(bitmask[row], refs[row].words())
+        for rows, tokens in ((None, [ids[5]]), ([0, 1], [ids[5]])):
+            with pytest.raises(ValueError, match="one row per token"):
+                proc.step(rows, tokens)
+        assert proc.info(0).constrained_tokens == 6 and proc.errors == {}
+
+
 def test_rollback_explicit_and_by_shrinking_list(compiler: Compiler, qwen25: Vocabulary) -> None:
     spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
     ids = qwen25.encode(INSTANCE)
@@ -492,6 +617,32 @@ def test_metrics_count_errors_waits_and_fills(compiler: Compiler, qwen25: Vocabu
     assert delta('grammask_first_mask_wait_seconds_count{outcome="late"}') == 1
     assert delta("grammask_fill_seconds_count") >= 1
 
+
+
+def test_a_server_fault_is_counted_apart_from_the_requests_own_error(
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    """A compile that timed out or broke inside a backend is the server's fault: its row
+    error cause is ``server``, and ``compile`` stays the request's own grammar refused."""
+    from grammask import metrics
+    from grammask.errors import CompileTimeoutError, InternalCompileError
+
+    faults = []
+    for error in (CompileTimeoutError("not compiled within 0.30 s"),
+                  InternalCompileError("xgrammar: internal error: MemoryError")):
+        future: Future[Grammar] = Future()
+        future.set_exception(error)
+        faults.append(future)
+    before = metrics.snapshot()
+    with BatchProcessor(compiler, max_batch=2, wait_s=0.05) as proc:
+        for row, future in enumerate(faults):
+            proc.add(row, GrammarSpec.regex(f"fault{row}"), grammar=future)
+        run_step(proc, 2, qwen25)
+        assert "not compiled within" in (proc.error(0) or "")
+        assert "MemoryError" in (proc.error(1) or "")
+    after = metrics.snapshot()
+    key = 'grammask_row_errors_total{cause="%s"}'
+    assert after.get(key % "server", 0.0) - before.get(key % "server", 0.0) == 2
+    assert after.get(key % "compile", 0.0) == before.get(key % "compile", 0.0)
 
 
 def test_apply_mapped_and_apply_drafts_place_masks_in_the_hosts_row_order(

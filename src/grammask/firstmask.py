@@ -110,16 +110,18 @@ class PendingGrammar:
         assert future is not None
         return future
 
-    def failure(self) -> str:
-        """Why the row has no grammar, for its error message."""
+    def failure(self) -> tuple[str, str]:
+        """Why the row has no grammar, and whose fault it is: ``compile`` (the request's own
+        grammar was refused: a ``GrammarError``) or ``server`` (a timeout, an internal
+        failure, another rank's)."""
         for future in (self.primary, self.alternate):
             if future is not None and future.done() and not future.cancelled():
                 exc = future.exception()
                 if isinstance(exc, GrammarError):
-                    return str(exc)
+                    return str(exc), "compile"
                 if exc is not None:
-                    return f"{type(exc).__name__}: {exc}"
-        return "failed on another tensor-parallel rank"
+                    return f"{type(exc).__name__}: {exc}", "server"
+        return "failed on another tensor-parallel rank", "server"
 
 
 class RowView(NamedTuple):
@@ -273,7 +275,8 @@ class FirstMasks:
                     r.fail(f"grammar not compiled within wait_s={wait_s:g} s of its "
                            "first mask (it goes on compiling for the cache)", cause="late")
                 elif decision.fail is not None:
-                    r.fail(f"grammar failed to compile: {r.pending.failure()}", cause="compile")
+                    why, cause = r.pending.failure()
+                    r.fail(f"grammar failed to compile: {why}", cause=cause)
                 else:
                     if decision.hedge:
                         r.pending.start_hedge()

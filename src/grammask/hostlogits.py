@@ -32,6 +32,9 @@ class HostLogits:
         self.drafts = drafts
         #: per-rank mask digests (a debug setting; ``digests.py``), None: off
         self.digests: MaskDigests | None = None
+        #: some row of the table may have ``host_masks`` (set by the facade's ``add``, cleared
+        #: by ``_restore`` once none has): while False, the apply skips the restore's pass
+        self.risky = False
         # mask rows in a host's own logits order (apply_mapped / apply_drafts), made on use
         self._mapped: MaskBuffers | None = None
         self._retired: list[MaskBuffers] = []
@@ -44,7 +47,8 @@ class HostLogits:
                 plan = None if self.digests.fault else plan
             apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
                           buffers=self.buffers, plan=plan)
-            self._restore(table, logits, bitmask, [(i, i) for i in rows])
+            if self.risky:
+                self._restore(table, logits, bitmask, [(i, i) for i in rows])
 
     def apply_mapped(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
                      masked: list[int], logits_rows: Sequence[int], rows: Sequence[int]) -> None:
@@ -99,8 +103,12 @@ class HostLogits:
     def _restore(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
                  pairs: Sequence[tuple[int, int]]) -> None:
         """The grammar wins over the host's own processors (rows that asked for it)."""
+        if not self.risky:
+            return
         risky = [(at, row) for at, row in pairs
                  if (r := table.get(row)) is not None and r.host_masks]
+        if not risky and not any(r.host_masks for r in table.values()):
+            self.risky = False  # the rows that asked have left the batch
         if risky and (n := restore_empty_rows(logits, bitmask, risky,
                                               vocab_size=self.vocab_size)) > 0:
             metrics.HOST_CONFLICTS.inc(n)

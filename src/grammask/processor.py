@@ -15,7 +15,9 @@ Row semantics (the contract the vLLM / transformers adapters are written against
   unconstrained: never read, never masked, and cost nothing per step.
 - Tokens: ``output_ids`` is either a list the host keeps appending to (a *live* list: each step
   reads what was appended since the last one, several tokens at once are fine) or None, in
-  which case the processor owns the list and the host calls ``advance(row, tokens)``.
+  which case the processor owns the list and the host calls ``advance(row, tokens)``, or
+  hands one sampled token per row to ``step(rows, tokens)`` (the hand-over and the read in
+  one pass over the rows).
   Negative ids are placeholders of tokens not known yet (vLLM async scheduling): a step stops
   reading at the first one and reads again, before masking, in ``apply``. A live list that got
   shorter since the last step is rolled back by the difference.
@@ -111,7 +113,7 @@ class BatchProcessor:
     #: Milliseconds the last fill job spent advancing matchers and filling (metrics) ...
     last_advance_ms: _Kept[float] = _Kept("_stats")
     last_fill_ms: _Kept[float] = _Kept("_stats")
-    #: ... and expanding the masks into the CPU apply's plan (0 when logits are not CPU).
+    #: ... and expanding the masks into the CPU apply's plan (0: the last job did not plan).
     last_plan_ms: _Kept[float] = _Kept("_stats")
     #: Mask rows filled by the backends so far (work done, for metrics and tests).
     rows_filled: _Kept[int] = _Kept("_stats")
@@ -163,6 +165,8 @@ class BatchProcessor:
         if request is not None:
             self._rows[row] = self._new_row(request, prompt_ids, output_ids, grammar,
                                             host_masks)
+            if host_masks:
+                self._logits.risky = True
 
     def fail(self, row: int, message: str, cause: str = "host") -> None:
         """Put ``row`` into the error state (adapters that lose track of a row's tokens)."""
@@ -223,12 +227,18 @@ class BatchProcessor:
         r.rewind(num_tokens)
 
     # ----------------------------------------------------------------------- per step
-    def step(self, rows: Collection[int] | None = None) -> None:
+    def step(self, rows: Collection[int] | None = None,
+             tokens: Sequence[int] | None = None) -> None:
         """Read each constrained row's new tokens and start advance + fill on the worker.
 
         ``rows``: only these rows (those a host will sample this step); the others keep
-        their unread tokens for a later step. None: every constrained row."""
-        self._jobs.step(self._rows, rows)
+        their unread tokens for a later step. None: every constrained row.
+        ``tokens``: the hand-over and the read in one pass, for rows whose output list the
+        processor owns: ``tokens[i]`` (one sampled token) is appended to row ``rows[i]``
+        first, as ``advance(rows[i], [tokens[i]])`` would (``rows`` then in the tokens'
+        order; unconstrained rows are skipped). A row with a live list raises ValueError, as
+        ``advance`` does, after the step started for the others."""
+        self._jobs.step(self._rows, rows, tokens)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for this step's fill and mask ``logits`` (rows = batch rows) in place."""

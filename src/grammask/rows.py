@@ -44,6 +44,11 @@ class RowInfo:
 class Row:
     """One constrained request."""
 
+    # slots: a step touches every row right after the forward, with cold caches; the
+    # attributes then sit in the object itself, not in a separate values array
+    __slots__ = ("backlog", "error", "fed", "gate", "grammar", "host_masks", "late", "matcher",
+                 "need_since", "output", "owned", "pending", "request", "seen", "vocab_tokens")
+
     def __init__(self, request: ConstraintRequest, pending: PendingGrammar,
                  output: list[int], owned: bool, vocab_tokens: Sequence[bytes]) -> None:
         self.request = request
@@ -74,11 +79,19 @@ class Row:
     def needs_mask(self) -> bool:
         return self.gate is None or not self.gate.thinking
 
-    def take(self) -> list[int]:
-        """The tokens appended since the last read, up to the first placeholder."""
+    def take(self, late: list[Row] | None = None) -> list[int]:
+        """The tokens appended since the last read, up to the first placeholder; a read that
+        stops at one marks the row ``late`` and appends it to ``late`` (so the step knows
+        without scanning its rows again)."""
         out = self.output
         end = len(out)
         seen = self.seen
+        if end == seen + 1:  # the common case, one token per step: no slice, no scan
+            tid = int(out[seen])
+            if tid >= 0:
+                self.late = False
+                self.seen = end
+                return [tid]
         if end < seen:
             self.rewind(seen - end)
             seen = self.seen
@@ -91,6 +104,8 @@ class Row:
                 if tid < 0:
                     new = new[:i]
                     self.late = True
+                    if late is not None:
+                        late.append(self)
                     break
         self.seen = seen + len(new)
         return new

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections import deque
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ class FillStats:
     #: milliseconds the last job spent advancing matchers and filling
     last_advance_ms: float = 0.0
     last_fill_ms: float = 0.0
-    #: ... and expanding the masks into the CPU apply's plan (0 when logits are not CPU)
+    #: ... and expanding the masks into the CPU apply's plan (0: the job did not plan)
     last_plan_ms: float = 0.0
     #: mask rows filled by the backends so far (work done)
     rows_filled: int = 0
@@ -67,6 +68,8 @@ class Step:
     work: list[Work]
     #: the CPU apply's index plan for the job's rows, made by the job (None: none made)
     plan: CpuPlan | None = None
+    #: some row's read stopped at a placeholder (``Row.take``): ``wait`` reads it again
+    late: bool = False
 
 
 class StepJobs:
@@ -87,28 +90,54 @@ class StepJobs:
         self.cpu_layout: CpuLayout | None = None
         self._stepped_at = 0.0  # when the last step's job was handed over
         self._steps = 0
+        # plan times (ms) of the last jobs that planned, the first two left out (cold
+        # caches, first allocations): ``_plan_fits`` takes their min
+        self._plan_ms: deque[float] = deque(maxlen=4)
+        self._plans = 0  # jobs that planned
 
     @property
     def thread_id(self) -> int | None:
         return self._worker.thread_id
 
-    def step(self, table: dict[int, Row], rows: Collection[int] | None) -> None:
-        """Read the rows' new tokens (``rows``: only these) and hand the job to the worker."""
+    def step(self, table: dict[int, Row], rows: Collection[int] | None,
+             tokens: Sequence[int] | None = None) -> None:
+        """Read the rows' new tokens (``rows``: only these) and hand the job to the worker;
+        ``tokens``: first append ``tokens[i]`` to row ``rows[i]``'s (owned) output, in the
+        same pass (``BatchProcessor.step``)."""
+        if tokens is not None and (rows is None or len(rows) != len(tokens)):
+            raise ValueError("step(rows, tokens) needs one row per token")
         if self.pending is not None:
             self.settle()
             self.pending = None
         take = Row.take
-        if rows is None:
-            work = [(index, r, take(r)) for index, r in table.items()]
+        late: list[Row] = []  # rows whose read stopped at a placeholder (``take`` notes them)
+        live: int | None = None  # a row of ``rows`` whose list the host appends to itself
+        if tokens is not None:
+            assert rows is not None
+            work: list[Work] = []
+            for i, tid in zip(rows, tokens, strict=True):
+                r = table.get(i)
+                if r is None:
+                    continue
+                if not r.owned:
+                    live = i
+                    continue
+                r.output.append(int(tid))
+                work.append((i, r, take(r, late)))
+        elif rows is None:
+            work = [(index, r, take(r, late)) for index, r in table.items()]
         else:
-            work = [(i, table[i], take(table[i])) for i in sorted(set(rows)) if i in table]
-        step = Step(None, self.buffers.acquire(), work)
+            work = [(i, table[i], take(table[i], late)) for i in sorted(set(rows))
+                    if i in table]
+        step = Step(None, self.buffers.acquire(), work, late=bool(late))
         self._stepped_at = time.perf_counter()
         self._steps += 1
         if work:
             layout = self.cpu_layout
             step.future = self._worker.run(lambda: self._job(step, layout))
         self.pending = step
+        if live is not None:  # the other rows' job runs: the host's mistake is this row's
+            raise ValueError(f"row {live} reads a live output list; append to it instead")
 
     def settle(self) -> None:
         """Wait for an in-flight fill so the host thread may touch matchers again."""
@@ -151,10 +180,10 @@ class StepJobs:
             except BaseException as exc:  # a bug in the job: contain it to this step's rows
                 indices = self._contain(step.work, step.buffer, exc)
             else:
-                if rows is None and not any(r.late for _, r, _ in step.work):
-                    return StepMasks(step.buffer, sorted(set(result)), step.plan)  # common
+                if rows is None and not step.late:  # the common case: ``_job`` sorted them
+                    return StepMasks(step.buffer, result, step.plan)
                 indices = set(result)
-        late = [(index, r, r.take()) for index, r, _ in step.work if r.late]
+        late = [(index, r, r.take()) for index, r, _ in step.work if r.late] if step.late else []
         done = {index for index, _, _ in step.work}
         if rows is not None:  # rows the step skipped: read and fill them here
             late += [(i, table[i], table[i].take()) for i in sorted(set(rows))
@@ -184,25 +213,34 @@ class StepJobs:
         """Whether the next job should also plan the CPU apply: only while the job, planning
         included, ends within the forward it overlaps (planning moves the apply's index work
         off the critical path; when the forward is too short it would lengthen the step
-        instead). Planning is tried again every 64 steps, as batches and masks change."""
+        instead). The plan's share is the fastest of the last four plans, the first two
+        plans left out: one slow plan (a cold start, a preempted thread) must not turn
+        planning off, and a job that did not plan leaves no stale time behind. Planning is
+        tried again every 64 steps, as batches and masks change."""
         stats = self.stats
-        job_ms = stats.last_advance_ms + stats.last_fill_ms + stats.last_plan_ms
+        job_ms = stats.last_advance_ms + stats.last_fill_ms + min(self._plan_ms, default=0.0)
         return job_ms <= 0.9 * window_ms or self._steps % 64 == 0
 
     def _job(self, step: Step, layout: CpuLayout | None) -> list[int]:
         """The worker's job: ``_run``, then (CPU logits) the apply plan for its rows, so the
-        apply on the host's critical path is only gather / memset / scatter."""
-        indices = self._run(step.work, step.buffer)
+        apply on the host's critical path is only gather / memset / scatter. The rows come
+        back sorted and distinct (``step(rows, tokens)`` may list a row twice), so ``wait``
+        has nothing left to do."""
+        indices = sorted(set(self._run(step.work, step.buffer)))
+        plan_ms = 0.0
         if layout is not None and indices:
             width, stride = layout
             started = time.perf_counter()
             try:
-                step.plan = plan_cpu_apply(step.buffer, sorted(indices),
-                                           vocab_size=self.vocab_size, width=width,
-                                           stride=stride)
+                step.plan = plan_cpu_apply(step.buffer, indices, vocab_size=self.vocab_size,
+                                           width=width, stride=stride)
             except Exception as exc:  # never fatal: apply plans inline instead
                 log.debug("grammask: apply plan failed: %s", exc)
-            self.stats.last_plan_ms = (time.perf_counter() - started) * 1000
+            plan_ms = (time.perf_counter() - started) * 1000
+            self._plans += 1
+            if self._plans > 2:
+                self._plan_ms.append(plan_ms)
+        self.stats.last_plan_ms = plan_ms
         return indices
 
     def _run(self, work: list[Work], buffer: torch.Tensor) -> list[int]:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from grammask.router import route
@@ -318,7 +319,7 @@ def test_on_error_free_leaves_a_failed_row_unconstrained(
                          {cause: n for cause, n in errors.items() if n})
     finish, text, errors = results["lenient"]  # on_error=free
     assert finish == "length" and text, results
-    assert errors == {"compile": 1}, results  # its compile_timeout_s is below its wait_s
+    assert errors == {"server": 1}, results  # its compile_timeout_s is below its wait_s
     finish, text, errors = results["tuned"]  # on_error=stop (default)
     assert finish == "stop" and text == "", results
     assert errors == {"late": 1}, results  # its wait_s
@@ -327,17 +328,28 @@ def test_on_error_free_leaves_a_failed_row_unconstrained(
 # -------------------------------------------------------------------- compile_timeout_s
 def test_compile_timeout_fails_a_heavy_schema_and_not_a_trivial_one(
         servers: dict[str, Any], lenient: Server) -> None:
-    """``compile_timeout_s=0.3``: the slow schema's compile times out (compile outcome
-    ``timeout``, row error cause ``compile``, the log says so) while a trivial one still
-    compiles and is served."""
+    """One fault of each kind on one server. A bad keyword value is the request's fault (a
+    ``GrammarError``): HTTP 400 naming it. ``compile_timeout_s=0.3`` makes the slow
+    schema's compile time out, the server's fault (a ``ServerFault``): never a 400, the
+    request is answered (``on_error=free`` here), the compile outcome is ``timeout``, the row
+    error cause ``server`` (not ``compile``, the request's own grammar refused), and the log
+    says so. A trivial schema still compiles and is served."""
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5,
+                                                  "maximum": 1}}, "required": ["n"]}
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(lenient, max_tokens=8, response_format=response_format(bad, strict=True))
+    assert info.value.status_code == 400 and "minimum" in str(info.value), info.value
+
     heavy = nested_one_of(12, "timeout")
     mark = len(lenient.log_text())
     before = metrics_of(servers, "lenient")
-    chat(lenient, max_tokens=8, response_format=response_format(heavy, strict=False))
+    c = chat(lenient, max_tokens=8, response_format=response_format(heavy, strict=False))
     after = metrics_of(servers, "lenient")
+    assert c.finish_reason in ("length", "stop"), c  # answered: HTTP 200
     assert delta(before, after, "grammask_compile_seconds_count", kind="json_schema",
                  outcome="timeout") >= 1, after
-    assert delta(before, after, "grammask_row_errors_total", cause="compile") == 1, after
+    assert delta(before, after, "grammask_row_errors_total", cause="server") == 1, after
+    assert delta(before, after, "grammask_row_errors_total", cause="compile") == 0, after
     assert delta(before, after, "grammask_row_errors_total", cause="late") == 0, after
     failed = [line for line in lenient.log_text()[mark:].splitlines()
               if "grammar failed to compile" in line and '"description":"timeout"' in line]

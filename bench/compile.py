@@ -13,6 +13,12 @@ with each backend forced and with auto routing) measures, in its own worker proc
   a freshly built equal spec; vLLM-xgrammar: its compiler cache; others: none).
 A spec whose TTFM exceeds ``--timeout`` is a timeout (the worker is killed and restarted when
 it does not answer); errors and timeouts are counted, never dropped.
+
+The cold-path and cache-hit check (docs/benchmarks.md, "Cold path and cache hits"): 52 specs,
+29 maskbench schemas of seed 2 (a sample no earlier round was tuned on) and the 23 others::
+
+    python -m bench.compile --sample 29 --seed 2 \
+        --systems xgrammar,llguidance,vllm-guidance,grammask-guidance,grammask-auto
 """
 
 from __future__ import annotations

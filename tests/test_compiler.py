@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -567,3 +567,115 @@ def test_compile_metrics(qwen25: Vocabulary) -> None:
     assert delta('grammask_cache_requests_total{result="hit",tier="memory"}') == 1
     assert delta('grammask_cache_requests_total{result="miss",tier="memory"}') == 2
     assert delta('grammask_unenforced_requests_total{backend="guidance"}') == 1
+
+
+# ------------------------------------------------------------------ the cold and hit paths
+def test_a_blocking_miss_plans_on_the_caller_and_compiles_on_a_worker(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile()`` whose caller waits out the whole deadline builds on the caller's thread
+    (no hand-off to a routing thread); the native compile still runs on a compile worker, the
+    thread a deadline can abandon. A shorter caller timeout still goes through the pool."""
+    import grammask.compiler as compiler_module
+
+    where: dict[str, str] = {}
+    real_plan = compiler_module.plan
+
+    def plan(spec: GrammarSpec, **kwargs: Any) -> Any:
+        where["plan"] = threading.current_thread().name
+        return real_plan(spec, **kwargs)
+
+    backend = get_backend("guidance")
+    real_compile = backend.compile
+
+    def compile_(spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
+        where["compile"] = threading.current_thread().name
+        return real_compile(spec, vocab, lenient=lenient)
+
+    monkeypatch.setattr(compiler_module, "plan", plan)
+    monkeypatch.setattr(backend, "compile", compile_)
+    compiler = Compiler(qwen25, timeout_s=30)
+    assert compiler.compile(GrammarSpec.regex("here-[0-9]+")).backend == "guidance"
+    assert where == {"plan": threading.current_thread().name, "compile": "grammask-compile"}
+    compiler.compile(GrammarSpec.regex("pool-[0-9]+"), timeout=10)
+    assert where["plan"].startswith("grammask-route")
+
+
+def test_a_hit_through_compile_makes_no_future(qwen25: Vocabulary,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blocking hit returns the grammar (a future per hit was most of its cost); a
+    blocking miss built on the caller needs none either. ``compile_async`` still returns a
+    future, done at once on a hit."""
+    import grammask.compiler as compiler_module
+
+    made: list[object] = []
+
+    class Counted(Future):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(compiler_module, "Future", Counted)
+    compiler = Compiler(qwen25)
+    spec = GrammarSpec.choice(["no", "future"])
+    grammar = compiler.compile(spec)
+    assert compiler.compile(GrammarSpec.choice(["no", "future"])) is grammar
+    assert made == [] and compiler.stats.hits == 1 and compiler.stats.misses == 1
+    fut = compiler.compile_async(spec)
+    assert fut.done() and fut.result() is grammar and len(made) == 1
+    with pytest.raises(InvalidRegexError):
+        compiler.compile(GrammarSpec.regex("bad("))
+    with pytest.raises(InvalidRegexError):  # the negative cache: raised, no future either
+        compiler.compile(GrammarSpec.regex("bad("))
+    assert len(made) == 1 and compiler.stats.negative_hits == 1
+    assert isinstance(compiler.compile_async(GrammarSpec.regex("bad(")).exception(),
+                      InvalidRegexError)
+
+
+def test_a_default_backend_serves_hits_from_the_specs_twin(qwen25: Vocabulary) -> None:
+    """A compiler with a default backend looks up the spec with that backend: the twin is
+    made once per spec (a new key costs the source serialized and hashed again)."""
+    compiler = Compiler(qwen25, backend="guidance")
+    spec = GrammarSpec.regex("twin-[0-9]+")
+    grammar = compiler.compile(spec)
+    assert grammar.backend == "guidance" and compiler.compile(spec) is grammar
+    assert spec.with_backend("guidance") is spec.with_backend("guidance")
+    assert compiler.stats.hits == 1
+
+
+def test_threads_started_since_a_job_began_are_found_by_their_start_time() -> None:
+    """What an abandoned compile's threads are is read from /proc when it is abandoned (a
+    listing per job cost every cold compile before it started): the threads whose start
+    time is at or after the job's."""
+    import os
+
+    from grammask import compile_slots
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("no /proc: nothing is lowered but the worker")
+    tick = compile_slots._ticks()
+    release = threading.Event()
+    later = threading.Thread(target=release.wait)
+    later.start()
+    try:
+        found = compile_slots._tasks_since(tick)
+        assert later.native_id in found and threading.get_native_id() not in found
+    finally:
+        release.set()
+        later.join()
+    assert later.native_id not in compile_slots._tasks_since(compile_slots._ticks() + 100)
+
+
+def test_metric_children_are_bound_once_and_count() -> None:
+    """The compile path binds its metrics' children once (``labels()`` on every hit cost
+    more than the rest of the hit); the counts land in the same series."""
+    from grammask import metrics
+
+    if not metrics.available():
+        pytest.skip("prometheus_client is not installed")
+    child = metrics.cache_requests("memory", "hit")
+    assert metrics.cache_requests("memory", "hit") is child
+    assert child is metrics.CACHE_REQUESTS.labels(tier="memory", result="hit")
+    name = 'grammask_cache_requests_total{result="hit",tier="memory"}'
+    before = metrics.snapshot().get(name, 0.0)
+    child.inc()
+    assert metrics.snapshot()[name] == before + 1

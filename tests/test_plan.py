@@ -189,3 +189,82 @@ def test_reasons_name_keywords_and_backends_never_timings() -> None:
     for spec in specs:
         reason = plan(spec).route.reason
         assert reason and not timing.search(reason), (spec.kind, reason)
+
+
+# ------------------------------------------------------------------ the compiler's plans
+def _counting_plan(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The router's plan as the compiler calls it, recording each spec key it plans."""
+    calls: list[str] = []
+    real_plan = router_module.plan
+
+    def counted(spec: GrammarSpec, **kwargs: Any) -> Any:
+        calls.append(spec.key)
+        return real_plan(spec, **kwargs)
+
+    monkeypatch.setattr(compiler_module, "plan", counted)
+    return calls
+
+
+def test_admission_the_compile_and_the_hedge_share_one_plan(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new schema is planned at admission (``check``), at compile and by the first-mask
+    hedge; the router is pure, so the compiler plans it once and hands out that plan."""
+    calls = _counting_plan(monkeypatch)
+    compiler = Compiler(qwen25)
+    spec = GrammarSpec.json_schema(FREE_TEXT)
+    step = compiler.check(spec)
+    grammar = compiler.compile(GrammarSpec.json_schema(FREE_TEXT))  # an equal spec, rebuilt
+    again = compiler.plan(GrammarSpec.json_schema(FREE_TEXT))
+    assert calls == [spec.key]
+    assert again is compiler.plan(spec) and again.attempts[0] == step
+    assert grammar.backend == again.backend
+    assert again == plan(spec)  # what the router itself says
+    compiler.clear()  # nothing cached: the next compile is cold, its plan too
+    compiler.plan(spec)
+    assert calls == [spec.key, spec.key]
+
+
+def test_the_plan_cache_never_serves_a_spec_with_another_key(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option a plan depends on is part of the key: specs that differ in any of them
+    get their own plan, each the one the router makes for that spec."""
+    calls = _counting_plan(monkeypatch)
+    compiler = Compiler(qwen25)
+    variants = [GrammarSpec.json_schema(FREE_TEXT),
+                GrammarSpec.json_schema(FREE_TEXT, backend="xgrammar"),
+                GrammarSpec.json_schema(FREE_TEXT, extra_properties=True),
+                GrammarSpec.json_schema(PATTERN_KEYS),
+                GrammarSpec.json_schema(PATTERN_KEYS, strict=True),
+                GrammarSpec.json_schema(FREE_TEXT, whitespace_pattern=r"[ ]?"),
+                GrammarSpec.json_schema(FREE_TEXT, any_whitespace=False),
+                GrammarSpec.regex("[a-z]+")]
+    assert len({s.key for s in variants}) == len(variants)
+    plans = [compiler.plan(s) for s in variants]
+    assert [compiler.plan(s) for s in reversed(variants)][::-1] == plans  # now from the cache
+    assert len(calls) == len(variants)
+    for spec, made in zip(variants, plans, strict=True):
+        assert made == plan(spec), spec
+    assert plans[1].attempts[0].backend == "xgrammar" and len(plans[1].attempts) == 1
+    assert plans[3].hedge is not None and plans[4].hedge is None  # strict: no gapped hedge
+
+
+def test_a_change_of_the_registered_backends_drops_the_plans(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend registered after the compiler was built may change any route: plans made
+    before it are not served."""
+    import dataclasses
+
+    from grammask.backends import registry
+
+    calls = _counting_plan(monkeypatch)
+    compiler = Compiler(qwen25)
+    spec = GrammarSpec.json_schema(NO_TEXT)
+    compiler.plan(spec)
+    compiler.plan(spec)
+    assert len(calls) == 1
+    real = registry.backends
+    changed = tuple(dataclasses.replace(b, priority=b.priority + 1) for b in real())
+    monkeypatch.setattr(registry, "backends", lambda: changed)
+    compiler.plan(spec)
+    compiler.plan(spec)
+    assert len(calls) == 2

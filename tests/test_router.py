@@ -456,3 +456,96 @@ def test_ref_cycle_is_an_empty_language_with_its_pointer(compiler: Compiler) -> 
     decision_features = route(GrammarSpec.json_schema(
         {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a"})).features
     assert "$ref with siblings" not in decision_features  # $defs constrains nothing
+
+
+# ------------------------------------------------------------------ one walk for a plan
+def _mutants(schema: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    """Copies of a schema with bad or unusual keyword values planted in its subschemas."""
+    import copy
+    import random
+
+    from grammask.normalize import subschemas
+
+    planted: list[tuple[str, Any]] = [
+        ("minLength", -1), ("type", "strin"), ("maxItems", 1.5), ("minimum", "x"),
+        ("required", [1]), ("properties", []), ("items", 3), ("not", [1]),
+        ("$ref", "#/nope"), ("minItems", 5), ("maxItems", 2), ("anyOf", []),
+        ("multipleOf", 0), ("type", ["string", "string"]), ("additionalProperties", None),
+        ("exclusiveMinimum", True), ("$ref", "http://example.com/s"), ("$id", "x"),
+        ("format", 3), ("uniqueItems", True), ("pattern", "(?=a)"), ("minLength", 3),
+        ("maxLength", 1), ("type", "string"), ("enum", ["a"]), ("items", [{"type": "x"}])]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(3):
+        twin = copy.deepcopy(schema)
+        nodes = [node for _, node in subschemas(twin)]
+        for _ in range(rng.randint(1, 2)):
+            key, value = rng.choice(planted)
+            rng.choice(nodes)[key] = copy.deepcopy(value)
+        out.append(twin)
+    return out
+
+
+def test_one_walk_finds_what_the_three_walks_find(corpus: Path) -> None:
+    """A plan walks a schema once (features, keyword checks, the first free-form text): the
+    same features at the same pointers, the same free-form pointer, and a failed check
+    wherever the checker raises (the plan then raises the checker's own error); the check
+    per node agrees with the checker on every subschema."""
+    import gzip
+
+    from grammask import router
+    from grammask.normalize import subschemas
+    from grammask.spec import _check_node, check_keywords, keywords_ok
+
+    schemas: list[Any] = []
+    for path in sorted((corpus / "maskbench").glob("*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                if i == 25:
+                    break
+                schemas.append(json.loads(line)["schema"])
+    checked = refused = 0
+    for n, original in enumerate(schemas):
+        for schema in [original, *(_mutants(original, n) if isinstance(original, dict)
+                                   else [])]:
+            try:
+                check_keywords(schema)
+                ok = True
+            except GrammarError:
+                ok = False
+            walked = router._schema_walk(schema, free=True)
+            if not ok:
+                refused += 1
+                assert walked is None, schema
+                continue
+            checked += 1
+            assert walked == (router.schema_features(schema),
+                              router.free_text_pointer(schema)), schema
+            assert list(walked[0]) == list(router.schema_features(schema))  # in their order
+            for _, node in subschemas(schema):
+                for ranges in (True, False):
+                    try:
+                        _check_node(node, "", ranges=ranges)
+                        passes = True
+                    except GrammarError:
+                        passes = False
+                    assert keywords_ok(node, ranges=ranges) == passes, node
+    assert checked > 500 and refused > 300
+
+
+def test_a_refused_schema_gets_the_checkers_own_error() -> None:
+    """Where the single walk finds a bad keyword, the plan raises what the checker raises:
+    its message and its pointer (the first of several, in the checker's order)."""
+    from grammask.router import plan
+    from grammask.spec import check_keywords
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "minLength": -1}, "b": {"type": "array", "maxItems": 1.5}}}
+    with pytest.raises(InvalidSchemaError) as via_plan:
+        plan(GrammarSpec.json_schema(schema))
+    with pytest.raises(InvalidSchemaError) as via_checker:
+        check_keywords(schema)
+    assert str(via_plan.value) == str(via_checker.value)
+    assert via_plan.value.where == via_checker.value.where
+    with pytest.raises(InvalidSchemaError, match="remote"):  # before any keyword error
+        plan(GrammarSpec.json_schema({**schema, "$ref": "http://example.com/s"}))

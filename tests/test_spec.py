@@ -201,3 +201,50 @@ def test_malformed_structural_tags_name_the_field(tag: dict[str, object], where:
     with pytest.raises(InvalidGrammarError, match=fragment) as info:
         GrammarSpec.structural_tag(tag)
     assert info.value.where == where
+
+
+def test_a_too_deep_text_schema_names_where_it_is_too_deep() -> None:
+    """The depth of a text schema is measured by a walk that names nothing; the place is
+    found only for a schema that is too deep."""
+    deep: dict[str, object] = {"type": "string"}
+    for _ in range(120):
+        deep = {"type": "object", "properties": {"x~y": deep}}
+    with pytest.raises(InvalidSchemaError, match="deeper than") as info:
+        GrammarSpec.json_schema(json.dumps(deep))
+    where = info.value.where or ""
+    assert where.startswith("/properties/x~0y/properties/x~0y/")
+    assert where.count("/") == 101  # 100 levels: properties and x~y fifty times, then a key
+    shallow: dict[str, object] = {"type": "string"}
+    for _ in range(45):  # 90 levels of nesting
+        shallow = {"type": "object", "properties": {"x": shallow}}
+    GrammarSpec.json_schema(json.dumps(shallow))
+
+
+def test_twins_by_backend_are_made_once() -> None:
+    """``with_backend`` keeps the twins it makes (a compiler with a default backend asks on
+    every hit); the same backend is the spec itself; each twin has its own key."""
+    spec = GrammarSpec.json_schema(SCHEMA)
+    twin = spec.with_backend("xgrammar")
+    assert spec.with_backend("xgrammar") is twin and twin.backend == "xgrammar"
+    assert spec.with_backend(None) is spec and twin.with_backend("xgrammar") is twin
+    assert twin.key != spec.key and twin.key == GrammarSpec.json_schema(
+        SCHEMA, backend="xgrammar").key
+    assert twin.with_backend(None) == spec
+    assert spec.with_backend("llguidance").backend == "guidance"  # an alias: resolved
+
+
+def test_every_option_and_the_text_make_the_key() -> None:
+    """The key hashes the options (one JSON line) and then the text as it is: every option
+    changes it, and a text cannot pass for options (the line ends at the first newline)."""
+    base = GrammarSpec.regex("a\nb")
+    variants = [base, GrammarSpec.json_schema({"type": "string"}, any_whitespace=False),
+                GrammarSpec.regex("a\nb", backend="xgrammar"), GrammarSpec.regex("a\nc"),
+                GrammarSpec.json_schema({"type": "string"}),
+                GrammarSpec.json_schema({"type": "string"}, strict=True),
+                GrammarSpec.json_schema({"type": "string"}, extra_properties=True),
+                GrammarSpec.json_schema({"type": "string"}, whitespace_pattern=" ?"),
+                GrammarSpec.grammar('start: "a"'), GrammarSpec.grammar('root ::= "a"')]
+    assert len({v.key for v in variants}) == len(variants)
+    assert GrammarSpec.regex("a\nb").key == base.key
+    head, text = base._key_material().split("\n", 1)
+    assert json.loads(head)[0] == "regex" and text == "a\nb"

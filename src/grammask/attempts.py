@@ -82,14 +82,29 @@ class PlanRunner:
                 return grammar
             with self._lock:
                 self.stats.fallbacks += 1
-            metrics.FALLBACKS.labels(from_backend=first.backend, to_backend=step.backend,
-                                     reason=type(failures[0]).__name__).inc()
+            metrics.fallbacks(first.backend, step.backend, type(failures[0]).__name__).inc()
             reason = (f"{first.backend} failed ({failures[0].message}); "
                       f"fell back to {step.backend}")
             return Grammar(spec, grammar.backend, reason, grammar.unenforced,
                            grammar.compile_ms, grammar.backend_grammar,
                            fallback_from=first.backend, from_disk=grammar.from_disk)
         raise failures[0]
+
+    def check(self, spec: GrammarSpec, plan: Plan) -> Attempt:
+        """The first attempt whose backend's cheap check passes (refusals only: an internal
+        error is not the spec's fault); the first refusal is raised when none does."""
+        first: GrammarError | None = None
+        for step in plan.attempts:
+            if "refused" not in step.after:
+                continue
+            try:
+                get_backend(step.backend).check(spec, lenient=step.lenient)
+            except GrammarError as exc:
+                first = first or exc
+                continue
+            return step
+        assert first is not None
+        raise first
 
     def _attempt(self, spec: GrammarSpec, step: Attempt, reason: str, deadline: float,
                  skip_busy: bool = False, slot_deadline: float | None = None) -> Grammar:
@@ -166,8 +181,7 @@ class PlanRunner:
                 self.stats.disk_misses += 1
             else:
                 self.stats.disk_hits += 1
-        metrics.CACHE_REQUESTS.labels(tier="disk",
-                                      result="miss" if backend_grammar is None else "hit").inc()
+        metrics.cache_requests("disk", "miss" if backend_grammar is None else "hit").inc()
         if backend_grammar is None:
             return None
         log.info("grammask: %s loaded from the disk cache in %.1f ms", spec.describe(),
@@ -200,11 +214,12 @@ class PlanRunner:
             unenforced += [f"{title}: {w}" for w in getattr(backend_grammar, "warnings", [])
                            if "format" not in w.lower()]
         if unenforced:
-            metrics.UNENFORCED.labels(backend=backend).inc()
+            metrics.unenforced(backend).inc()
             log.warning("grammask: %s served by %s without enforcing %s", spec.describe(),
                         backend, ", ".join(unenforced))
-        log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend, reason,
-                 elapsed)
+        if log.isEnabledFor(logging.INFO):  # describe() slices the source: only when logged
+            log.info("grammask: %s -> %s (%s) in %.1f ms", spec.describe(), backend, reason,
+                     elapsed)
         return Grammar(spec, backend, reason, tuple(unenforced), elapsed, backend_grammar)
 
     def _late_result(self, spec: GrammarSpec, step: Attempt, reason: str, started: float,
@@ -238,6 +253,5 @@ def _failure_kind(error: GrammarError | ServerFault) -> Failure:
 
 
 def _observe(backend: str, spec: GrammarSpec, outcome: str, started: float) -> None:
-    metrics.COMPILE_SECONDS.labels(backend=backend, kind=spec.kind, outcome=outcome).observe(
-        time.perf_counter() - started)
+    metrics.compile_seconds(backend, spec.kind, outcome).observe(time.perf_counter() - started)
 

@@ -51,13 +51,17 @@ class Job:
     def __init__(self, fn: Callable[[], object]) -> None:
         self.fn = fn
         self.done = threading.Event()
+        # the caller's own wake-up: a bare lock, released when the job ends (cheaper to make
+        # and to wait on than the event, which other requests joining a runaway wait on)
+        self.ready = threading.Lock()
+        self.ready.acquire()
         self.value: object = None
         self.error: BaseException | None = None
         self.abandoned = False
         self.keeps_slot = False
         self.on_late: Callable[[object, BaseException | None], None] | None = None
         self.tid = 0  # the worker's native thread id
-        self.tasks_before: set[str] = set()  # the process's threads when the job started
+        self.started = 0  # clock ticks since boot when the job started (threads' start unit)
 
 
 _RUNNING: set[Job] = set()
@@ -82,23 +86,46 @@ def running_compiles() -> int:
         return len(_RUNNING)
 
 
-def _tasks() -> set[str]:
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _ticks() -> int:
+    """Now, in the unit and from the origin of a thread's start time in /proc (clock ticks
+    since boot); 0 where there is no boot clock (no thread is then taken for a new one)."""
+    boot = getattr(time, "CLOCK_BOOTTIME", None)
+    return 0 if boot is None else int(time.clock_gettime(boot) * _CLK_TCK)
+
+
+def _tasks_since(tick: int) -> set[int]:
+    """The process's threads started at or after ``tick`` (read only when a job is
+    abandoned: a listing per job would cost every cold compile ~5-20 us before it starts)."""
+    if not tick:
+        return set()
     try:
-        return set(os.listdir("/proc/self/task"))
+        names = os.listdir("/proc/self/task")
     except OSError:  # not Linux: nothing to lower
         return set()
+    found = set()
+    for name in names:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/self/task/{name}/stat", "rb") as fh:
+                stat = fh.read()
+            # after the command name, in parentheses: state is field 3, starttime field 22
+            if int(stat[stat.rindex(b")") + 2:].split()[19]) >= tick:
+                found.add(int(name))
+    return found
 
 
 def _deprioritize(job: Job) -> int:
     """Lower an abandoned compile's CPU priority to nice 19 (Linux: per thread): the worker
-    and the threads started since the job began that are not Python's (the backend's own
-    compile threads; a compile that started meanwhile on another worker may be caught too,
-    and merely runs at low priority while it competes). Runaways then take CPU only when
-    nothing else wants it. Returns how many threads were lowered."""
+    and the threads started since the job began (to the clock tick) that are not Python's
+    (the backend's own compile threads; a compile that started meanwhile on another worker
+    may be caught too, and merely runs at low priority while it competes). Runaways then
+    take CPU only when nothing else wants it. Returns how many threads were lowered."""
     if not job.tid or not hasattr(os, "setpriority"):
         return 0
     python = {t.native_id for t in threading.enumerate()} - {job.tid}
-    targets = {job.tid} | {int(t) for t in _tasks() - job.tasks_before if t.isdigit()}
+    targets = {job.tid} | _tasks_since(job.started)
     lowered = 0
     for tid in targets - python:
         with contextlib.suppress(OSError):
@@ -147,7 +174,7 @@ class Runner:
             else:
                 threading.Thread(target=self._work, name="grammask-compile", daemon=True).start()
         self._jobs.put(job)
-        if not job.done.wait(max(0.0, deadline - time.monotonic())):
+        if not job.ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
             with self._lock:
                 if not job.done.is_set():
                     job.abandoned = True
@@ -170,10 +197,11 @@ class Runner:
         return job.value  # type: ignore[return-value]
 
     def _work(self) -> None:
+        tid = threading.get_native_id()
         while True:
             job = self._jobs.get()
-            job.tid = threading.get_native_id()
-            job.tasks_before = _tasks()
+            job.tid = tid
+            job.started = _ticks()
             with _RUNNING_LOCK:
                 _RUNNING.add(job)
             try:
@@ -183,11 +211,17 @@ class Runner:
             with _RUNNING_LOCK:
                 _RUNNING.discard(job)
             with self._lock:
-                job.done.set()
+                # the bookkeeping first, the wake-up last: the caller wakes to a worker with
+                # nothing left to do but wait (not to one it must wait for the GIL from)
                 if job.abandoned:
                     self._abandoned -= 1
                     if job.keeps_slot:
                         self._slots.release()
+                else:
+                    self._slots.release()
+                    self._idle += 1
+                job.done.set()
+                job.ready.release()
             if job.abandoned:
                 if job.on_late is not None:
                     try:
@@ -195,9 +229,6 @@ class Runner:
                     except Exception:  # a late result is a bonus; never kill the worker
                         log.exception("grammask: storing a late compile result failed")
                 return  # the caller moved on; a fresh worker replaces this one
-            with self._lock:
-                self._slots.release()
-                self._idle += 1
 
 
 def join_abandoned(job: Job, deadline: float, what: str) -> BackendGrammar:
@@ -221,6 +252,9 @@ class Runners:
         self._lock = threading.Lock()
 
     def __getitem__(self, backend: str) -> Runner:
+        runner = self._runners.get(backend)  # made once: read without the lock
+        if runner is not None:
+            return runner
         with self._lock:
             runner = self._runners.get(backend)
             if runner is None:

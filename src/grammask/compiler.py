@@ -34,7 +34,6 @@ import itertools
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -42,6 +41,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from . import metrics
 from .attempts import PlanRunner
 from .backends import get_backend, registry
+from .compile_cache import CompileCache
 from .compile_slots import Runners, running_compiles, trim_heap
 from .diskcache import DEFAULT_MAX_BYTES, DiskCache
 from .errors import (
@@ -59,6 +59,10 @@ from .vocab import Vocabulary
 
 __all__ = ["Compiler", "Grammar", "Stats", "running_compiles", "trim_heap"]
 
+#: bound once: ``labels()`` takes a lock and checks its arguments, a cost on every hit
+_MEMORY_HITS = metrics.cache_requests("memory", "hit")
+_MEMORY_MISSES = metrics.cache_requests("memory", "miss")
+
 
 class _Flight:
     """One in-flight compile of a key and the callers' futures waiting on it."""
@@ -68,6 +72,23 @@ class _Flight:
         self.deadline = deadline
         self.waiters: list[Future[Grammar]] = []
         self.done = False
+        #: the error that settled the flight (a copy: the flight outlives its request in the
+        #: reaper's heap, and must not hold its frames); None when a grammar did
+        self.error: BaseException | None = None
+
+    @staticmethod
+    def notify(waiters: list[Future[Grammar]], grammar: Grammar | None,
+               error: BaseException | None) -> None:
+        """Hand every waiting caller the outcome, an error as a fresh copy each (one error
+        object raised again and again grows its traceback); cancelled futures are skipped."""
+        for fut in waiters:
+            if fut.done():  # cancelled by its caller
+                continue
+            with contextlib.suppress(InvalidStateError):  # cancelled just now
+                if error is not None:
+                    fut.set_exception(fresh_error(error))
+                else:
+                    fut.set_result(grammar)  # type: ignore[arg-type]
 
 
 class _Reaper:
@@ -85,13 +106,17 @@ class _Reaper:
         self._thread: threading.Thread | None = None
 
     def add(self, flight: _Flight) -> None:
+        """Woken only for a deadline earlier than the one it sleeps until: flights share one
+        timeout, so a cold compile does not wake a thread that competes with it for the GIL."""
+        entry = (flight.deadline + self.GRACE_S, next(self._seq), flight)
         with self._cond:
-            heapq.heappush(self._heap, (flight.deadline + self.GRACE_S, next(self._seq), flight))
+            heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="grammask-reaper",
                                                 daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif self._heap[0] is entry:
+                self._cond.notify()
 
     def stop(self) -> None:
         with self._cond:
@@ -167,13 +192,8 @@ class Compiler:
         self._reaper = _Reaper(self._expire)
         self._lock = threading.Lock()
         self._closed = False
-        self._cache: OrderedDict[str, Grammar] = OrderedDict()
-        self._cache_used = 0
+        self._memory = CompileCache(self.stats, cache_bytes, negative_ttl_s, max_negative)
         self._inflight: dict[str, _Flight] = {}
-        # key -> (expiry, error without traceback); insertion order = expiry order
-        self._failed: OrderedDict[str, tuple[float, GrammarError]] = OrderedDict()
-        self._last_trim = 0.0
-        self._trim_pending = False
         self._disk = _open_disk(disk_cache_dir, disk_cache_bytes)
         self._plans = PlanRunner(vocab, self.stats, self._lock, self._runners, self._disk,
                                  self._keep_late, lambda: self._closed)
@@ -185,12 +205,23 @@ class Compiler:
 
     # ----------------------------------------------------------------------- public
     def compile(self, spec: GrammarSpec, timeout: float | None = None) -> Grammar:
-        """Blocking compile. A cache hit returns at once; a miss waits at most ``timeout``
-        seconds (default: the compiler's ``timeout_s``), then raises ``CompileTimeoutError``
-        while the compile goes on for whoever else waits (its result is cached)."""
-        fut = self.compile_async(spec)
-        if fut.done():
-            return fut.result()
+        """Blocking compile. A hit returns at once (no future, no thread); a miss waits at most
+        ``timeout`` s (default ``timeout_s``), then raises ``CompileTimeoutError`` while the
+        compile goes on for whoever else waits (its result is cached). A caller that waits out
+        the whole deadline builds on its own thread: only the native compile goes to a compile
+        worker (what a deadline can abandon), one thread hop instead of two each way."""
+        spec = self._effective(spec)
+        here = self._disk is None and (timeout is None or timeout >= self.timeout_s)
+        found, fut, flight = self._lookup(spec, here)
+        if isinstance(found, Grammar):
+            return found
+        if found is not None:
+            raise found
+        if fut is None:
+            assert flight is not None
+            return self._build_here(spec, flight)
+        if flight is not None:
+            self._submit(spec, flight)
         try:
             return fut.result(timeout)
         except FutureTimeout:
@@ -202,65 +233,76 @@ class Compiler:
         """Start compiling now (e.g. at request admission, overlapping the prefill).
 
         The future is this caller's own: ``cancel()`` on it leaves other callers' alone."""
-        fut, build = self._lookup(spec)
-        if build is not None:
-            spec, flight = build
-            try:
-                self._pool.submit(self._build, spec, flight)
-            except RuntimeError:  # the pool shut down: close() raced this request
-                self._resolve(flight, error=CompilerClosedError("the compiler is closed"))
+        spec = self._effective(spec)
+        found, fut, flight = self._lookup(spec, here=False)
+        if fut is None:  # a hit or a remembered failure: settled at once
+            fut = Future()
+            if isinstance(found, Grammar):
+                fut.set_result(found)
+            else:
+                fut.set_exception(found)
+            return fut
+        if flight is not None:
+            self._submit(spec, flight)
         return fut
 
-    def _lookup(self, spec: GrammarSpec
-                ) -> tuple[Future[Grammar], tuple[GrammarSpec, _Flight] | None]:
-        """The request's future, and the effective spec and flight when the caller must
-        build it (a miss: the flight is already registered, so concurrent requests join)."""
-        if not isinstance(spec, GrammarSpec):
-            raise InvalidSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
-        spec = self._effective(spec)
+    def _lookup(self, spec: GrammarSpec, here: bool) -> tuple[
+            Grammar | BaseException | None, Future[Grammar] | None, _Flight | None]:
+        """Under the lock: a hit (the grammar) or a remembered failure (a fresh copy); else
+        the caller's future on the flight it joined, or the flight it registered (a miss: the
+        caller builds it; with no future when it builds ``here``, on its own thread)."""
         key = spec.key
-        fut: Future[Grammar] = Future()
         with self._lock:
             if self._closed:
                 raise CompilerClosedError("the compiler is closed")
-            hit = self._cache.get(key)
+            hit = self._memory.get(key)
             if hit is not None:
-                self._cache.move_to_end(key)
                 self.stats.hits += 1
-                metrics.CACHE_REQUESTS.labels(tier="memory", result="hit").inc()
-                fut.set_result(hit)
-                return fut, None
-            failed = self._failed.get(key)
+                _MEMORY_HITS.inc()
+                return hit, None, None
+            failed = self._memory.failure(key, time.monotonic())
             if failed is not None:
-                if failed[0] > time.monotonic():
-                    self.stats.negative_hits += 1
-                    fut.set_exception(fresh_error(failed[1]))
-                    return fut, None
-                del self._failed[key]
+                self.stats.negative_hits += 1
+                return fresh_error(failed), None, None
             running = self._inflight.get(key)
             if running is not None:
                 self.stats.joined += 1
+                fut: Future[Grammar] = Future()
                 running.waiters.append(fut)
-                return fut, None
+                return None, fut, None
             self.stats.misses += 1
-            metrics.CACHE_REQUESTS.labels(tier="memory", result="miss").inc()
+            _MEMORY_MISSES.inc()
             flight = _Flight(key, time.monotonic() + self.timeout_s)
-            flight.waiters.append(fut)
+            mine: Future[Grammar] | None = None if here else Future()
+            flight.waiters.extend(() if mine is None else (mine,))
             self._inflight[key] = flight
         self._reaper.add(flight)
-        return fut, (spec, flight)
+        return None, mine, flight
 
     def cached(self, spec: GrammarSpec) -> Grammar | None:
+        key = self._effective(spec).key
         with self._lock:
-            return self._cache.get(self._effective(spec).key)
+            return self._memory.peek(key)
 
     def route(self, spec: GrammarSpec) -> Route:
         return route(self._effective(spec), prefer=self.prefer)
 
     def plan(self, spec: GrammarSpec) -> Plan:
-        """The attempts a compile of ``spec`` runs, in order (``grammask.router.plan``)."""
-        return plan(self._effective(spec), prefer=self.prefer,
-                    rank_invariant=self.rank_invariant)
+        """The attempts a compile of ``spec`` runs, in order (``grammask.router.plan``).
+
+        Made once per spec key and kept (until ``clear`` or a change of the registered
+        backends): admission (``check``), the compile and the first-mask hedge all ask."""
+        spec = self._effective(spec)
+        key = spec.key
+        backends = registry.backends()
+        with self._lock:
+            known = self._memory.plan(key, backends)
+        if known is not None:
+            return known
+        made = plan(spec, prefer=self.prefer, rank_invariant=self.rank_invariant)
+        with self._lock:
+            self._memory.keep_plan(key, made, backends)
+        return made
 
     def check(self, spec: GrammarSpec) -> Attempt:
         """Cheap validation without compiling for the tokenizer (request admission).
@@ -269,32 +311,20 @@ class Compiler:
         fault), so admission refuses exactly what no compile could serve; returns the attempt
         that passed. Raises the routed backend's error when none does."""
         spec = self._effective(spec)
-        first: GrammarError | None = None
-        for step in self.plan(spec).attempts:
-            if "refused" not in step.after:
-                continue
-            try:
-                get_backend(step.backend).check(spec, lenient=step.lenient)
-            except GrammarError as exc:
-                first = first or exc
-                continue
-            return step
-        assert first is not None
-        raise first
+        return self._plans.check(spec, self.plan(spec))
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._cache), "bytes": self._cache_used,
+            return {"entries": len(self._memory), "bytes": self._memory.used,
                     "limit_bytes": self.cache_bytes, "inflight": len(self._inflight),
-                    "negative": len(self._failed),
+                    "negative": self._memory.failures,
                     "abandoned": self._runners.abandoned()}
 
     def clear(self) -> None:
-        """Drop every cached grammar and failure, and hand the memory back to the OS."""
+        """Drop every cached grammar, failure and plan (the next request of any spec is cold
+        again), and hand the memory back to the OS."""
         with self._lock:
-            self._cache.clear()
-            self._failed.clear()
-            self._cache_used = 0
+            self._memory.clear()
         self._trim(force=True)
 
     @property
@@ -319,9 +349,25 @@ class Compiler:
 
     # ---------------------------------------------------------------------- internals
     def _effective(self, spec: GrammarSpec) -> GrammarSpec:
+        if not isinstance(spec, GrammarSpec):
+            raise InvalidSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
         if spec.backend is None and self.default_backend is not None:
             return spec.with_backend(self.default_backend)
         return spec
+
+    def _submit(self, spec: GrammarSpec, flight: _Flight) -> None:
+        try:
+            self._pool.submit(self._build, spec, flight)
+        except RuntimeError:  # the pool shut down: close() raced this request
+            self._resolve(flight, error=CompilerClosedError("the compiler is closed"))
+
+    def _build_here(self, spec: GrammarSpec, flight: _Flight) -> Grammar:
+        """Build a flight on the caller's thread; the caller gets what every waiter of the
+        flight got (its own result, or the timeout or close that settled it first)."""
+        outcome = self._build(spec, flight, here=True)
+        if isinstance(outcome, Grammar):
+            return outcome
+        raise outcome
 
     def _resolve(self, flight: _Flight, grammar: Grammar | None = None,
                  error: BaseException | None = None) -> bool:
@@ -330,17 +376,12 @@ class Compiler:
             if flight.done:
                 return False
             flight.done = True
+            if error is not None:
+                flight.error = fresh_error(error)
             if self._inflight.get(flight.key) is flight:
                 del self._inflight[flight.key]
             waiters, flight.waiters = flight.waiters, []
-        for fut in waiters:
-            if fut.done():  # cancelled by its caller
-                continue
-            with contextlib.suppress(InvalidStateError):  # cancelled just now
-                if error is not None:
-                    fut.set_exception(fresh_error(error))
-                else:
-                    fut.set_result(grammar)  # type: ignore[arg-type]
+        _Flight.notify(waiters, grammar, error)
         return True
 
     def _expire(self, flight: _Flight) -> None:
@@ -350,9 +391,13 @@ class Compiler:
             with self._lock:
                 self.stats.timeouts += 1
 
-    def _build(self, spec: GrammarSpec, flight: _Flight) -> None:
+    def _build(self, spec: GrammarSpec, flight: _Flight, here: bool = False
+               ) -> Grammar | BaseException:
+        """Run the plan of a flight and settle it; returns what settled it. ``here``: on the
+        caller's thread, which hands the heap trim (when one is due) to the pool rather than
+        wait for it."""
         if flight.done:  # expired or closed while queued
-            return
+            return flight.error or CompilerClosedError("the compiler is closed")
         try:
             grammar = self._plans.run(spec, self.plan(spec), flight.deadline)
         except BaseException as exc:
@@ -363,66 +408,43 @@ class Compiler:
                 if isinstance(error, InternalCompileError):
                     self.stats.internal_errors += 1
                 elif isinstance(error, GrammarError):  # only the request's own faults
-                    self._remember_failure(spec.key, error)
-            self._resolve(flight, error=error)
-            return
+                    self._memory.remember_failure(spec.key, error, time.monotonic())
+            settled = self._resolve(flight, error=error)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt and the like: the caller's
+                raise
+            return error if settled or flight.error is None else flight.error
         with self._lock:
             if not self._closed:
-                self._insert(spec.key, grammar)
-        self._resolve(flight, grammar=grammar)
-        self._trim()
+                self._memory.insert(spec.key, grammar)
+        settled = self._resolve(flight, grammar=grammar)
+        if not here:
+            self._trim()
+        elif self._trim_due():
+            with contextlib.suppress(RuntimeError):  # the pool shut down: no trim needed
+                self._pool.submit(self._trim)
+        return grammar if settled or flight.error is None else flight.error
 
-    def _remember_failure(self, key: str, error: GrammarError) -> None:
-        """Negative cache (under the lock): errors kept without their traceback; expired
-        entries purged; at most ``max_negative`` entries, oldest dropped first."""
-        now = time.monotonic()
-        while self._failed:
-            oldest = next(iter(self._failed.values()))
-            if oldest[0] > now and len(self._failed) < self.max_negative:
-                break
-            self._failed.popitem(last=False)
-        if self.max_negative:
-            self._failed.pop(key, None)
-            self._failed[key] = (now + self.negative_ttl_s, fresh_error(error))  # type: ignore[assignment]
-
-    def _insert(self, key: str, grammar: Grammar) -> None:
-        size = grammar.memory_bytes
-        if size > self.cache_bytes:
-            return
-        old = self._cache.pop(key, None)
-        if old is not None:
-            self._cache_used -= old.memory_bytes
-        self._cache[key] = grammar
-        self._cache_used += size
-        self._trim_pending = True  # compile scratch memory is freed but not yet returned
-        while self._cache_used > self.cache_bytes:
-            _, evicted = self._cache.popitem(last=False)
-            self._cache_used -= evicted.memory_bytes
-            self.stats.evictions += 1
-            self._trim_pending = True
+    def _trim_due(self) -> bool:
+        with self._lock:
+            return self._memory.trim_due(time.monotonic())
 
     def _trim(self, force: bool = False) -> None:
         """After inserts and evictions, return freed memory (evicted grammars, compile
         scratch) to the OS, at most once a second: a trim walks the heap."""
-        now = time.monotonic()
         with self._lock:
-            if not force and (not self._trim_pending or now - self._last_trim < 1.0):
-                return
-            self._trim_pending = False
-            self._last_trim = now
-            self.stats.trims += 1
-        trim_heap()
+            due = self._memory.take_trim(time.monotonic(), force)
+        if due:
+            trim_heap()
 
     def _keep_late(self, key: str, make: Callable[[], Grammar]) -> bool:
         """Cache an abandoned compile's late result unless the request was served otherwise
         (the work is not lost, and the spec is no longer treated as a runaway)."""
         with self._lock:
-            wanted = not self._closed and key not in self._cache
+            wanted = not self._closed and key not in self._memory
         grammar = make() if wanted else None  # (make counts it: only when wanted)
         with self._lock:
-            if grammar is None or self._closed or key in self._cache:
+            if grammar is None or self._closed or key in self._memory:
                 return False
-            self._insert(key, grammar)
+            self._memory.insert(key, grammar)
         self._trim()
         return True
-

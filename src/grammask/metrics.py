@@ -85,6 +85,30 @@ REQUESTS = _counter(
 FILL_SECONDS = _histogram(
     "grammask_fill_seconds", "Mask work per decode step on the fill thread (advance + fill)")
 
+
+class Children:
+    """A labelled metric's children, each looked up once. ``labels()`` takes the metric's lock
+    and checks its arguments on every call: a few microseconds on the cache-hit path, which
+    has nothing else that slow. Values are positional, in the metric's label order."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:  # a race makes it twice: labels() hands both the same child
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
+#: the children of the compile path's metrics (backend, kind, outcome / tier, result /
+#: from_backend, to_backend, reason / backend)
+compile_seconds = Children(COMPILE_SECONDS)
+cache_requests = Children(CACHE_REQUESTS)
+fallbacks = Children(FALLBACKS)
+unenforced = Children(UNENFORCED)
+
 _exporter_lock = threading.Lock()
 _exporter_port: int | None = None
 

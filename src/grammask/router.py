@@ -35,8 +35,20 @@ from typing import Any, Literal
 from .backends import registry
 from .backends.registry import BackendInfo, Workload
 from .errors import InvalidSchemaError, UnsupportedError
+from .normalize import _CHILD_KEYS as _WALK_KEYS
+from .normalize import _CHILD_LIST_KEYS as _WALK_LISTS
+from .normalize import _CHILD_MAP_KEYS as _WALK_MAPS
+from .normalize import _CHILD_ORDER as _WALK_ORDER
 from .normalize import ends_with_anchor, escape_key, structural_chars, subschemas
-from .spec import BackendName, GrammarSpec, canonical_json, check_keywords, resolve_pointer
+from .spec import (
+    _MISSING,
+    BackendName,
+    GrammarSpec,
+    canonical_json,
+    check_keywords,
+    keywords_ok,
+    resolve_pointer,
+)
 
 #: Formats both backends enforce (``date`` with the common gap below).
 _KNOWN_FORMATS = frozenset({
@@ -131,8 +143,7 @@ def plan(spec: GrammarSpec, *, prefer: Preference = "auto",
     ``rank_invariant`` (tensor parallelism: every rank must end with the same grammar): no step
     depends on timing. The first attempt gets the whole budget and waits for its slot, and
     only a refusal or an internal error, which every rank sees alike, moves to the next."""
-    features = _features(spec)
-    work = workload(spec)
+    features, work = _analysis(spec)
     decision = _decide(spec, features, prefer, work)
     hedge = _hedge(spec, features, decision, work)
     after = NOT_TIMING if rank_invariant else ALL_FAILURES
@@ -227,12 +238,36 @@ def _on_backend(backend: BackendInfo, features: dict[str, str]) -> tuple[tuple[s
 
 def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
     """The routed backend for a spec, with its reason and gaps (the first step of ``plan``)."""
-    return _decide(spec, _features(spec), prefer, workload(spec))
+    features, work = _analysis(spec)
+    return _decide(spec, features, prefer, work)
+
+
+def _analysis(spec: GrammarSpec) -> tuple[dict[str, str], tuple[Workload, str | None]]:
+    """The spec's routing features and workload, from one walk of a JSON schema (features,
+    keyword checks and the first free-form text together: ``_schema_walk``); raises for what
+    no backend may serve, the same error the separate walks raise."""
+    if spec.kind != "json_schema":
+        return _features(spec), workload(spec)
+    walked = _schema_walk(spec.schema, free=not spec.extra_properties)
+    if walked is None:  # a keyword check failed: the separate walks name the error
+        return _features(spec), workload(spec)
+    features, free = walked
+    _refuse(spec, features, checked=True)
+    if spec.extra_properties:
+        return features, ("json_open_objects", None)
+    return features, (("json_closed", None) if free is None else ("json_free_text", free))
 
 
 def _features(spec: GrammarSpec) -> dict[str, str]:
     """The schema's routing features (one walk); raises for what no backend may serve."""
     features = schema_features(spec.schema) if spec.kind == "json_schema" else {}
+    _refuse(spec, features, checked=False)
+    return features
+
+
+def _refuse(spec: GrammarSpec, features: dict[str, str], *, checked: bool) -> None:
+    """What no backend may serve (raised), and the features found beside the walk.
+    ``checked``: the keyword values were checked already (by ``_schema_walk``)."""
     if "$ref (remote)" in features:
         raise InvalidSchemaError(
             "remote $ref is not supported: grammask never fetches schemas over the network; "
@@ -240,7 +275,8 @@ def _features(spec: GrammarSpec) -> dict[str, str]:
     if spec.kind == "json_schema":
         # keyword values are checked here, not at spec construction: the route runs for
         # every check and compile (cache misses only), and a GrammarSpec stays a plain value
-        check_keywords(spec.schema)
+        if not checked:
+            check_keywords(spec.schema)
         empty = empty_ref_cycle(spec.schema)
         if empty is not None:
             raise UnsupportedError(
@@ -252,7 +288,6 @@ def _features(spec: GrammarSpec) -> dict[str, str]:
                 features.setdefault("oneOf (overlapping branches)", overlap)
     if spec.whitespace_pattern is not None:
         features["whitespace_pattern"] = "options"
-    return features
 
 
 def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference,
@@ -446,6 +481,90 @@ def schema_features(schema: Any) -> dict[str, str]:
         for name in _node_features(node):
             found.setdefault(name, pointer or "/")
     return found
+
+
+def _schema_walk(schema: Any, *, free: bool) -> tuple[dict[str, str], str | None] | None:
+    """``schema_features``, ``check_keywords`` and (``free``) ``free_text_pointer`` of a
+    schema in one walk, the three walks' results alike: subschemas in ``subschemas``' order,
+    and no pointer per node (one is made only for what is reported: a feature's first use,
+    the free-form text). None when a keyword check fails, or the schema has a shape only
+    the checker names: the separate walks then raise their exact error."""
+    if not isinstance(schema, dict):
+        return {}, None
+    found: dict[str, str] = {}
+    free_at: str | None = None
+    # per visited node: (its parent's index, the child key it hangs from, the map key or
+    # list index under that key)
+    trail: list[tuple[int, str, str | int | None]] = []
+    refs: list[str] = []
+    nested_ids = False
+    stack: list[tuple[dict[str, Any], int, str, str | int | None, bool]] = [
+        (schema, -1, "", None, True)]
+    order = _WALK_ORDER.__getitem__
+    try:
+        while stack:
+            node, parent, key, sub, positive = stack.pop()
+            at = len(trail)
+            trail.append((parent, key, sub))
+            if not keywords_ok(node, ranges=positive):
+                return None
+            if not _FEATURE_KEYS.isdisjoint(node):
+                pointer = None
+                for name in _node_features(node):
+                    if name not in found:
+                        pointer = pointer or _trail_pointer(trail, at) or "/"
+                        found[name] = pointer
+            if free and free_at is None and _admits_free_text(node):
+                free_at = _trail_pointer(trail, at) or "/"
+            if at and ("$id" in node or ("id" in node and isinstance(node.get("id"), str))):
+                nested_ids = True  # refs resolve against another base: not checked
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                refs.append(ref)
+            present = _WALK_KEYS.intersection(node)
+            for child_key in sorted(present, key=order) if len(present) > 1 else present:
+                child = node[child_key]
+                if child_key in _WALK_MAPS:
+                    if isinstance(child, dict):
+                        for k, v in child.items():
+                            if isinstance(v, dict):
+                                stack.append((v, at, child_key, k, positive))
+                            elif not isinstance(v, bool):
+                                return None
+                elif isinstance(child, list):
+                    if child_key not in _WALK_LISTS and child_key not in _WALK_ARRAYS:
+                        return None
+                    for i, v in enumerate(child):
+                        if isinstance(v, dict):
+                            stack.append((v, at, child_key, i, positive))
+                        elif not isinstance(v, bool):
+                            return None
+                elif child_key not in _WALK_LISTS:
+                    if isinstance(child, dict):
+                        stack.append((child, at, child_key, None,
+                                      positive and child_key not in ("not", "if")))
+                    elif not isinstance(child, bool):
+                        return None
+        if not nested_ids and any(resolve_pointer(schema, r) is _MISSING for r in refs):
+            return None
+    except Exception:  # whatever the checker makes of it, it says so itself
+        return None
+    return found, free_at
+
+
+def _trail_pointer(trail: list[tuple[int, str, str | int | None]], at: int) -> str:
+    """The JSON pointer of the ``at``-th node of a walk ("" for the root)."""
+    parts: list[str] = []
+    while at > 0:
+        at, key, sub = trail[at]
+        parts.append(f"/{key}" if sub is None else
+                     f"/{key}/{_esc(sub) if isinstance(sub, str) else sub}")
+    return "".join(reversed(parts))
+
+
+#: single-subschema keys that may also hold an array of subschemas (the walk's child keys and
+#: their order are ``subschemas``': features are first found in the same place)
+_WALK_ARRAYS = frozenset({"items", "additionalItems"})
 
 
 #: Every key ``_node_features`` looks at: a node with none of them has no feature.

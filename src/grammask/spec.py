@@ -73,11 +73,14 @@ class GrammarSpec:
         canonical = self.source
         if self.kind in ("structural_tag", "choice"):
             canonical = canonical_json(json.loads(self.source))
-        return json.dumps(
-            [self.kind, canonical, self.syntax, self.any_whitespace, self.whitespace_pattern,
+        # the options as one JSON line (a newline inside a value is escaped), then the text
+        # as is: quoting it inside the JSON would escape every quote of a schema again
+        head = json.dumps(
+            [self.kind, self.syntax, self.any_whitespace, self.whitespace_pattern,
              self.extra_properties, self.strict, self.backend],
             ensure_ascii=False,
         )
+        return f"{head}\n{canonical}"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, GrammarSpec) and other.key == self.key
@@ -86,9 +89,22 @@ class GrammarSpec:
         return hash(self.key)
 
     def with_backend(self, backend: BackendName | None) -> GrammarSpec:
-        twin = replace(self, backend=backend_name(backend))
+        """This spec with another backend (itself when it is the same one). Twins are kept
+        on the spec: a compiler with a default backend asks on every cache hit, and a twin
+        costs a new key (the source serialized and hashed again)."""
+        twins: dict[str | None, GrammarSpec] | None = self.__dict__.get("_twins")
+        if twins is not None and (backend is None or isinstance(backend, str)):
+            known = twins.get(backend)
+            if known is not None:
+                return known
+        name = backend_name(backend)
+        if name == self.backend:
+            return self
+        twin = replace(self, backend=name)
         if "schema" in self.__dict__:  # the parse is shared (read-only), not repeated
             twin.__dict__["schema"] = self.__dict__["schema"]
+        if backend is None or isinstance(backend, str):
+            self.__dict__.setdefault("_twins", {})[backend] = twin
         return twin
 
     @cached_property
@@ -342,7 +358,10 @@ def _check_text(value: object, what: str, max_bytes: int, *, allow_empty: bool) 
         raise InvalidSpecError(f"{what} must be a string, got {type(value).__name__}", where=what)
     if not allow_empty and not value.strip():
         raise InvalidSpecError(f"{what} is empty", where=what)
-    size = len(value.encode("utf-8", "surrogatepass"))
+    # a code point is at most 4 bytes of UTF-8: most texts need no encoding to be measured
+    size = len(value) * 4
+    if size > max_bytes:
+        size = len(value.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise InvalidSpecError(
             f"{what} is {size / 1e6:.1f} MB, over the {max_bytes / 1e6:.1f} MB limit", where=what
@@ -425,7 +444,20 @@ def _no_constant(name: str) -> Any:
 
 def _too_deep(root: Any) -> str | None:
     """The pointer of the first value nested deeper than ``MAX_NESTING`` (the root is at 0),
-    or None. Iterative (no recursion limit) and pointer-free until one is found."""
+    or None. Iterative (no recursion limit); a first walk only measures the depth, the walk
+    that names the place runs only for a schema that is too deep."""
+    stack = [(root, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth >= MAX_NESTING:  # a non-empty container (only those are pushed) that deep
+            return _deep_pointer(root)
+        for v in value.values() if isinstance(value, dict) else value:
+            if v and isinstance(v, dict | list):
+                stack.append((v, depth + 1))
+    return None
+
+
+def _deep_pointer(root: Any) -> str | None:
     containers: list[tuple[Any, int, str]] = [(root, -1, "")]  # value, parent, key
     stack = [(0, 0)]  # (index into containers, depth)
     while stack:
@@ -588,7 +620,8 @@ def check_keywords(schema: Any) -> None:
             raise InvalidSchemaError(
                 f"a subschema must be an object or a boolean, got {_json_type(node)}",
                 where=ptr or "/")
-        _check_node(node, ptr, ranges=positive)
+        if not keywords_ok(node, ranges=positive):
+            _check_node(node, ptr, ranges=positive)  # raises, with the keyword's pointer
         if ptr and ("$id" in node or ("id" in node and isinstance(node.get("id"), str))):
             nested_ids = True  # refs resolve against another base: not checked here
         ref = node.get("$ref")
@@ -695,6 +728,73 @@ _SHAPES: tuple[tuple[str, str, Any], ...] = (
 #: Every key ``_check_node`` looks at beyond ``type``.
 _CHECKED_KEYS = frozenset({*_COUNTS, *_NUMBERS, *_EXCLUSIVE, *(k for r in _RANGES for k in r),
                            *(k for k, _, _ in _SHAPES), "required"})
+
+
+def keywords_ok(node: Mapping[str, Any], *, ranges: bool) -> bool:
+    """Whether ``_check_node`` passes this node: the same checks with no message and no
+    pointer, looking only at the checked keys the node has (it runs for every subschema of
+    every cold compile; the checker that names the error runs only for a bad node)."""
+    if "type" in node:
+        typ = node["type"]
+        if isinstance(typ, str):
+            if typ not in SCHEMA_TYPES:
+                return False
+        elif not isinstance(typ, list) or not typ or len(set(map(str, typ))) != len(typ) \
+                or not all(isinstance(n, str) and n in SCHEMA_TYPES for n in typ):
+            return False
+    present = _CHECKED_KEYS.intersection(node)
+    if not present:  # most nodes: a type and annotations only
+        return True
+    for key in present:
+        if not _VALID[key](node[key]):
+            return False
+    if ranges and not _RANGE_KEYS.isdisjoint(present):
+        for low, high in _RANGES:
+            lo, hi = node.get(low), node.get(high)
+            if isinstance(lo, int | float) and isinstance(hi, int | float) and lo > hi:
+                return False
+    return True
+
+
+def _count_ok(value: Any) -> bool:
+    return _is_number(value) and value == int(value) and value >= 0
+
+
+def _number_ok(value: Any) -> bool:
+    return _is_number(value) and abs(value) <= _MAX_BOUND
+
+
+def _exclusive_ok(value: Any) -> bool:
+    return isinstance(value, bool) or _number_ok(value)
+
+
+def _multiple_ok(value: Any) -> bool:
+    return _number_ok(value) and value > 0
+
+
+def _names_ok(value: Any) -> bool:
+    return not isinstance(value, list) or all(isinstance(n, str) for n in value)
+
+
+def _every(*checks: Any) -> Any:
+    if len(checks) == 1:
+        return checks[0]
+    return lambda value: all(ok(value) for ok in checks)
+
+
+_PREDICATES: dict[str, list[Any]] = {k: [] for k in _CHECKED_KEYS}
+for _k in _COUNTS:
+    _PREDICATES[_k].append(_count_ok)
+for _k in _NUMBERS:
+    _PREDICATES[_k].append(_multiple_ok if _k == "multipleOf" else _number_ok)
+for _k in _EXCLUSIVE:
+    _PREDICATES[_k].append(_exclusive_ok)
+for _k, _, _ok in _SHAPES:
+    _PREDICATES[_k].append(_ok)
+_PREDICATES["required"].append(_names_ok)
+#: per checked key, what its value must pass (``_check_node``'s checks, as one predicate)
+_VALID: dict[str, Any] = {k: _every(*checks) for k, checks in _PREDICATES.items()}
+_RANGE_KEYS = frozenset(k for r in _RANGES for k in r)
 
 
 def _is_number(value: object) -> bool:

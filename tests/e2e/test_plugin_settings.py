@@ -329,7 +329,7 @@ def test_on_error_free_leaves_a_failed_row_unconstrained(
 def test_compile_timeout_fails_a_heavy_schema_and_not_a_trivial_one(
         servers: dict[str, Any], lenient: Server) -> None:
     """One fault of each kind on one server. A bad keyword value is the request's fault (a
-    ``GrammarError``): HTTP 400 naming it. ``compile_timeout_s=0.3`` makes the slow
+    ``GrammarError``): HTTP 400 saying why. ``compile_timeout_s=0.3`` makes the slow
     schema's compile time out, the server's fault (a ``ServerFault``): never a 400, the
     request is answered (``on_error=free`` here), the compile outcome is ``timeout``, the row
     error cause ``server`` (not ``compile``, the request's own grammar refused), and the log
@@ -338,7 +338,9 @@ def test_compile_timeout_fails_a_heavy_schema_and_not_a_trivial_one(
                                                   "maximum": 1}}, "required": ["n"]}
     with pytest.raises(openai.BadRequestError) as info:
         chat(lenient, max_tokens=8, response_format=response_format(bad, strict=True))
-    assert info.value.status_code == 400 and "minimum" in str(info.value), info.value
+    # the message is the first validator's: vLLM's own ("unsatisfiable") or grammask's
+    assert info.value.status_code == 400, info.value
+    assert re.search(r"minimum|unsatisfiable", str(info.value), re.I), info.value
 
     heavy = nested_one_of(12, "timeout")
     mark = len(lenient.log_text())

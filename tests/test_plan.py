@@ -117,14 +117,7 @@ def test_a_compile_asks_the_router_once_and_runs_its_plan(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     """One way: compiler -> router (once) -> backends. The fallback's mode and gaps are the
     plan's, not recomputed by the compiler."""
-    calls: list[str] = []
-    real_plan = router_module.plan
-
-    def counted(spec: GrammarSpec, **kwargs: Any) -> Any:
-        calls.append(spec.key)
-        return real_plan(spec, **kwargs)
-
-    monkeypatch.setattr(compiler_module, "plan", counted)
+    calls = _counting_plan(monkeypatch)
     monkeypatch.setattr(router_module, "route", lambda *a, **k: pytest.fail("route climbed"))
     refusing = get_backend("xgrammar")
 

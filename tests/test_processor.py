@@ -139,14 +139,19 @@ def test_placeholders_are_read_when_resolved(compiler: Compiler, qwen25: Vocabul
         assert only(logits[0]) == sorted(qwen25.stop_ids)
 
 
+def _two_references(compiler: Compiler, qwen25: Vocabulary
+                    ) -> tuple[GrammarSpec, list[int], Grammar, list[RawReference]]:
+    """The schema, its instance's tokens, its grammar and two independent references."""
+    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
+    g = compiler.compile(spec)
+    return spec, qwen25.encode(INSTANCE), g, [RawReference.of(g, qwen25) for _ in range(2)]
+
+
 def test_one_and_several_tokens_per_read_follow_the_reference(
         compiler: Compiler, qwen25: Vocabulary) -> None:
     """Reads of one token (``Row.take``'s fast path) and of several alternate, on a live
     list and an owned one: every token is fed once, in order."""
-    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
-    ids = qwen25.encode(INSTANCE)
-    g = compiler.compile(spec)
-    refs = [RawReference.of(g, qwen25), RawReference.of(g, qwen25)]
+    spec, ids, g, refs = _two_references(compiler, qwen25)
     live: list[int] = []
     with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
         proc.add(1, spec, grammar=g)  # the table's order is not the rows' order
@@ -173,10 +178,7 @@ def test_a_lone_placeholder_is_read_again_before_the_mask(
     """One new entry that is a placeholder (the one-token read must not take it): the row
     is read again in ``apply`` / ``wait_masks(rows)`` once resolved, beside a row that is
     not late; still unresolved when its mask is needed, it errors."""
-    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
-    ids = qwen25.encode(INSTANCE)
-    g = compiler.compile(spec)
-    refs = [RawReference.of(g, qwen25), RawReference.of(g, qwen25)]
+    spec, ids, g, refs = _two_references(compiler, qwen25)
     outs: list[list[int]] = [[], []]
     with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
         for row in (0, 1):
@@ -213,10 +215,7 @@ def test_step_with_tokens_hands_over_and_reads_in_one_pass(
     ``step(rows)``: rows in any order, unread tokens first, a row listed twice gets both
     tokens in order, unconstrained rows are skipped. A live row raises as ``advance``
     does, and the other rows' step still runs; rows and tokens must pair up."""
-    spec = GrammarSpec.json_schema(SCHEMA, any_whitespace=False)
-    ids = qwen25.encode(INSTANCE)
-    g = compiler.compile(spec)
-    refs = [RawReference.of(g, qwen25), RawReference.of(g, qwen25)]
+    spec, ids, g, refs = _two_references(compiler, qwen25)
     live: list[int] = []
     with BatchProcessor(compiler, max_batch=4, **PATIENT) as proc:
         for row in (0, 1):

@@ -5,6 +5,7 @@ The CUDA branch of ``apply_bitmask`` cannot run here (no GPU); it is not covered
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
-from grammask.apply import apply_bitmask, plan_cpu_apply
+from grammask.apply import apply_bitmask, cpu_layout, plan_cpu_apply
 from grammask.backends import Matcher
 from grammask.masks import Filler, FillWorker, MaskBuffers, stop_only_row
 from grammask.processor import BatchProcessor
@@ -183,6 +184,28 @@ def test_worker_runs_jobs_in_order_on_its_own_thread() -> None:
     worker.close()
 
 
+def test_worker_tickets_are_each_used_once_and_a_dropped_worker_stops() -> None:
+    """``run`` takes the spare ticket the thread made after its last job: jobs queued back
+    to back and one at a time each get a ticket of their own, with their own result; a
+    worker dropped without ``close`` still stops its thread (it holds the worker weakly)."""
+    worker = FillWorker()
+    release = threading.Event()
+    tickets = [worker.run(release.wait)] + [worker.run(lambda i=i: i) for i in range(5)]
+    release.set()
+    tickets += [worker.run(lambda i=i: -i) for i in range(1, 4)]
+    assert len({id(t) for t in tickets}) == len(tickets)
+    assert [t.result(timeout=10) for t in tickets] == [True, 0, 1, 2, 3, 4, -1, -2, -3]
+    for i in range(20):  # one at a time: the spare is taken, then made again
+        ticket = worker.run(lambda i=i: i)
+        assert ticket.result(timeout=10) == i and ticket not in tickets
+        tickets.append(ticket)
+    thread = worker._thread
+    del worker
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
 def test_helpers_agree(compiler: Compiler, qwen25: Vocabulary) -> None:
     """The reference unpacker used here reads masks the way the matchers write them."""
     m = compiler.compile(GrammarSpec.regex("ab")).matcher()
@@ -285,7 +308,7 @@ def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
             apply_bitmask(want, bitmask, vocab_size=qwen25.vocab_size, indices=rows)
             got = logits.clone()
             apply_bitmask(got, bitmask, vocab_size=qwen25.vocab_size, indices=rows, plan=plan)
-            proc._cpu_layout = (got.shape[1], got.stride(0))  # as apply() records it
+            proc._cpu_layout = cpu_layout(got)  # as apply() records it
             assert rows == [0, 2]
             assert torch.equal(got, want)
             for row in rows:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -60,9 +60,11 @@ class CpuPlan:
     runs: tuple[tuple[int, int], ...]
     bound: int = 0
 
-    def fits(self, logits: torch.Tensor, rows: Sequence[int], covered: int) -> bool:
-        return (logits.stride(0) == self.stride and logits.shape[1] == self.width
-                and covered == self.covered and tuple(rows) == self.rows)
+    def holds(self, layout: LogitsLayout, rows: tuple[int, ...], covered: int) -> bool:
+        """Whether the plan masks exactly ``rows`` of logits laid out as ``layout``."""
+        return (layout.stride == self.stride and layout.width == self.width
+                and covered == self.covered and rows == self.rows
+                and self.bound <= layout.rows)
 
 
 def _flat_bits(words: np.ndarray[Any, np.dtype[np.uint32]]
@@ -95,13 +97,29 @@ def _logit_indices(words: np.ndarray[Any, np.dtype[np.uint32]],
     return flat
 
 
-def cpu_plannable(logits: torch.Tensor) -> bool:
-    """Whether ``apply_bitmask`` masks these (2-D) logits through a ``CpuPlan``.
+class LogitsLayout(NamedTuple):
+    """2-D CPU logits the planned apply takes: read once per apply (``cpu_layout``)."""
 
-    Runs right after the forward, with cold caches: ``is_cpu`` costs a third of
-    ``device.type`` there (no ``torch.device`` object is made)."""
-    return (logits.dim() == 2 and logits.is_cpu
-            and logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1)
+    rows: int
+    width: int
+    stride: int  # of a row
+    dtype: torch.dtype
+
+
+def cpu_layout(logits: torch.Tensor) -> LogitsLayout | None:
+    """The layout of logits ``apply_bitmask`` masks through a ``CpuPlan``; None for others.
+
+    Runs right after the forward, with cold caches, where each tensor attribute read costs
+    microseconds: four reads, taken once and passed on (``is_cpu`` costs a third of
+    ``device.type`` there: no ``torch.device`` object is made)."""
+    shape = logits.shape
+    if len(shape) != 2 or not logits.is_cpu:
+        return None
+    stride = logits.stride()
+    dtype = logits.dtype
+    if stride[1] != 1 or dtype not in _KERNEL_DTYPES:
+        return None
+    return LogitsLayout(shape[0], shape[1], stride[0], dtype)
 
 
 def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: int, width: int,
@@ -173,7 +191,8 @@ def _joined(parts: list[np.ndarray[Any, np.dtype[np.intp]]],
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: int,
                   indices: Sequence[int] | None = None,
-                  buffers: MaskBuffers | None = None, plan: CpuPlan | None = None) -> None:
+                  buffers: MaskBuffers | None = None, plan: CpuPlan | None = None,
+                  layout: LogitsLayout | None = None) -> None:
     """Set ``logits[i, j] = -inf`` where bit ``j`` of ``bitmask[i]`` is clear, in place.
 
     - ``indices``: only these rows of ``logits`` are masked (row ``i`` of the logits uses row
@@ -183,7 +202,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     - Dtypes: fp32/fp16/bf16 through the kernels; other float dtypes through a torch fallback.
     - Device: CPU logits go through ``plan``, a ``CpuPlan`` made ahead by ``plan_cpu_apply``
       from this bitmask's current contents (the fill thread does, when the forward leaves it
-      time), when it fits these logits and rows; else through xgrammar's CPU kernel, with
+      time), when it fits these logits (``layout``: theirs, from ``cpu_layout``, when the
+      caller has read it already) and rows; else through xgrammar's CPU kernel, with
       rows that allow few tokens memset and restored. CUDA logits copy the (pinned) bitmask to the
       device and use the Triton kernel: that branch is untested here (no GPU).
     """
@@ -192,9 +212,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"expected 2-D logits and a 2-D int32 bitmask, got {tuple(logits.shape)}"
                          f" and {tuple(bitmask.shape)} {bitmask.dtype}")
-    if plan is not None and _plan_holds(logits, bitmask, vocab_size, indices, plan):
-        _apply_plan(logits, plan)  # the plan covers the padding columns
-        return
+    if plan is not None:
+        layout = cpu_layout(logits) if layout is None else layout
+        if layout is not None and _plan_holds(layout, bitmask, vocab_size, indices, plan):
+            _apply_plan(logits, plan, layout)  # the plan covers the padding columns
+            return
     rows = list(range(logits.shape[0])) if indices is None else list(indices)
     if not rows:
         return
@@ -224,16 +246,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
         logits[index, covered:] = float("-inf")
 
 
-def _plan_holds(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
+def _plan_holds(layout: LogitsLayout, bitmask: torch.Tensor, vocab_size: int,
                 indices: Sequence[int] | None, plan: CpuPlan) -> bool:
-    """Whether ``plan`` masks exactly these (2-D) logits rows: the apply's checks in O(1)
-    plus one compare of the rows (on the critical path, right after the forward)."""
-    rows = tuple(range(logits.shape[0])) if indices is None else tuple(indices)
-    return (bool(rows) and rows == plan.rows
-            and plan.bound <= logits.shape[0] and plan.bound <= bitmask.shape[0]
-            and cpu_plannable(logits)
-            and plan.fits(logits, plan.rows, min(logits.shape[1], vocab_size,
-                                                 bitmask.shape[1] * 32)))
+    """Whether ``plan`` masks exactly these rows of logits laid out as ``layout``: the
+    apply's checks in O(1) plus one compare of the rows (on the critical path, right after
+    the forward)."""
+    rows = tuple(range(layout.rows)) if indices is None else tuple(indices)
+    words = bitmask.shape
+    return (bool(rows) and plan.bound <= words[0]
+            and plan.holds(layout, rows, min(layout.width, vocab_size, words[1] * 32)))
 
 
 def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
@@ -268,17 +289,17 @@ def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
     return int(empty.sum()) if on_cpu else -1
 
 
-def _apply_plan(logits: torch.Tensor, plan: CpuPlan) -> None:
+def _apply_plan(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout) -> None:
     """The critical-path part of the CPU apply: gather, memset, scatter (numpy indexing on
     a same-width integer view of the logits' storage: exact for every value, NaN included;
     numpy's indexing costs ~1 us a call where torch's costs ~10 us)."""
-    int_dtype, minus_inf = _INT_VIEW[logits.dtype]
+    int_dtype, minus_inf = _INT_VIEW[layout.dtype]
     stride = plan.stride
     base = logits.detach() if logits.requires_grad else logits
-    if stride == logits.shape[1]:  # rows back to back: the flat view is a reshape
+    if stride == layout.width:  # rows back to back: the flat view is a reshape
         view = base.view(int_dtype).numpy().reshape(-1)
     else:  # the rows' storage as one flat view (rows strided apart, columns are not)
-        view = base.as_strided(((logits.shape[0] - 1) * stride + logits.shape[1],), (1,),
+        view = base.as_strided(((layout.rows - 1) * stride + layout.width,), (1,),
                                logits.storage_offset()).view(int_dtype).numpy()
     keep = plan.keep
     saved = view[keep] if keep.size else None

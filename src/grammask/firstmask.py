@@ -34,6 +34,8 @@ from .spec import GrammarSpec
 PENDING, READY, FAILED = 0, 1, 2
 #: ints per row in an agreement vector: expired, hedged, primary state, hedge state
 VIEW = 4
+#: pending states kept for grammars given to ``pending`` (``FirstMasks._ready``)
+READY_GRAMMARS = 256
 
 
 def _state(future: Future[Grammar] | None) -> int:
@@ -204,15 +206,14 @@ class FirstMasks:
         self.wait_s = wait_s
         self.hedge_s = hedge_s
         self.agreement = agreement
+        self._ready_rows: dict[int, tuple[Grammar, PendingGrammar]] = {}  # ``_ready``'s
 
     def pending(self, spec: GrammarSpec,
                 grammar: Grammar | Future[Grammar] | None) -> PendingGrammar:
         """The compiles that may serve a new row: ``grammar`` (compiled, or a future of one)
         or the routed compile, started now; the hedge only when it is late."""
         if isinstance(grammar, Grammar):
-            done: Future[Grammar] = Future()
-            done.set_result(grammar)
-            return PendingGrammar(done, None, hedge_s=self.hedge_s)
+            return self._ready(grammar)
         compiler = self.compiler
         if isinstance(grammar, Future):
             primary = grammar
@@ -231,6 +232,24 @@ class FirstMasks:
             return None if other is None else (lambda: compiler.compile_async(other))
 
         return PendingGrammar(primary, hedge, hedge_s=self.hedge_s)
+
+    def _ready(self, grammar: Grammar) -> PendingGrammar:
+        """The pending state of a row whose grammar is at hand, one per grammar: it never
+        hedges and its future is done, so nothing in it changes and rows of one request
+        after another share it (adding such a row makes no future, lock or condition on the
+        host's thread). Bounded: the oldest go first; an entry holds its grammar, so its
+        ``id`` is not reused meanwhile."""
+        ready = self._ready_rows
+        entry = ready.get(id(grammar))
+        if entry is not None:
+            return entry[1]
+        done: Future[Grammar] = Future()
+        done.set_result(grammar)
+        pending = PendingGrammar(done, None, hedge_s=self.hedge_s)
+        if len(ready) >= READY_GRAMMARS:
+            del ready[next(iter(ready))]
+        ready[id(grammar)] = (grammar, pending)
+        return pending
 
     def attach_all(self, rows: Sequence[Waiting]) -> None:
         """Give each row its grammar: wait (bounded by ``wait_s``, hedged), agreed by ranks.

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from . import metrics
-from .apply import apply_bitmask, restore_empty_rows
+from .apply import LogitsLayout, apply_bitmask, restore_empty_rows
 from .digests import MaskDigests, row_key
 from .drafts import Drafts
 from .masks import MaskBuffers
@@ -39,14 +39,16 @@ class HostLogits:
         self._mapped: MaskBuffers | None = None
         self._retired: list[MaskBuffers] = []
 
-    def apply(self, table: dict[int, Row], logits: torch.Tensor, masks: StepMasks) -> None:
+    def apply(self, table: dict[int, Row], logits: torch.Tensor, masks: StepMasks,
+              layout: LogitsLayout | None = None) -> None:
+        """``layout``: the logits' (``apply.cpu_layout``), when the caller has read it."""
         bitmask, rows, plan = masks
         if rows:
             if self.digests is not None:
                 self._record(table, bitmask, rows)
                 plan = None if self.digests.fault else plan
             apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
-                          buffers=self.buffers, plan=plan)
+                          buffers=self.buffers, plan=plan, layout=layout)
             if self.risky:
                 self._restore(table, logits, bitmask, [(i, i) for i in rows])
 

@@ -55,6 +55,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 
 from .agreement import Agreement, Solo
+from .apply import LogitsLayout
 from .compiler import Compiler, Grammar
 from .digests import MaskDigests
 from .drafts import Drafts
@@ -120,7 +121,7 @@ class BatchProcessor:
     #: per-rank mask digests (a debug setting; ``digests.py``), None: off
     digests: _Kept[MaskDigests | None] = _Kept("_logits")
     #: the layout the next job plans the CPU apply for (tests set it as ``apply`` does)
-    _cpu_layout: _Kept[tuple[int, int] | None] = _Kept("_jobs", "cpu_layout")
+    _cpu_layout: _Kept[LogitsLayout | None] = _Kept("_jobs", "cpu_layout")
 
     def __init__(self, compiler: Compiler, *, max_batch: int, wait_s: float = 0.5,
                  hedge_s: float = 0.05, on_error: ErrorPolicy = "stop",
@@ -146,6 +147,7 @@ class BatchProcessor:
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, drafts=self._drafts)
         self._rows: dict[int, Row] = {}
+        self._live = 0  # rows reading a live list (``step(rows, tokens)`` refuses them)
 
     # ------------------------------------------------------------------ batch membership
     def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
@@ -161,10 +163,11 @@ class BatchProcessor:
         Raises only for host mistakes (row out of range, wrong request type)."""
         self._check_row(row)
         self._jobs.discard()
-        self._rows.pop(row, None)
+        self._pop(row)
         if request is not None:
             self._rows[row] = self._new_row(request, prompt_ids, output_ids, grammar,
                                             host_masks)
+            self._live += output_ids is not None
             if host_masks:
                 self._logits.risky = True
 
@@ -177,7 +180,7 @@ class BatchProcessor:
 
     def remove(self, row: int) -> None:
         self._jobs.discard()
-        self._rows.pop(row, None)
+        self._pop(row)
 
     def move(self, src: int, dst: int) -> None:
         """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped."""
@@ -185,9 +188,8 @@ class BatchProcessor:
         self._check_row(dst)
         self._jobs.discard()
         moved = self._rows.pop(src, None)
-        if moved is None:
-            self._rows.pop(dst, None)
-        else:
+        self._pop(dst)
+        if moved is not None:
             self._rows[dst] = moved
 
     def swap(self, a: int, b: int) -> None:
@@ -238,11 +240,12 @@ class BatchProcessor:
         first, as ``advance(rows[i], [tokens[i]])`` would (``rows`` then in the tokens'
         order; unconstrained rows are skipped). A row with a live list raises ValueError, as
         ``advance`` does, after the step started for the others."""
-        self._jobs.step(self._rows, rows, tokens)
+        self._jobs.step(self._rows, rows, tokens, live_rows=self._live > 0)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for this step's fill and mask ``logits`` (rows = batch rows) in place."""
-        self._logits.apply(self._rows, logits, self._jobs.wait_for_apply(self._rows, logits))
+        masks, layout = self._jobs.wait_for_apply(self._rows, logits)
+        self._logits.apply(self._rows, logits, masks, layout)
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
@@ -337,6 +340,12 @@ class BatchProcessor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _pop(self, row: int) -> None:
+        """Drop the row's request, if any (the live-list count follows)."""
+        r = self._rows.pop(row, None)
+        if r is not None and not r.owned:
+            self._live -= 1
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_batch:

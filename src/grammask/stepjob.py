@@ -12,12 +12,13 @@ import time
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from . import metrics
-from .apply import CpuPlan, cpu_plannable, plan_cpu_apply
+from .apply import CpuPlan, LogitsLayout, cpu_layout, plan_cpu_apply
 from .backends.base import Matcher
 from .firstmask import FirstMasks
 from .masks import Filler, FillWorker, MaskBuffers, Ticket
@@ -29,13 +30,6 @@ log = logging.getLogger("grammask")
 #: one row's share of a step: (batch row, the row, its new tokens); a plain tuple, since one
 #: is made per row per step on the host's critical path
 Work = tuple[int, Row, list[int]]
-
-
-class CpuLayout(NamedTuple):
-    """The CPU logits the next fill job plans its apply for."""
-
-    width: int
-    stride: int  # of a row
 
 
 class StepMasks(NamedTuple):
@@ -63,7 +57,7 @@ class FillStats:
 class Step:
     """One step's job: its rows and tokens, its buffer, and its result once handed over."""
 
-    future: Ticket[list[int]] | None
+    future: Ticket[StepMasks] | None
     buffer: torch.Tensor
     work: list[Work]
     #: the CPU apply's index plan for the job's rows, made by the job (None: none made)
@@ -87,7 +81,10 @@ class StepJobs:
         self.pending: Step | None = None
         #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
         #: or planning would not fit in the forward: see ``_plan_fits``)
-        self.cpu_layout: CpuLayout | None = None
+        self.cpu_layout: LogitsLayout | None = None
+        #: the job's own ``_plan_fits`` verdict for the job after it (off the critical path)
+        self._plan_next = True
+        self._window_ms = float("inf")  # from the last step's hand-over to its apply
         self._stepped_at = 0.0  # when the last step's job was handed over
         self._steps = 0
         # plan times (ms) of the last jobs that planned, the first two left out (cold
@@ -100,44 +97,66 @@ class StepJobs:
         return self._worker.thread_id
 
     def step(self, table: dict[int, Row], rows: Collection[int] | None,
-             tokens: Sequence[int] | None = None) -> None:
-        """Read the rows' new tokens (``rows``: only these) and hand the job to the worker;
-        ``tokens``: first append ``tokens[i]`` to row ``rows[i]``'s (owned) output, in the
-        same pass (``BatchProcessor.step``)."""
+             tokens: Sequence[int] | None = None, *, live_rows: bool = True) -> None:
+        """Hand the step's job to the worker: read the rows' new tokens (``rows``: only
+        these), advance, fill; ``tokens``: first append ``tokens[i]`` to row ``rows[i]``'s
+        (owned) output (``BatchProcessor.step``).
+
+        The reads run on the worker too, so the host's share of a step does not grow with
+        the batch: here only the arguments are copied (C loops). The worker owns the rows
+        until the job is waited for (every mutation settles it first); a live list may have
+        its placeholders replaced meanwhile (a read that still sees one is redone in
+        ``wait``). ``live_rows``: whether any row of ``table`` reads a live list (only then
+        does ``step(rows, tokens)`` look for one to refuse)."""
         if tokens is not None and (rows is None or len(rows) != len(tokens)):
             raise ValueError("step(rows, tokens) needs one row per token")
         if self.pending is not None:
             self.settle()
             self.pending = None
-        take = Row.take
-        late: list[Row] = []  # rows whose read stopped at a placeholder (``take`` notes them)
         live: int | None = None  # a row of ``rows`` whose list the host appends to itself
+        order: list[int] | None = None
+        if rows is not None:
+            order = rows.tolist() if hasattr(rows, "tolist") else list(rows)
+        if tokens is not None:
+            assert order is not None
+            handed = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+            if live_rows:
+                live = next((i for i in order if i in table and not table[i].owned), None)
+        step = Step(None, self.buffers.acquire(), [])
+        self._stepped_at = time.perf_counter()
+        self._steps += 1
+        if table:
+            layout = self.cpu_layout
+            job = (partial(self._job, step, layout, table, order, None) if tokens is None
+                   else partial(self._job, step, layout, table, order, handed))
+            step.future = self._worker.run(job)
+        self.pending = step
+        if live is not None:  # the other rows' job runs: the host's mistake is this row's
+            raise ValueError(f"row {live} reads a live output list; append to it instead")
+
+    @staticmethod
+    def _read(step: Step, table: dict[int, Row], rows: list[int] | None,
+              tokens: list[int] | None) -> None:
+        """The job's first part: each row's share of the step into ``step.work`` (the
+        hand-over of ``tokens`` first); rows whose read stopped at a placeholder are noted
+        (``step.late``), so ``wait`` does not scan every row for them."""
+        take = Row.take
+        late: list[Row] = []
+        work = step.work
         if tokens is not None:
             assert rows is not None
-            work: list[Work] = []
             for i, tid in zip(rows, tokens, strict=True):
                 r = table.get(i)
-                if r is None:
-                    continue
-                if not r.owned:
-                    live = i
+                if r is None or not r.owned:  # a live row: ``step`` refused it
                     continue
                 r.output.append(int(tid))
                 work.append((i, r, take(r, late)))
         elif rows is None:
-            work = [(index, r, take(r, late)) for index, r in table.items()]
+            work.extend([(index, r, take(r, late)) for index, r in table.items()])
         else:
-            work = [(i, table[i], take(table[i], late)) for i in sorted(set(rows))
-                    if i in table]
-        step = Step(None, self.buffers.acquire(), work, late=bool(late))
-        self._stepped_at = time.perf_counter()
-        self._steps += 1
-        if work:
-            layout = self.cpu_layout
-            step.future = self._worker.run(lambda: self._job(step, layout))
-        self.pending = step
-        if live is not None:  # the other rows' job runs: the host's mistake is this row's
-            raise ValueError(f"row {live} reads a live output list; append to it instead")
+            work.extend([(i, table[i], take(table[i], late)) for i in sorted(set(rows))
+                         if i in table])
+        step.late = bool(late)
 
     def settle(self) -> None:
         """Wait for an in-flight fill so the host thread may touch matchers again."""
@@ -146,23 +165,25 @@ class StepJobs:
             try:
                 step.future.result()
             except BaseException as exc:
-                step.future = Ticket.completed(
-                    sorted(self._contain(step.work, step.buffer, exc)))
                 step.plan = None
+                step.future = Ticket.completed(StepMasks(
+                    step.buffer, sorted(self._contain(step.work, step.buffer, exc)), None))
 
     def discard(self) -> None:
         """A mutation of the batch: the pending fill no longer holds."""
         self.settle()
         self.pending = None
 
-    def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor) -> StepMasks:
-        """``wait``, for ``apply`` on ``logits``: also decides whether the next job plans
-        the CPU apply for their layout."""
-        window_ms = (time.perf_counter() - self._stepped_at) * 1000
+    def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor
+                       ) -> tuple[StepMasks, LogitsLayout | None]:
+        """``wait``, for ``apply`` on ``logits``: also reads their layout (once: the apply
+        takes it too), which the next job plans the CPU apply for when the last job found
+        that planning fits (``_plan_fits``, decided by the job: not on the critical path)."""
+        self._window_ms = (time.perf_counter() - self._stepped_at) * 1000
         masks = self.wait(table, None)
-        self.cpu_layout = (CpuLayout(logits.shape[1], logits.stride(0))
-                           if cpu_plannable(logits) and self._plan_fits(window_ms) else None)
-        return masks
+        layout = cpu_layout(logits)
+        self.cpu_layout = layout if self._plan_next else None
+        return masks, layout
 
     def wait(self, table: dict[int, Row], rows: Collection[int] | None) -> StepMasks:
         """Wait for this step's fill (``step`` now, when none is pending); rows read late and
@@ -180,9 +201,9 @@ class StepJobs:
             except BaseException as exc:  # a bug in the job: contain it to this step's rows
                 indices = self._contain(step.work, step.buffer, exc)
             else:
-                if rows is None and not step.late:  # the common case: ``_job`` sorted them
-                    return StepMasks(step.buffer, result, step.plan)
-                indices = set(result)
+                if rows is None and not step.late:  # the common case: ``_job`` made them
+                    return result
+                indices = set(result.rows)
         late = [(index, r, r.take()) for index, r, _ in step.work if r.late] if step.late else []
         done = {index for index, _, _ in step.work}
         if rows is not None:  # rows the step skipped: read and fill them here
@@ -216,24 +237,31 @@ class StepJobs:
         instead). The plan's share is the fastest of the last four plans, the first two
         plans left out: one slow plan (a cold start, a preempted thread) must not turn
         planning off, and a job that did not plan leaves no stale time behind. Planning is
-        tried again every 64 steps, as batches and masks change."""
+        tried again every 64 steps, as batches and masks change. Each job decides for the
+        next one, against the last step's window (forwards of a batch take alike)."""
         stats = self.stats
         job_ms = stats.last_advance_ms + stats.last_fill_ms + min(self._plan_ms, default=0.0)
         return job_ms <= 0.9 * window_ms or self._steps % 64 == 0
 
-    def _job(self, step: Step, layout: CpuLayout | None) -> list[int]:
-        """The worker's job: ``_run``, then (CPU logits) the apply plan for its rows, so the
-        apply on the host's critical path is only gather / memset / scatter. The rows come
-        back sorted and distinct (``step(rows, tokens)`` may list a row twice), so ``wait``
-        has nothing left to do."""
+    def _job(self, step: Step, layout: LogitsLayout | None, table: dict[int, Row],
+             rows: list[int] | None, tokens: list[int] | None) -> StepMasks:
+        """The worker's job: ``_read``, ``_run``, then (CPU logits) the apply plan for its
+        rows, so the apply on the host's critical path is only gather / memset / scatter.
+        The rows come back sorted and distinct (``step(rows, tokens)`` may list a row twice),
+        so ``wait`` has nothing left to do but return them."""
+        try:
+            self._read(step, table, rows, tokens)
+        except BaseException:  # a bug in the read: every row it was to read fails
+            step.work[:] = [(i, r, []) for i, r in table.items()
+                            if rows is None or i in rows]
+            raise
         indices = sorted(set(self._run(step.work, step.buffer)))
         plan_ms = 0.0
         if layout is not None and indices:
-            width, stride = layout
             started = time.perf_counter()
             try:
                 step.plan = plan_cpu_apply(step.buffer, indices, vocab_size=self.vocab_size,
-                                           width=width, stride=stride)
+                                           width=layout.width, stride=layout.stride)
             except Exception as exc:  # never fatal: apply plans inline instead
                 log.debug("grammask: apply plan failed: %s", exc)
             plan_ms = (time.perf_counter() - started) * 1000
@@ -241,7 +269,8 @@ class StepJobs:
             if self._plans > 2:
                 self._plan_ms.append(plan_ms)
         self.stats.last_plan_ms = plan_ms
-        return indices
+        self._plan_next = self._plan_fits(self._window_ms)
+        return StepMasks(step.buffer, indices, step.plan)
 
     def _run(self, work: list[Work], buffer: torch.Tensor) -> list[int]:
         """The fill job (worker thread, or the host thread for late rows): advance every row

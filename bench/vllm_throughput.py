@@ -22,20 +22,24 @@ Specs: ``json-xg`` (``XG_SCHEMA`` as ``response_format`` ``json_schema``, compac
 grammask routes to xgrammar), ``json-llg`` (``LLG_SCHEMA`` as ``structured_outputs`` ``json``,
 length-bounded strings: llguidance), ``regex`` (``REGEX``), ``choice``; and, not by default,
 ``words`` (a regex of lowercase words that rarely ends within ``max_tokens``). Per round,
-spec and concurrency the three systems run back to back, their order rotating per round and
-spec; at concurrency 1 ``--reps`` sequential requests, above it ``--batches`` batches of that
-many requests sent at once. One unmeasured request per (spec, system) first (compile,
-caches). Per cell: output tokens/s (completion tokens over the wall time of the batches, as
-the client sees it) and, from the server's ``/metrics`` read around the cell, the mean of
+spec and concurrency each system sends ``--reps`` sequential requests at concurrency 1, and
+above it ``--batches`` batches of that many requests sent at once; the three systems take
+turns chunk by chunk (a request, a batch), their order rotating per round and spec, so a
+change of background load hits all three alike. One unmeasured request per (spec, system)
+first (compile, caches). Per cell: output tokens/s (completion tokens over the wall time of
+its chunks, as the client sees it) and, from the server's ``/metrics`` read around each
+chunk, the mean of
 vLLM's per-request time per output token (``vllm:request_time_per_output_token_seconds``:
 decode time over tokens - 1, stamped by the engine core) and TTFT, and grammask's
 ``grammask_requests_total`` (it grows by the requests of grammask's cells only). Reported
-per (spec, concurrency, system): the median over rounds with min-max, and the TPOT ratios
-grammask/vLLM and grammask/unconstrained (each round's ratio: the systems ran next to each
-other; median with min-max). ``--profile DIR`` then records py-spy (``bench/pyspy.py``: every
-thread, waits included, 20 Hz) while the server is unconstrained once and grammask and vLLM
-each serve each profiled spec, ``--profile-batches`` batches at the highest concurrency
-(after the measured rounds: the profiler costs CPU).
+per (spec, concurrency, system): the median over rounds with min-max and the spread
+((max - min) / median), and the TPOT ratios grammask/vLLM and grammask/unconstrained (each
+round's ratio: the systems ran next to each other; median, min-max, spread); then the
+verdict against the bar (ratio <= 1.0 at concurrency 16 and 32, spread under 10%).
+``--profile DIR`` then records py-spy (``bench/pyspy.py``: every thread, waits included,
+20 Hz) while the server is unconstrained once and grammask and vLLM each serve each profiled
+spec, ``--profile-batches`` batches at the highest concurrency (after the measured rounds:
+the profiler costs CPU).
 
 Requests are not streamed: on a loaded two-core machine the API server at times delivered a
 whole stream in one burst at its end, which makes a client's TTFT and inter-token times
@@ -198,13 +202,20 @@ def scrape(base_url: str) -> dict[str, float] | None:
     return out
 
 
-def server_side(before: dict[str, float] | None, after: dict[str, float] | None,
-                requests: int) -> dict[str, Any]:
-    """What the server recorded for one cell's requests (the metrics' deltas): the mean of
-    vLLM's per-request TPOT, TTFT and end-to-end latency (ms), and grammask's counter."""
+def metric_delta(before: dict[str, float] | None, after: dict[str, float] | None
+                 ) -> dict[str, float] | None:
+    """What the server's metrics grew by between two scrapes (None: one is missing)."""
     if before is None or after is None:
+        return None
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def server_side(delta: dict[str, float] | None, requests: int) -> dict[str, Any]:
+    """What the server recorded for one cell's requests (the metrics' deltas, summed over
+    its chunks): the mean of vLLM's per-request TPOT, TTFT and end-to-end latency (ms), and
+    grammask's counter."""
+    if delta is None:
         return {"metrics": None}
-    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     out: dict[str, Any] = {"metrics_requests": round(delta.get("tpot_count", 0.0))}
     for key in HISTOGRAMS:
         n = delta.get(f"{key}_count", 0.0)
@@ -216,43 +227,57 @@ def server_side(before: dict[str, float] | None, after: dict[str, float] | None,
     return out
 
 
-def cell(client: Any, base_url: str, model: str, spec: Case, system: str, concurrency: int,
-         n: int, max_tokens: int, seed0: int) -> dict[str, Any]:
-    """``n`` requests of one system: sequential at concurrency 1, else batches sent at once;
-    the client's view (tokens/s over the wall time) and the server's (its metrics)."""
+def chunk(client: Any, base_url: str, model: str, spec: Case, system: str,
+          concurrency: int, seeds: list[int], max_tokens: int,
+          pool: ThreadPoolExecutor | None = None) -> dict[str, Any]:
+    """One piece of a cell: ``seeds`` requests of one system, sequential at concurrency 1,
+    else sent at once (one batch); its results, wall time and the server's metric deltas."""
     case = case_of(spec, system)
-    seeds = list(range(seed0, seed0 + n))
 
     def send(seed: int) -> Result:
         return request(client, model, case, system, seed, max_tokens)
 
     before = scrape(base_url)
-    results: list[Result] = []
-    wall_s = 0.0
-    if concurrency == 1:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    if concurrency == 1 or pool is None:
         results = [send(s) for s in seeds]
-        wall_s = time.perf_counter() - t0
     else:
-        with ThreadPoolExecutor(concurrency) as pool:
-            for start in range(0, n, concurrency):
-                t0 = time.perf_counter()
-                results += list(pool.map(send, seeds[start:start + concurrency]))
-                wall_s += time.perf_counter() - t0
+        results = list(pool.map(send, seeds))
+    wall_s = time.perf_counter() - t0
     after = scrape(base_url)
     for _ in range(10):  # the API server records a request's stats as it answers it
         if after is None or before is None or round(
-                after.get("tpot_count", 0) - before.get("tpot_count", 0)) >= n:
+                after.get("tpot_count", 0) - before.get("tpot_count", 0)) >= len(seeds):
             break
         time.sleep(0.1)
         after = scrape(base_url)
+    return {"seeds": seeds, "results": results, "wall_s": wall_s,
+            "delta": metric_delta(before, after)}
+
+
+def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: int,
+            max_tokens: int) -> dict[str, Any]:
+    """A cell (one system, spec and concurrency in one round) from its chunks: the
+    client's view (tokens/s over the chunks' wall time) and the server's (its metrics)."""
+    case = case_of(spec, system)
+    seeds = [s for c in chunks for s in c["seeds"]]
+    results: list[Result] = [r for c in chunks for r in c["results"]]
+    wall_s = sum(c["wall_s"] for c in chunks)
+    deltas = [c["delta"] for c in chunks]
+    delta: dict[str, float] | None = None
+    if all(d is not None for d in deltas):
+        delta = {}
+        for d in deltas:
+            assert d is not None
+            for k, v in d.items():
+                delta[k] = delta.get(k, 0.0) + v
     tokens = sum(r.tokens for r in results)
     per_token = [r.total_ms / r.tokens for r in results if r.tokens]
     not_fixed = [{"seed": s, "tokens": r.tokens, "finish": r.finish, "error": r.error}
                  for s, r in zip(seeds, results, strict=True) if r.tokens != max_tokens]
     return {
         "spec": spec.name, "system": system, "concurrency": concurrency,
-        "requests": len(results), "completion_tokens": tokens,
+        "requests": len(results), "chunks": len(chunks), "completion_tokens": tokens,
         "valid": sum(case.check(r) for r in results),
         "finish": dict(Counter(r.finish for r in results).most_common()),
         "not_fixed": len(not_fixed), "not_fixed_samples": not_fixed[:5],
@@ -261,9 +286,21 @@ def cell(client: Any, base_url: str, model: str, spec: Case, system: str, concur
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
         "request_ms_per_token_p50": round(statistics.median(per_token), 3)
         if per_token else None,
-        **server_side(before, after, len(results)),
+        **server_side(delta, len(results)),
         "sample": results[0].text[:120] if results else "",
     }
+
+
+def cell(client: Any, base_url: str, model: str, spec: Case, system: str, concurrency: int,
+         n: int, max_tokens: int, seed0: int) -> dict[str, Any]:
+    """``n`` requests of one system on their own: sequential at concurrency 1, else
+    batches sent at once (the profile's runs; ``run`` interleaves the systems instead)."""
+    seeds = list(range(seed0, seed0 + n))
+    size = 1 if concurrency == 1 else concurrency
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        chunks = [chunk(client, base_url, model, spec, system, concurrency,
+                        seeds[i:i + size], max_tokens, pool) for i in range(0, n, size)]
+    return cell_of(chunks, spec, system, concurrency, max_tokens)
 
 
 def _order(round_: int, offset: int) -> tuple[str, ...]:
@@ -289,27 +326,39 @@ def run(client: Any, base_url: str, model: str, specs: list[Case], *, rounds: in
         s.name: {system: Counter() for system in SYSTEMS} for s in specs}
     checked = True
     loads: list[list[float]] = []
-    for rnd in range(rounds):
-        loads.append([round(x, 2) for x in os.getloadavg()])
-        print(f"round {rnd + 1}/{rounds} (load {loads[-1]})", flush=True)
-        for si, spec in enumerate(specs):
-            for conc in concurrencies:
-                for system in _order(rnd, si):
+    with ThreadPoolExecutor(top) as pool:
+        for rnd in range(rounds):
+            loads.append([round(x, 2) for x in os.getloadavg()])
+            print(f"round {rnd + 1}/{rounds} (load {loads[-1]})", flush=True)
+            for si, spec in enumerate(specs):
+                for conc in concurrencies:
+                    order = _order(rnd, si)
                     n = reps if conc == 1 else conc * batches
-                    seed0 = 1 + 10_000 * rnd + 1_000 * conc
-                    row = cell(client, base_url, model, spec, system, conc, n, max_tokens,
-                               seed0)
-                    if row.get("grammask_served") is None:
-                        checked = False
-                    else:
-                        served[spec.name][system].update(row["grammask_served"])
-                    row["round"] = rnd
-                    cells.append(row)
-                    warn = f"  NOT {max_tokens} TOKENS: {row['not_fixed']}" if (
-                        row["not_fixed"]) else ""
-                    print(f"  {system:13} {spec.name:8} c={conc:<3} {row['tokens_per_s']:>7} "
-                          f"tok/s  server TPOT {fmt_ms(row.get('server_tpot_ms'))} ms  valid "
-                          f"{row['valid']}/{row['requests']}{warn}", flush=True)
+                    size = 1 if conc == 1 else conc
+                    seeds = list(range(1 + 10_000 * rnd + 1_000 * conc,
+                                       1 + 10_000 * rnd + 1_000 * conc + n))
+                    # the systems take turns chunk by chunk (a request at concurrency 1, a
+                    # batch above it), so a change of load hits all three alike
+                    chunks: dict[str, list[dict[str, Any]]] = {s: [] for s in order}
+                    for i in range(0, n, size):
+                        for system in order:
+                            chunks[system].append(chunk(
+                                client, base_url, model, spec, system, conc,
+                                seeds[i:i + size], max_tokens, pool))
+                    for system in order:
+                        row = cell_of(chunks[system], spec, system, conc, max_tokens)
+                        if row.get("grammask_served") is None:
+                            checked = False
+                        else:
+                            served[spec.name][system].update(row["grammask_served"])
+                        row["round"] = rnd
+                        cells.append(row)
+                        warn = f"  NOT {max_tokens} TOKENS: {row['not_fixed']}" if (
+                            row["not_fixed"]) else ""
+                        print(f"  {system:13} {spec.name:8} c={conc:<3} "
+                              f"{row['tokens_per_s']:>7} tok/s  server TPOT "
+                              f"{fmt_ms(row.get('server_tpot_ms'))} ms  valid "
+                              f"{row['valid']}/{row['requests']}{warn}", flush=True)
     counts: dict[str, dict[str, dict[str, int] | None]] = {
         spec: {system: dict(c) if checked else None for system, c in by.items()}
         for spec, by in served.items()}
@@ -317,10 +366,13 @@ def run(client: Any, base_url: str, model: str, specs: list[Case], *, rounds: in
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
+    """Median, min, max and the spread across rounds: (max - min) / median."""
     if not values:
         return None
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
-            "max": round(max(values), 3), "n": len(values)}
+    median = statistics.median(values)
+    return {"median": round(median, 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "n": len(values),
+            "spread": round((max(values) - min(values)) / median, 3) if median else 0.0}
 
 
 def tpot_ratio(cells: list[dict[str, Any]], spec: str, concurrency: int, system: str,
@@ -372,15 +424,36 @@ def _fmt(s: dict[str, float] | None, digits: int = 0) -> str:
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
+def _pct(s: dict[str, float] | None) -> str:
+    return "-" if s is None else f"{100 * s['spread']:.0f}%"
+
+
 def table(summary: list[dict[str, Any]]) -> str:
     return render_table(
         ["spec", "c", "system", "tok/s median (min-max)",
-         "TPOT ms (server) median (min-max)", "TTFT ms (server)", "valid", "not fixed",
-         "TPOT / vLLM", "TPOT / unconstrained"],
+         "TPOT ms (server) median (min-max)", "TPOT spread", "TTFT ms (server)", "valid",
+         "not fixed", "TPOT / vLLM", "ratio spread", "TPOT / unconstrained"],
         [[s["spec"], s["concurrency"], s["system"], _fmt(s["tokens_per_s"]),
-          _fmt(s["tpot_ms"], 2), fmt_ms(s["ttft_ms"]["median"]) if s["ttft_ms"] else "-",
+          _fmt(s["tpot_ms"], 2), _pct(s["tpot_ms"]),
+          fmt_ms(s["ttft_ms"]["median"]) if s["ttft_ms"] else "-",
           f"{s['valid']}/{s['requests']}", s["not_fixed"], _fmt(s["tpot_vs_vllm"], 2),
-          _fmt(s["tpot_vs_unconstrained"], 2)] for s in summary])
+          _pct(s["tpot_vs_vllm"]), _fmt(s["tpot_vs_unconstrained"], 2)] for s in summary])
+
+
+def verdict(summary: list[dict[str, Any]], floor: int = 16) -> str:
+    """The issue's bar, cell by cell: grammask's TPOT <= vLLM's at concurrency >= ``floor``,
+    and a spread across rounds under 10% (of the ratio and of both systems' TPOT)."""
+    ratios = [s for s in summary if s["system"] == "grammask" and s["concurrency"] >= floor
+              and s["tpot_vs_vllm"] is not None]
+    tpots = {(s["spec"], s["concurrency"], s["system"]): s["tpot_ms"] for s in summary}
+    at_most_1 = [s for s in ratios if s["tpot_vs_vllm"]["median"] <= 1.0]
+    steady = [s for s in ratios if s["tpot_vs_vllm"]["spread"] < 0.10 and all(
+        (t := tpots.get((s["spec"], s["concurrency"], system))) is not None
+        and t["spread"] < 0.10 for system in ("grammask", "vllm"))]
+    wide = ", ".join(f"{s['spec']} c={s['concurrency']}" for s in ratios if s not in steady)
+    return (f"TPOT grammask/vLLM <= 1.0 at c >= {floor}: {len(at_most_1)}/{len(ratios)} "
+            f"cells; spread across rounds < 10% (ratio and both TPOTs): "
+            f"{len(steady)}/{len(ratios)}" + (f" (not: {wide})" if wide else ""))
 
 
 def profile(client: Any, base_url: str, model: str, specs: list[Case], pid: int,
@@ -473,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(cells, specs, concurrencies)
     print()
     print(table(summary))
+    print(verdict(summary))
     bad = [c for c in cells if c["not_fixed"]]
     print(f"\nrequests that did not produce exactly {args.max_tokens} tokens: "
           + (", ".join(f"{c['system']} {c['spec']} c={c['concurrency']} round "

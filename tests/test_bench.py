@@ -78,8 +78,15 @@ def test_throughput_summary_rotates_systems_and_takes_per_round_ratios() -> None
     spec = throughput.SPECS["regex"]
     rows = {r["system"]: r for r in throughput.summarize(cells, [spec], [32])}
     g = rows["grammask"]
-    assert g["tokens_per_s"] == {"median": 200.0, "min": 100.0, "max": 300.0, "n": 3}
-    assert g["tpot_vs_vllm"] == {"median": 0.6, "min": 0.5, "max": 1.5, "n": 3}
+    assert g["tokens_per_s"] == {"median": 200.0, "min": 100.0, "max": 300.0, "n": 3,
+                                 "spread": 1.0}
+    assert g["tpot_vs_vllm"] == {"median": 0.6, "min": 0.5, "max": 1.5, "n": 3,
+                                 "spread": round(1.0 / 0.6, 3)}
+    assert rows["vllm"]["tpot_ms"]["spread"] == 0.0
+    # the bar: <= 1.0 in the median, but grammask's rounds are 0.5-1.5x apart
+    assert throughput.verdict(list(rows.values())) == (
+        "TPOT grammask/vLLM <= 1.0 at c >= 16: 1/1 cells; spread across rounds < 10% "
+        "(ratio and both TPOTs): 0/1 (not: regex c=32)")
     assert g["tpot_vs_unconstrained"]["median"] == 2.0  # per round: 2, 2, 3
     assert rows["vllm"]["not_fixed"] == 1 and rows["vllm"]["tpot_vs_vllm"] is None
     assert rows["unconstrained"]["tpot_vs_unconstrained"] is None

@@ -51,14 +51,20 @@ class GrammarLogitsProcessor(LogitsProcessor):
         length = input_ids.shape[1]
         if self._proc is None or length <= self._length:
             self._start(input_ids)
+            assert self._proc is not None
+            self._proc.step()
+        elif length == self._length + 1:  # one token per row: handed over with the step
+            assert self._proc is not None
+            rows = self._proc.rows
+            self._proc.step(rows, input_ids[rows, -1].tolist())
         else:
             new = input_ids[:, self._length:].tolist()
             assert self._proc is not None
             for row in self._proc.rows:
                 self._proc.advance(row, new[row])
+            self._proc.step()
         self._length = length
         assert self._proc is not None
-        self._proc.step()
         self._proc.apply(scores)
         return scores
 

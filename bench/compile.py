@@ -43,7 +43,7 @@ from bench.workers import Pool, progress, rotated
 
 TASK = "bench.compile:measure"
 GRACE_S = 5.0  # beyond --timeout, for the cache-hit measurement and the reply itself
-TARGET_OVERHEAD = 1.05
+TARGET_OVERHEAD = 1.25  # grammask TTFM over the raw backend it routed to, per-spec p50
 TARGET_HIT_US = 50.0
 TARGET_AUTO = 1.2
 

@@ -218,3 +218,66 @@ def test_an_unknown_backend_name_is_an_error_naming_the_known_ones() -> None:
     with pytest.raises(ValueError,
                        match="unknown backend 'outlines'; registered: auto, xgrammar, guidance"):
         get_backend("outlines")
+
+
+def _masks_along(matcher: object, vocab: Vocabulary, text: str) -> list[list[int]]:
+    """The mask before each token of ``text`` and after the last one, filled into a row of a
+    two-row bitmask (the row's address matters: fills write through raw pointers)."""
+    from grammask.backends import Matcher
+
+    m: Matcher = matcher  # type: ignore[assignment]
+    out = []
+    for token in [*vocab.encode(text), None]:
+        bm = allocate_bitmask(2, vocab.vocab_size)
+        m.fill(bm, 1)
+        assert bool((bm[0] == -1).all()), "a fill wrote outside its row"
+        out.append(bm[1].tolist())
+        if token is not None:
+            assert m.accept(token)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("spec", "good", "bad"), CASES[:6], ids=lambda v: getattr(v, "kind", None))
+def test_the_first_request_takes_the_compile_s_own_matcher_and_mask(
+        qwen25: Vocabulary, backend: BackendName, spec: GrammarSpec, good: str,
+        bad: str) -> None:
+    """A compile fills the start state's mask (the empty-language check) with a matcher of
+    its own; the first request gets that matcher and every request's first fill copies that
+    mask. Masks, accepts and rollbacks must be those of a fresh matcher, for the first
+    request and for the ones after it, and the copy must land in the row asked for."""
+    compiler = Compiler(qwen25, timeout_s=60)
+    grammar = compiler.compile(spec.with_backend(backend))
+    native = grammar.backend_grammar
+    spare = list(native._spare)  # type: ignore[attr-defined]
+    assert len(spare) == 1
+    first = grammar.matcher()
+    assert first.native is spare[0] and not native._spare  # type: ignore[attr-defined]
+    second, third = grammar.matcher(), grammar.matcher()
+    assert second.native is not first.native and third.native is not second.native
+    reference = _masks_along(second, qwen25, good)
+    assert _masks_along(first, qwen25, good) == reference
+    computed = grammar.matcher()
+    computed._first_mask = None  # type: ignore[attr-defined]  # the backend fills it
+    assert mask_of(computed, qwen25).tolist() == reference[0]
+    assert accepts_complete(third, qwen25, good)
+    first.rollback(first.accepted())  # back at the start state: the first mask again
+    assert _masks_along(first, qwen25, good) == reference
+    fresh = grammar.matcher()
+    assert not feed(fresh, qwen25, bad) or not fresh.accept(qwen25.stop_ids[0])
+    fresh.reset()
+    assert _masks_along(fresh, qwen25, good) == reference
+
+
+def test_a_disk_loaded_xgrammar_grammar_fills_without_a_first_mask(qwen25: Vocabulary) -> None:
+    """A grammar not compiled here (the disk cache) has no first mask nor spare matcher:
+    its matchers fill from the backend, the same masks."""
+    from grammask.backends.xgrammar import XGrammarCompiled
+
+    spec = CASES[0][0].with_backend("xgrammar")
+    compiled = Compiler(qwen25, timeout_s=60).compile(spec).backend_grammar
+    assert isinstance(compiled, XGrammarCompiled) and compiled._first_mask is not None
+    bare = XGrammarCompiled(compiled._compiled, qwen25.stop_ids, qwen25.vocab_size)
+    assert bare._first_mask is None and not bare._spare
+    assert _masks_along(bare.matcher(), qwen25, CASES[0][1]) == \
+        _masks_along(compiled.matcher(), qwen25, CASES[0][1])

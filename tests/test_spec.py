@@ -248,3 +248,43 @@ def test_every_option_and_the_text_make_the_key() -> None:
     assert GrammarSpec.regex("a\nb").key == base.key
     head, text = base._key_material().split("\n", 1)
     assert json.loads(head)[0] == "regex" and text == "a\nb"
+
+
+def test_text_schemas_parse_and_key_as_json_loads_and_dumps_did() -> None:
+    """The decoder and the compact encoder are made once; the depth walk is skipped for a
+    text with at most 100 brackets. Errors and keys are those of ``json.loads`` / ``dumps``."""
+    from grammask.spec import MAX_NESTING, _compact_json
+
+    for text, fragment in [("\ufeff{}", "BOM"), ('{"a": NaN}', "NaN is not a JSON number"),
+                           ('{"a": -Infinity}', "-Infinity is not"), ('{"a": 1} x', "Extra"),
+                           ("{", "Expecting property name")]:
+        with pytest.raises(InvalidSchemaError, match=fragment):
+            GrammarSpec.json_schema(text)
+    value = {"b": [1, 2.5, "é\u2028"], "a": {"c": None, "d": True}}
+    assert _compact_json(value) == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    assert GrammarSpec.json_schema(json.dumps(value, indent=2)).source == _compact_json(value)
+    # exactly at the bracket bound, and one container deeper: the walk decides
+    deep: dict[str, object] = {}
+    for _ in range(MAX_NESTING):
+        deep = {"a": deep}
+    text = json.dumps(deep)  # 100 nested objects under the root (the innermost one empty)
+    assert text.count("{") == MAX_NESTING + 1
+    GrammarSpec.json_schema(text)
+    with pytest.raises(InvalidSchemaError, match="deeper than"):
+        GrammarSpec.json_schema(json.dumps({"a": deep}).replace("{}", '{"x": 1}'))
+    # brackets inside strings count toward the bound only (never toward the depth)
+    GrammarSpec.json_schema(json.dumps({"description": "[" * 500, "type": "string"}))
+
+
+def test_the_key_line_of_options_is_the_json_of_the_options() -> None:
+    """The option line is cached per option set; its text is what ``json.dumps`` made."""
+    import hashlib
+
+    for spec in [GrammarSpec.regex("x"), GrammarSpec.json_schema({"type": "string"},
+                                                                 whitespace_pattern="[ ]é"),
+                 GrammarSpec.grammar("start: \"a\"", backend="guidance")]:
+        head = json.dumps([spec.kind, spec.syntax, spec.any_whitespace, spec.whitespace_pattern,
+                           spec.extra_properties, spec.strict, spec.backend],
+                          ensure_ascii=False)
+        material = f"{head}\n{spec.source}"
+        assert spec.key == hashlib.sha256(material.encode("utf-8")).hexdigest()[:32]

@@ -320,12 +320,14 @@ class Compiler:
                     "negative": self._memory.failures,
                     "abandoned": self._runners.abandoned()}
 
-    def clear(self) -> None:
+    def clear(self, *, trim: bool = True) -> None:
         """Drop every cached grammar, failure and plan (the next request of any spec is cold
-        again), and hand the memory back to the OS."""
+        again), and hand the memory back to the OS (``trim``; a benchmark that only wants
+        cold compiles keeps it, as a long-running server's heap does)."""
         with self._lock:
             self._memory.clear()
-        self._trim(force=True)
+        if trim:
+            self._trim(force=True)
 
     @property
     def disk_cache(self) -> DiskCache | None:

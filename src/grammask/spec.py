@@ -75,11 +75,13 @@ class GrammarSpec:
             canonical = canonical_json(json.loads(self.source))
         # the options as one JSON line (a newline inside a value is escaped), then the text
         # as is: quoting it inside the JSON would escape every quote of a schema again
-        head = json.dumps(
-            [self.kind, self.syntax, self.any_whitespace, self.whitespace_pattern,
-             self.extra_properties, self.strict, self.backend],
-            ensure_ascii=False,
-        )
+        options = (self.kind, self.syntax, self.any_whitespace, self.whitespace_pattern,
+                   self.extra_properties, self.strict, self.backend)
+        head = _HEADS.get(options)
+        if head is None:
+            head = json.dumps(list(options), ensure_ascii=False)
+            if len(_HEADS) < _MAX_HEADS:  # a few option sets in practice; patterns are free text
+                _HEADS[options] = head
         return f"{head}\n{canonical}"
 
     def __eq__(self, other: object) -> bool:
@@ -334,6 +336,11 @@ _VLLM_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whi
 
 
 # ------------------------------------------------------------------------------ helpers
+#: the key's option line per option set (``_key_material``), made once
+_HEADS: dict[tuple[Any, ...], str] = {}
+_MAX_HEADS = 256
+
+
 def canonical_json(value: Any) -> str:
     """Sorted, whitespace-free JSON: the form cache keys are computed from."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
@@ -345,8 +352,13 @@ def detect_syntax(text: str) -> Syntax:
     return "ebnf" if "::=" in text else "lark"
 
 
+#: ``json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``, made once
+#: (``json.dumps`` with options builds an encoder per call)
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def _compact_json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _COMPACT.encode(value)
 
 
 def _digest(text: str) -> str:
@@ -402,7 +414,10 @@ def _parse_schema(schema: object, max_bytes: int) -> Any:
     if isinstance(schema, str):
         _check_text(schema, "schema", max_bytes, allow_empty=False)
         try:
-            parsed = json.loads(schema, parse_constant=_no_constant)
+            if schema.startswith("\ufeff"):  # what json.loads says; the decoder does not check
+                raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)",
+                                           schema, 0)
+            parsed = _SCHEMA_DECODER.decode(schema)
         except json.JSONDecodeError as exc:
             raise InvalidSchemaError(f"schema is not valid JSON: {exc.msg}",
                                      where=f"line {exc.lineno} column {exc.colno}") from exc
@@ -425,7 +440,10 @@ def _parse_schema(schema: object, max_bytes: int) -> Any:
         )
     if isinstance(schema, str):
         # json.loads made every key a string and every value JSON (NaN refused above), and
-        # the text's size bounds the nodes: only the depth is left to check
+        # the text's size bounds the nodes: only the depth is left to check, and a text with
+        # no more than MAX_NESTING brackets cannot nest deeper (most schemas: no walk)
+        if schema.count("{") + schema.count("[") <= MAX_NESTING:
+            return parsed
         deep = _too_deep(parsed)
         if deep is not None:
             raise InvalidSchemaError(f"schema nests deeper than {MAX_NESTING} levels",
@@ -440,6 +458,11 @@ def _parse_schema(schema: object, max_bytes: int) -> Any:
 
 def _no_constant(name: str) -> Any:
     raise InvalidSchemaError(f"{name} is not a JSON number", where="/")
+
+
+#: ``json.loads(text, parse_constant=_no_constant)``, made once (``json.loads`` with options
+#: builds a decoder per call)
+_SCHEMA_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _too_deep(root: Any) -> str | None:

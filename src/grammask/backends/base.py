@@ -36,12 +36,14 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from ..bitmask import normal_tensors
 from ..diskcache import DiskCache
 from ..errors import UnsupportedError
 from ..spec import BackendName, GrammarSpec
@@ -179,6 +181,15 @@ class BackendMatcher:
             raise ValueError(f"fill: row {index} is outside 0..{bitmask.shape[0] - 1}")
         return index
 
+    def _row_ptr(self, bitmask: torch.Tensor, index: int) -> int:
+        """The address of row ``index`` of a bitmask ``_check_fill`` passed (C-contiguous,
+        ``_words`` int32 words per row): no row tensor is made."""
+        return int(bitmask.data_ptr()) + index * self._words * 4
+
+    def _copy_first(self, bitmask: torch.Tensor, index: int, first: FirstMask) -> None:
+        """Write the start state's mask, computed once per grammar, into a checked row."""
+        ctypes.memmove(self._row_ptr(bitmask, index), first.ptr, first.nbytes)
+
     def _stop_only(self, bitmask: torch.Tensor, row: int) -> None:
         out = bitmask[row]
         out.zero_()
@@ -186,10 +197,28 @@ class BackendMatcher:
             out[tid >> 5] |= _bit(tid & 31)
 
 
+class FirstMask:
+    """The start state's mask of a grammar, computed once at compile time (the empty-language
+    check needs it): a request's first fill is then a copy. Read-only once made."""
+
+    __slots__ = ("nbytes", "ptr", "words")
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self.words = words  # a (1, words) C-contiguous int32 CPU tensor: one bitmask row
+        self.ptr = int(words.data_ptr())
+        self.nbytes = int(words.numel()) * 4
+
+
+def new_first_mask(vocab_size: int) -> FirstMask:
+    """A zeroed first mask for a vocabulary, for a backend to fill."""
+    with normal_tensors():
+        return FirstMask(torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32))
+
+
 def refuse_empty_language(first_mask: torch.Tensor, backend: str, where: str | None) -> None:
     """A start state that allows no token and no stop: nothing can ever be generated, and a
     served row would mask every logit to -inf. Checked once per compile."""
-    if not bool(first_mask.any()):
+    if not first_mask.numpy().any():  # numpy: no torch dispatch on the cold path
         raise UnsupportedError(f"{backend}: the grammar's language is empty: nothing can be "
                                "generated (no token and no stop is allowed at the start)",
                                where=where)

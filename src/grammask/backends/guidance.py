@@ -2,7 +2,8 @@
 
 llguidance never raises on a bad grammar; the matcher enters an error state that it never
 leaves. The adapter turns that into a ``GrammarError`` at compile time and keeps a pristine
-template matcher per grammar, so a new request costs a ``deep_copy``, not a recompile.
+template matcher per grammar, so a new request costs a ``deep_copy``, not a recompile (the
+first request takes the copy the compile computed the start state's mask with).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import llguidance as llg
 import torch
 
-from ..bitmask import normal_tensors
 from ..errors import (
     GrammarError,
     InvalidGrammarError,
@@ -28,7 +28,14 @@ from ..errors import (
 from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
-from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
+from .base import (
+    BackendMatcher,
+    FirstMask,
+    Matcher,
+    check_batch,
+    new_first_mask,
+    refuse_empty_language,
+)
 from .registry import BackendInfo, Cost, register
 
 if TYPE_CHECKING:
@@ -39,7 +46,7 @@ log = logging.getLogger("grammask")
 
 class GuidanceMatcher(BackendMatcher):
     def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...], vocab_size: int,
-                 first_mask: torch.Tensor | None = None,
+                 first_mask: FirstMask | None = None,
                  owner: GuidanceCompiled | None = None) -> None:
         super().__init__(stop_ids, vocab_size)
         self._m = inner
@@ -76,12 +83,11 @@ class GuidanceMatcher(BackendMatcher):
         if self._m.is_stopped():  # stopped or in error: stop tokens only
             self._stop_only(bitmask, index)
             return
-        out = bitmask[index]
         first = self._first_mask
         if self._depth == 0 and first is not None:
-            out.copy_(first)
+            self._copy_first(bitmask, index, first)
             return
-        self._m.unsafe_compute_mask_ptr(out.data_ptr(), self._words * 4)
+        self._m.unsafe_compute_mask_ptr(self._row_ptr(bitmask, index), self._words * 4)
         self._check_error()
 
     def _check_error(self) -> None:
@@ -150,14 +156,22 @@ class GuidanceCompiled:
     limit is hit ("lexer error: too many expressions constructed": a ``{162}`` repeat fed
     many tokens at once), that shared lexer is broken for every later copy: each one would
     refuse its first token. So a matcher that breaks reports it, and the next request gets
-    a template rebuilt from the grammar text (copies already running stay broken)."""
+    a template rebuilt from the grammar text (copies already running stay broken).
+
+    ``spare``: a copy of the template the compile already made (to compute the first mask
+    with), handed to the first request instead of a fresh copy: computing a mask leaves a
+    matcher's parse state as it was (a raw llguidance request computes its first mask on
+    the very matcher it then advances)."""
 
     backend: BackendName = "guidance"
 
     def __init__(self, template: llg.LLMatcher, grammar: str, stop_ids: tuple[int, ...],
-                 warnings: list[str], first_mask: torch.Tensor, vocab_size: int,
-                 tokenizer: llg.LLTokenizer | None = None) -> None:
+                 warnings: list[str], first_mask: FirstMask, vocab_size: int,
+                 tokenizer: llg.LLTokenizer | None = None,
+                 spare: llg.LLMatcher | None = None) -> None:
         self._template = template
+        # taken at most once: list.pop is atomic, so two threads never share the spare
+        self._spare = [] if spare is None else [spare]
         self._grammar = grammar
         self._tokenizer = tokenizer
         self._broken = False
@@ -168,13 +182,16 @@ class GuidanceCompiled:
         self._vocab_size = vocab_size
         self.warnings = warnings
         # an estimate: llguidance exposes none
-        self.memory_bytes = len(grammar) * 4 + 64 * 1024 + first_mask.numel() * 4
+        self.memory_bytes = len(grammar) * 4 + 64 * 1024 + first_mask.nbytes
 
     def matcher(self) -> GuidanceMatcher:
         if self._broken:
             self._rebuild()
-        return GuidanceMatcher(self._template.deep_copy(), self._stop_ids, self._vocab_size,
-                               self._first_mask, self)
+        try:
+            inner = self._spare.pop()
+        except IndexError:
+            inner = self._template.deep_copy()
+        return GuidanceMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask, self)
 
     def matcher_failed(self, error: str) -> None:
         """A matcher made here entered llguidance's error state: the shared lexer may be
@@ -190,6 +207,7 @@ class GuidanceCompiled:
                 return
             fresh = llg.LLMatcher(self._tokenizer, self._grammar, log_level=0)
             if not fresh.is_error():
+                self._spare.clear()  # a copy of the broken template shares its lexer
                 self._template = fresh
                 self.rebuilds += 1
             self._broken = False
@@ -207,10 +225,10 @@ class GuidanceBackend:
         template = llg.LLMatcher(vocab.llguidance_tokenizer, grammar, log_level=0)
         if template.is_error():
             raise _translate(spec, template.get_error())
-        first_mask = _first_mask(spec, template, vocab)
+        first_mask, probe = _first_mask(spec, template, vocab)
         return GuidanceCompiled(template, grammar, vocab.stop_ids,
                                 list(template.get_grammar_warnings()), first_mask,
-                                vocab.vocab_size, vocab.llguidance_tokenizer)
+                                vocab.vocab_size, vocab.llguidance_tokenizer, spare=probe)
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
         grammar = grammar_text(spec, lenient=lenient)
@@ -219,15 +237,17 @@ class GuidanceBackend:
             raise _translate(spec, message)
 
 
-def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary) -> torch.Tensor:
+def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary
+                ) -> tuple[FirstMask, llg.LLMatcher]:
     """The start state's mask, computed once per grammar: every request's first fill is then
     a copy. It also catches grammars llguidance accepts but can produce no token for (e.g. an
     ``allOf`` of ``multipleOf`` and a bound): that error only shows in the first mask, and a
-    request would get a stop-only mask. Found at compile time, routing can fall back."""
+    request would get a stop-only mask. Found at compile time, routing can fall back.
+    Computed on a copy of the template (returned: the first request's matcher)."""
     probe = template.deep_copy()
-    with normal_tensors():
-        words = torch.zeros((vocab.vocab_size + 31) // 32, dtype=torch.int32)
-    probe.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+    first = new_first_mask(vocab.vocab_size)
+    words = first.words
+    probe.unsafe_compute_mask_ptr(first.ptr, first.nbytes)
     where = "/" if spec.kind == "json_schema" else None
     if probe.is_error():
         reason = str(probe.get_error()).strip().splitlines()[0][:200]
@@ -235,7 +255,7 @@ def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary) -
                                f"nothing can be generated (first mask failed: {reason})",
                                where=where)
     refuse_empty_language(words, "llguidance", where)
-    return words
+    return first, probe
 
 
 def json_options(spec: GrammarSpec, *, lenient: bool) -> JsonCompileOptions:

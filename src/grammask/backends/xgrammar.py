@@ -12,14 +12,20 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from ..bitmask import normal_tensors
 from ..diskcache import DiskCache
 from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
 from ..normalize import locate, normalize_schema
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from . import xgrammar_disk
-from .base import BackendMatcher, Matcher, check_batch, refuse_empty_language
+from .base import (
+    BackendMatcher,
+    FirstMask,
+    Matcher,
+    check_batch,
+    new_first_mask,
+    refuse_empty_language,
+)
 from .registry import BackendInfo, Cost, register
 
 _COMPACT = (",", ":")
@@ -30,9 +36,10 @@ _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
 class XGrammarMatcher(BackendMatcher):
     def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...],
-                 vocab_size: int) -> None:
+                 vocab_size: int, first_mask: FirstMask | None = None) -> None:
         super().__init__(stop_ids, vocab_size)
         self._m = inner
+        self._first_mask = first_mask  # the start state's mask, computed once per grammar
 
     def accept(self, token_id: int) -> bool:
         tid = self._token(token_id)  # xgrammar would wrap 2**32 + i to token i
@@ -50,7 +57,10 @@ class XGrammarMatcher(BackendMatcher):
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         index = self._check_fill(bitmask, row)
-        if self._m.is_terminated():
+        first = self._first_mask
+        if self._depth == 0 and first is not None:  # the start state (a stop makes depth 1)
+            self._copy_first(bitmask, index, first)
+        elif self._m.is_terminated():
             self._stop_only(bitmask, index)
         else:
             self._m.fill_next_token_bitmask(bitmask, index)
@@ -70,7 +80,8 @@ class XGrammarMatcher(BackendMatcher):
         return bool(self._m.is_terminated() or self._m.is_completed())
 
     def fork(self) -> Matcher:
-        twin = XGrammarMatcher(self._m.fork(), self._stop_ids, self._vocab_size)
+        twin = XGrammarMatcher(self._m.fork(), self._stop_ids, self._vocab_size,
+                               self._first_mask)
         twin._extra_stops = self._extra_stops
         twin._depth = self._depth
         return twin
@@ -100,6 +111,10 @@ class XGrammarMatcher(BackendMatcher):
 
 
 class XGrammarCompiled:
+    """A compiled xgrammar grammar. After a compile's empty-language check it also holds the
+    start state's mask (every request's first fill is a copy) and the matcher that check
+    filled it with, handed to the first request (a fill leaves the parse state as it was)."""
+
     backend: BackendName = "xgrammar"
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: tuple[int, ...],
@@ -108,10 +123,19 @@ class XGrammarCompiled:
         self._stop_ids = stop_ids
         self._vocab_size = vocab_size
         self.memory_bytes = int(compiled.memory_size_bytes)
+        self._first_mask: FirstMask | None = None
+        # taken at most once: list.pop is atomic, so two threads never share the spare
+        self._spare: list[xgr.GrammarMatcher] = []
+
+    def _native(self) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(self._compiled, override_stop_tokens=list(self._stop_ids))
 
     def matcher(self) -> XGrammarMatcher:
-        inner = xgr.GrammarMatcher(self._compiled, override_stop_tokens=list(self._stop_ids))
-        return XGrammarMatcher(inner, self._stop_ids, self._vocab_size)
+        try:
+            inner = self._spare.pop()
+        except IndexError:
+            inner = self._native()
+        return XGrammarMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask)
 
 
 class XGrammarBackend:
@@ -174,11 +198,19 @@ class XGrammarBackend:
 
 def _refuse_empty(compiled: XGrammarCompiled, spec: GrammarSpec, vocab: Vocabulary) -> None:
     """xgrammar compiles an empty language (``root ::= root``) and masks every token: find it
-    from the start state's mask, once per compile."""
-    with normal_tensors():
-        words = torch.zeros((1, (vocab.vocab_size + 31) // 32), dtype=torch.int32)
-    compiled.matcher().fill(words, 0)
-    refuse_empty_language(words, "xgrammar", "/" if spec.kind == "json_schema" else None)
+    from the start state's mask, once per compile. The mask and the matcher that filled it
+    are kept for the first request."""
+    first = new_first_mask(vocab.vocab_size)
+    native = compiled._native()
+    if native.is_terminated():  # not at a start state: the adapter's own fill says what then
+        compiled.matcher().fill(first.words, 0)
+        refuse_empty_language(first.words, "xgrammar", "/" if spec.kind == "json_schema"
+                              else None)
+        return
+    native.fill_next_token_bitmask(first.words, 0)
+    refuse_empty_language(first.words, "xgrammar", "/" if spec.kind == "json_schema" else None)
+    compiled._first_mask = first
+    compiled._spare.append(native)
 
 
 def json_options(spec: GrammarSpec) -> dict[str, Any]:

@@ -195,7 +195,7 @@ def wait_kind(frames: tuple[Frame, ...]) -> str | None:
     if not frames:
         return "idle"
     leaf = frames[-1]
-    if leaf.in_grammask and leaf.func in ("_work", "_Runner._work"):
+    if leaf.in_grammask and leaf.func in ("_work", "Runner._work", "_Runner._work"):
         return "grammask idle"
     if leaf.in_grammask and leaf.func == "Ticket.result":
         return "grammask wait"  # the model runner blocked on the fill's lock

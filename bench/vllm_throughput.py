@@ -23,7 +23,8 @@ grammask routes to xgrammar), ``json-llg`` (``LLG_SCHEMA`` as ``structured_outpu
 length-bounded strings: llguidance), ``regex`` (``REGEX``), ``choice``; and, not by default,
 ``words`` (a regex of lowercase words that rarely ends within ``max_tokens``). Per round,
 spec and concurrency each system sends ``--reps`` sequential requests at concurrency 1, and
-above it ``--batches`` batches of that many requests sent at once; the three systems take
+above it ``--batches`` batches of that many requests sent at once, the same requests (and
+seeds) every round, so that rounds repeat the same work; the three systems take
 turns chunk by chunk (a request, a batch), their order rotating per round and spec, so a
 change of background load hits all three alike. One unmeasured request per (spec, system)
 first (compile, caches). Per cell: output tokens/s (completion tokens over the wall time of
@@ -335,8 +336,9 @@ def run(client: Any, base_url: str, model: str, specs: list[Case], *, rounds: in
                     order = _order(rnd, si)
                     n = reps if conc == 1 else conc * batches
                     size = 1 if conc == 1 else conc
-                    seeds = list(range(1 + 10_000 * rnd + 1_000 * conc,
-                                       1 + 10_000 * rnd + 1_000 * conc + n))
+                    # the same requests every round (seeds too): with a grammar that ends
+                    # early, another seed is other work (more or fewer stop-only tokens)
+                    seeds = list(range(1 + 1_000 * conc, 1 + 1_000 * conc + n))
                     # the systems take turns chunk by chunk (a request at concurrency 1, a
                     # batch above it), so a change of load hits all three alike
                     chunks: dict[str, list[dict[str, Any]]] = {s: [] for s in order}

@@ -115,6 +115,9 @@ def test_pyspy_summary_splits_busy_waiting_and_grammask(tmp_path: Path) -> None:
         "BatchProcessor.apply (grammask/processor.py:1);_apply_plan (grammask/apply.py:9);"
         "Tensor.index_put_ (torch/_tensor.py:1) 5",
         f"{proc};thread (7): grammask-fill;_work (grammask/masks.py:153) 60",
+        # a compile runner waiting for a job is idle (it was counted busy once renamed)
+        f"{proc};thread (8): grammask-compile;Thread.run (threading.py:982);"
+        "Runner._work (grammask/compile_slots.py:202) 70",
         f"{proc};thread (7): grammask-fill;_work (grammask/masks.py:160);"
         "BatchProcessor._job (grammask/processor.py:2);"
         "BatchProcessor._run (grammask/processor.py:3);"
@@ -125,7 +128,7 @@ def test_pyspy_summary_splits_busy_waiting_and_grammask(tmp_path: Path) -> None:
     path = tmp_path / "raw.txt"
     path.write_text(raw + "\n")
     s = pyspy.summarize(path)
-    assert s["samples"] == 240 and s["busy"] == 55  # forward 30, apply 5, fill 20
+    assert s["samples"] == 310 and s["busy"] == 55  # forward 30, apply 5, fill 20
     worker = next(p for p in s["processes"] if p["role"] == "worker")
     assert worker["spin"] == 40 and worker["busy"] == 55 and worker["grammask_busy"] == 25
     g = s["grammask"]

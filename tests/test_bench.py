@@ -91,6 +91,10 @@ def test_throughput_summary_rotates_systems_and_takes_per_round_ratios() -> None
     assert rows["vllm"]["not_fixed"] == 1 and rows["vllm"]["tpot_vs_vllm"] is None
     assert rows["unconstrained"]["tpot_vs_unconstrained"] is None
     assert "| regex | 32 |" in throughput.table(list(rows.values())).replace("  ", " ")
+    # how many requests of a batch the server ran at once: latencies over the wall time
+    assert throughput.overlap({"e2e_sum": 30.0, "e2e_count": 16.0}, 2.0) == 15.0
+    assert throughput.overlap({"e2e_sum": 0.0, "e2e_count": 0.0}, 2.0) is None
+    assert throughput.overlap(None, 2.0) is None
     # every standard request asks for fixed work; only vLLM's carries the opt-out key
     fields = {system: throughput.request_fields(throughput.case_of(spec, system), system)
               for system in throughput.SYSTEMS}

@@ -281,13 +281,14 @@ def concurrent_chunk(client: Any, base_url: str, model: str, spec: Case, system:
     """``chunk``, sent again (at most ``RESENDS`` times, whichever system it is) while the
     server did not run the batch at its concurrency; the attempts are counted."""
     got = chunk(client, base_url, model, spec, system, concurrency, seeds, max_tokens, pool)
-    resent = 0
-    while (concurrency > 1 and resent < RESENDS and got["overlap"] is not None
+    tried = [got["overlap"]]
+    while (concurrency > 1 and len(tried) <= RESENDS and got["overlap"] is not None
            and got["overlap"] < MIN_OVERLAP * len(seeds)):
-        resent += 1
         got = chunk(client, base_url, model, spec, system, concurrency, seeds, max_tokens,
                     pool)
-    got["resent"] = resent
+        tried.append(got["overlap"])
+    got["resent"] = len(tried) - 1
+    got["tried"] = [None if o is None else round(o, 2) for o in tried]
     return got
 
 
@@ -315,6 +316,7 @@ def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: 
         "spec": spec.name, "system": system, "concurrency": concurrency,
         "requests": len(results), "chunks": len(chunks), "completion_tokens": tokens,
         "resent": sum(c.get("resent", 0) for c in chunks),
+        "overlaps": [c.get("tried", [c.get("overlap")]) for c in chunks],  # per attempt
         "overlap_min": min((c["overlap"] for c in chunks if c.get("overlap") is not None),
                            default=None),
         "valid": sum(case.check(r) for r in results),

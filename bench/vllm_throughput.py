@@ -559,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as exc:
         ap.error(f"unknown spec {exc}; known: {', '.join(SPECS)}")
 
-    from openai import OpenAI
+    from openai import DefaultHttpxClient, OpenAI
+    from tests.e2e.server import short_keepalive
 
     load_before = [round(x, 2) for x in os.getloadavg()]
     print(f"load average before: {load_before}", flush=True)
@@ -568,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     profile_s = 0.0
     with server_for(args.url, args.model,
                     log_name="grammask-bench-throughput.log") as (base_url, model, server):
-        client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
+        client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600,
+                        http_client=DefaultHttpxClient(limits=short_keepalive()))
         version = server_version(base_url)
         t_bench = time.perf_counter()
         cells, served, round_loads = run(

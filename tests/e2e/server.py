@@ -174,13 +174,28 @@ class Server:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def client(self, **kw: Any) -> Any:
-        from openai import OpenAI
+        from openai import DefaultHttpxClient, OpenAI
+        kw.setdefault("http_client", DefaultHttpxClient(limits=short_keepalive()))
         return OpenAI(base_url=self.base_url, api_key="-", max_retries=0, timeout=120, **kw)
 
     def async_client(self, **kw: Any) -> Any:
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+        kw.setdefault("http_client", DefaultAsyncHttpxClient(limits=short_keepalive()))
         return AsyncOpenAI(base_url=self.base_url, api_key="-", max_retries=0, timeout=120,
                            **kw)
+
+
+def short_keepalive() -> Any:
+    """The OpenAI client's connection limits with idle connections dropped after 1 s.
+
+    Its default keeps them 5 s, as long as the API server (uvicorn) does: a request sent on
+    a connection idle for ~5 s can meet the server closing it ("Server disconnected without
+    sending a response"; seen after a long test left the pool idle). With ``max_retries=0``
+    that was a failed test, not a retry."""
+    from openai import DEFAULT_CONNECTION_LIMITS as limits
+    return type(limits)(max_connections=limits.max_connections,
+                        max_keepalive_connections=limits.max_keepalive_connections,
+                        keepalive_expiry=1.0)
 
 
 def xargs(spec: Mapping[str, Any] | str | None = None, **flat: Any) -> dict[str, Any]:

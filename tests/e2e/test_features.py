@@ -266,13 +266,21 @@ def test_client_aborts_mid_stream_leave_the_rows_clean(server: Server, client: A
 
 
 # ------------------------------------------------------------------------- preemption
-def _long_batch(server: Server, client: Any) -> tuple[list[Any], dict[str, float], float]:
+def _long_batch(server: Server, client: Any, attempts: int = 3
+                ) -> tuple[list[Any], dict[str, float], float]:
     """16 long constrained requests at once on the small KV pool: (choices, grammask's
-    counts, preemptions meanwhile)."""
-    before = metric(server, "vllm:num_preemptions_total")
-    choices, counts = served_by_grammask(server, lambda: together(
-        lambda s: chat(client, s, max_tokens=320, **so({"regex": LONG})), range(1, 17)))
-    return choices, counts, metric(server, "vllm:num_preemptions_total") - before
+    counts, preemptions meanwhile). vLLM preempts only when enough of them run at once; on
+    two loaded cores the API server at times hands a batch to the engine one by one, and
+    then none is preempted: the batch is sent again (at most ``attempts`` times in all), so
+    a test fails for "no preemption" only when it never happens."""
+    for _ in range(attempts):
+        before = metric(server, "vllm:num_preemptions_total")
+        choices, counts = served_by_grammask(server, lambda: together(
+            lambda s: chat(client, s, max_tokens=320, **so({"regex": LONG})), range(1, 17)))
+        preemptions = metric(server, "vllm:num_preemptions_total") - before
+        if preemptions:
+            break
+    return choices, counts, preemptions
 
 
 def test_preempted_requests_stay_valid(server: Server, client: Any) -> None:

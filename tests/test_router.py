@@ -550,16 +550,3 @@ def test_a_refused_schema_gets_the_checkers_own_error() -> None:
     with pytest.raises(InvalidSchemaError, match="remote"):  # before any keyword error
         plan(GrammarSpec.json_schema({**schema, "$ref": "http://example.com/s"}))
 
-
-def test_a_plan_step_moved_to_another_failure_keeps_every_other_field() -> None:
-    """``router._after`` stands for ``dataclasses.replace(step, after=...)``: it must copy
-    every field (one added to ``Attempt`` later included)."""
-    from grammask.router import Attempt, _after
-
-    values: dict[str, Any] = {"backend": "guidance", "lenient": True, "unenforced": ("x",),
-                              "budget": 0.3, "slot_budget": 0.4, "skip_busy": True,
-                              "after": frozenset({"refused"})}
-    assert {f.name for f in dataclasses.fields(Attempt)} == set(values)
-    step = Attempt(**values)
-    moved = _after(step, frozenset({"timeout"}))
-    assert moved == dataclasses.replace(step, after=frozenset({"timeout"}))

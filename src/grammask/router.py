@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .backends import registry
@@ -152,24 +152,17 @@ def plan(spec: GrammarSpec, *, prefer: Preference = "auto",
         if decision.fallback is not None:
             rest.append(Attempt(decision.fallback, after=after))
         if hedge is not None and decision.fallback == hedge.backend:
-            rest[-1] = _after(hedge, after)
+            rest[-1] = replace(hedge, after=after)
         if registry.info(decision.backend).lenient and not decision.lenient and work[0] in _JSON:
             rest.append(Attempt(decision.backend, lenient=True, unenforced=decision.unenforced,
                                 after=after))
         if hedge is not None and all(a.backend != hedge.backend for a in rest):
-            rest.append(_after(hedge, after))
+            rest.append(replace(hedge, after=after))
     timed = bool(rest) and not rank_invariant
     first = Attempt(decision.backend, decision.lenient, decision.unenforced,
                     budget=FIRST_BUDGET if timed else 1.0,
                     slot_budget=FIRST_SLOT_BUDGET if timed else 1.0, skip_busy=timed)
     return Plan(decision, (first, *rest), hedge)
-
-
-def _after(step: Attempt, after: frozenset[Failure]) -> Attempt:
-    """``dataclasses.replace(step, after=after)``, without its per-call field introspection
-    (every cold compile plans)."""
-    return Attempt(step.backend, step.lenient, step.unenforced, step.budget, step.slot_budget,
-                   step.skip_busy, after)
 
 
 #: The JSON-schema workloads: the ones whose compile times differ by orders of magnitude

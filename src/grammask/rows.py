@@ -214,25 +214,12 @@ class RowMaker:
                          else None if think_end is None
                          else ThinkMarker.for_vocab(vocab, think_end))
         self._markers: dict[str, ThinkMarker | None] = {}
-        self._requests: dict[int, tuple[GrammarSpec, ConstraintRequest]] = {}
-
-    def _request(self, spec: GrammarSpec) -> ConstraintRequest:
-        """The default request of ``spec``, made once per spec (a frozen dataclass costs a
-        few microseconds per row on the host's thread); bounded like ``FirstMasks._ready``."""
-        entry = self._requests.get(id(spec))
-        if entry is not None:
-            return entry[1]
-        request = ConstraintRequest(spec)
-        if len(self._requests) >= 256:
-            del self._requests[next(iter(self._requests))]
-        self._requests[id(spec)] = (spec, request)
-        return request
 
     def make(self, request: ConstraintRequest | GrammarSpec, prompt_ids: Sequence[int],
              output_ids: list[int] | None, grammar: Grammar | Future[Grammar] | None,
              host_masks: bool) -> Row:
         if isinstance(request, GrammarSpec):
-            request = self._request(request)
+            request = ConstraintRequest(request)
         if not isinstance(request, ConstraintRequest):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")

@@ -115,6 +115,7 @@ class StepJobs:
             self.pending = None
         live: int | None = None  # a row of ``rows`` whose list the host appends to itself
         order: list[int] | None = None
+        handed: list[int] | None = None
         if rows is not None:
             order = rows.tolist() if hasattr(rows, "tolist") else list(rows)
         if tokens is not None:
@@ -126,10 +127,8 @@ class StepJobs:
         self._stepped_at = time.perf_counter()
         self._steps += 1
         if table:
-            layout = self.cpu_layout
-            job = (partial(self._job, step, layout, table, order, None) if tokens is None
-                   else partial(self._job, step, layout, table, order, handed))
-            step.future = self._worker.run(job)
+            step.future = self._worker.run(
+                partial(self._job, step, self.cpu_layout, table, order, handed))
         self.pending = step
         if live is not None:  # the other rows' job runs: the host's mistake is this row's
             raise ValueError(f"row {live} reads a live output list; append to it instead")

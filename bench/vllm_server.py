@@ -54,7 +54,7 @@ import time
 import types
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,10 +338,10 @@ SERVER_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 @contextlib.contextmanager
 def server_for(url: str | None, model: str, server_args: Sequence[str] = (),
-               log_name: str = "grammask-bench-server.log"
-               ) -> Iterator[tuple[str, str, Any]]:
+               log_name: str = "grammask-bench-server.log",
+               env: Mapping[str, str] | None = None) -> Iterator[tuple[str, str, Any]]:
     """``(base URL, model name, Server or None)``: ``url`` as given, or the e2e suite's tiny
-    Qwen2.5-layout server started here (with ``server_args`` and a fresh
+    Qwen2.5-layout server started here (with ``server_args``, ``env`` and a fresh
     ``PROMETHEUS_MULTIPROC_DIR``) and stopped on exit."""
     if url is not None:
         yield url, model, None
@@ -352,7 +352,8 @@ def server_for(url: str | None, model: str, server_args: Sequence[str] = (),
     prom_dir = tempfile.mkdtemp(prefix="grammask-bench-prom-")
     try:
         server = e2e_server.Server(
-            tiny_model.model_dir("qwen2.5"), log, env={"PROMETHEUS_MULTIPROC_DIR": prom_dir},
+            tiny_model.model_dir("qwen2.5"), log,
+            env={**(env or {}), "PROMETHEUS_MULTIPROC_DIR": prom_dir},
             args=list(server_args)).start()
         try:
             print(f"tiny server up in {server.start_s:.0f} s (log {log})", flush=True)

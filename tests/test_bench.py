@@ -85,8 +85,8 @@ def test_throughput_summary_rotates_systems_and_takes_per_round_ratios() -> None
     assert rows["vllm"]["tpot_ms"]["spread"] == 0.0
     # the bar: <= 1.0 in the median, but grammask's rounds are 0.5-1.5x apart
     assert throughput.verdict(list(rows.values())) == (
-        "TPOT grammask/vLLM <= 1.0 at c >= 16: 1/1 cells; spread across rounds < 10% "
-        "(ratio and both TPOTs): 0/1 (not: regex c=32)")
+        "TPOT grammask/vLLM <= 1.0 at c >= 16: 1/1 cells; its spread across rounds < 10%: "
+        "0/1 (not: regex c=32); both systems' TPOT spreads < 10% too: 0/1")
     assert g["tpot_vs_unconstrained"]["median"] == 2.0  # per round: 2, 2, 3
     assert rows["vllm"]["not_fixed"] == 1 and rows["vllm"]["tpot_vs_vllm"] is None
     assert rows["unconstrained"]["tpot_vs_unconstrained"] is None
@@ -102,6 +102,22 @@ def test_throughput_summary_rotates_systems_and_takes_per_round_ratios() -> None
     assert fields["vllm"]["extra_body"]["vllm_xargs"] == throughput.OPT_OUT
     assert "structured_outputs" not in fields["unconstrained"]["extra_body"]
     assert fields["grammask"]["extra_body"].keys() == {"structured_outputs", "ignore_eos"}
+
+
+def test_throughput_ratio_pairs_chunks_that_ran_next_to_each_other() -> None:
+    """A round's ratio is the median of its chunk-by-chunk ratios: one slow spell (both
+    systems' second batch 2x slower, but grammask's more) moves the cell means, not it."""
+    chunks = {"grammask": [10.0, 30.0, 10.0, 10.0, 10.0], "vllm": [20.0, 40.0, 20.0, 20.0, 20.0]}
+    cells = [{"round": 0, "spec": "regex", "concurrency": 32, "system": system,
+              "chunk_tpot_ms": values, "server_tpot_ms": sum(values) / len(values)}
+             for system, values in chunks.items()]
+    assert throughput.tpot_ratio(cells, "regex", 32, "grammask", "vllm") == {
+        "median": 0.5, "min": 0.5, "max": 0.5, "n": 1, "spread": 0.0}
+    # cells without per-chunk TPOTs (older JSON) fall back to the cell means
+    for c in cells:
+        del c["chunk_tpot_ms"]
+    assert throughput.tpot_ratio(cells, "regex", 32, "grammask", "vllm")["median"] == round(
+        14.0 / 24.0, 3)
 
 
 def test_pyspy_summary_splits_busy_waiting_and_grammask(tmp_path: Path) -> None:
@@ -255,3 +271,30 @@ def test_vllm_backends_run_in_both_benchmarks(corpus: Path, tmp_path: Path) -> N
         "--json", str(tmp_path / "m.json"), "--quiet"]) == 0
     per_step = json.loads((tmp_path / "m.json").read_text())["summary"]["per_step"]
     assert set(per_step["vllm-guidance"]["2"]) == {"loop", "grammar_bitmask"}
+
+
+def test_gate_waits_until_the_api_server_went_quiet(tmp_path: Path) -> None:
+    """``bench.gate``: with every send begun, the wait lasts until the watched process has
+    stopped using CPU (a real child process that burns CPU, then marks that it stopped)."""
+    import subprocess
+    import sys
+
+    from bench.gate import Gate, cpu_seconds
+
+    done = tmp_path / "done"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import time, pathlib\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.4: pass\n"
+        f"pathlib.Path({str(done)!r}).write_text('x')\n"
+        "time.sleep(30)\n")])
+    try:
+        gate = Gate("http://127.0.0.1:9", child.pid)  # nothing listens: only the wait runs
+        assert not gate.available()
+        gate.wait_handed_over(lambda: 3, 3)
+        assert done.exists()  # it did not return while the child was still busy
+        assert (cpu_seconds(child.pid) or 0.0) >= 0.3
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_seconds(child.pid) is None  # gone: no time to read

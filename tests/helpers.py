@@ -339,3 +339,16 @@ def raw_reference(grammar: Grammar, vocab: Vocabulary, tokens: Sequence[int] = (
     for token in tokens:
         assert ref.accept(token), (token, ref.history)
     return ref.allowed()
+
+
+def declare_unbounded(monkeypatch: Any, name: str) -> None:
+    """Declare a backend's compiles unbounded for one test: a test that makes a real
+    backend's compile stall (a stand-in for a runaway) must also let it be abandoned, which
+    only an unbounded backend's compiles are (a bounded one compiles on the caller)."""
+    import dataclasses
+
+    from grammask.backends import registry
+
+    info = registry.info(name)
+    monkeypatch.setitem(registry._registered, info.name,
+                        dataclasses.replace(info, bounded_compile=False))

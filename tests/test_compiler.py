@@ -26,7 +26,7 @@ from grammask import (
 from grammask.attempts import PlanRunner
 from grammask.backends import get_backend
 
-from .helpers import accepts_complete
+from .helpers import accepts_complete, declare_unbounded
 
 
 def _spec(i: int) -> GrammarSpec:
@@ -247,6 +247,7 @@ class _Gate:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.calls = 0
+        declare_unbounded(monkeypatch, name)  # a stalled compile must be abandonable
         backend = get_backend(name)  # type: ignore[arg-type]
         original = backend.compile
 
@@ -570,11 +571,13 @@ def test_compile_metrics(qwen25: Vocabulary) -> None:
 
 
 # ------------------------------------------------------------------ the cold and hit paths
-def test_a_blocking_miss_plans_on_the_caller_and_compiles_on_a_worker(
+def test_a_blocking_miss_plans_on_the_caller_and_compiles_where_it_can_be_abandoned(
         qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     """``compile()`` whose caller waits out the whole deadline builds on the caller's thread
-    (no hand-off to a routing thread); the native compile still runs on a compile worker, the
-    thread a deadline can abandon. A shorter caller timeout still goes through the pool."""
+    (no hand-off to a routing thread). An unbounded backend's native compile (xgrammar) runs
+    on a compile worker, the thread a deadline can abandon; a bounded one's (llguidance: its
+    parser limits) on the caller too, as ``compile_async``'s runs on the routing thread. A
+    shorter caller timeout still goes through the pool."""
     import grammask.compiler as compiler_module
 
     where: dict[str, str] = {}
@@ -584,20 +587,29 @@ def test_a_blocking_miss_plans_on_the_caller_and_compiles_on_a_worker(
         where["plan"] = threading.current_thread().name
         return real_plan(spec, **kwargs)
 
-    backend = get_backend("guidance")
-    real_compile = backend.compile
+    def spy(name: str) -> None:
+        backend = get_backend(name)  # type: ignore[arg-type]
+        real_compile = backend.compile
 
-    def compile_(spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
-        where["compile"] = threading.current_thread().name
-        return real_compile(spec, vocab, lenient=lenient)
+        def compile_(spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
+            where[name] = threading.current_thread().name
+            return real_compile(spec, vocab, lenient=lenient)
+
+        monkeypatch.setattr(backend, "compile", compile_)
 
     monkeypatch.setattr(compiler_module, "plan", plan)
-    monkeypatch.setattr(backend, "compile", compile_)
+    spy("guidance")
+    spy("xgrammar")
     compiler = Compiler(qwen25, timeout_s=30)
+    me = threading.current_thread().name
     assert compiler.compile(GrammarSpec.regex("here-[0-9]+")).backend == "guidance"
-    assert where == {"plan": threading.current_thread().name, "compile": "grammask-compile"}
+    assert where == {"plan": me, "guidance": me}
+    assert compiler.compile(GrammarSpec.regex("xg-[0-9]+", backend="xgrammar"))
+    assert where["xgrammar"] == "grammask-compile"
     compiler.compile(GrammarSpec.regex("pool-[0-9]+"), timeout=10)
-    assert where["plan"].startswith("grammask-route")
+    assert where["plan"].startswith("grammask-route") and where["guidance"] == where["plan"]
+    compiler.compile_async(GrammarSpec.regex("async-[0-9]+")).result(30)
+    assert where["guidance"].startswith("grammask-route")
 
 
 def test_a_hit_through_compile_makes_no_future(qwen25: Vocabulary,

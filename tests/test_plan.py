@@ -18,6 +18,8 @@ from grammask.errors import CompileTimeoutError, UnsupportedError
 from grammask.router import ALL_FAILURES, FIRST_BUDGET, NOT_TIMING, Attempt, plan
 from grammask.vocab import Vocabulary
 
+from .helpers import declare_unbounded
+
 FREE_TEXT = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 NO_TEXT = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 #: xgrammar ignores uniqueItems, llguidance refuses it by default (a tie: llguidance, lenient)
@@ -102,6 +104,7 @@ class _Gate:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
         self.release = threading.Event()
         self.calls = 0
+        declare_unbounded(monkeypatch, name)  # a stalled compile must be abandonable
         backend = get_backend(name)
         original = backend.compile
 

@@ -132,6 +132,12 @@ class PlanRunner:
         try:
             if running is not None:  # an earlier request's compile of it is still going
                 backend_grammar: BackendGrammar = join_abandoned(running, deadline, backend)
+            elif registry.info(backend).bounded_compile:  # nothing to abandon: no hand-off
+                backend_grammar = self._runners[backend].run_here(
+                    lambda: impl.compile(spec, self.vocab, lenient=step.lenient),
+                    deadline, backend, can_fall_back=skip_busy, slot_deadline=slot_deadline)
+                # (one that ends past the request's deadline serves no one who gave up: the
+                # flight told them at the deadline; it is cached for the next request)
             else:
                 backend_grammar = self._runners[backend].run(
                     lambda: impl.compile(spec, self.vocab, lenient=step.lenient),

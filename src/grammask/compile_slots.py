@@ -1,6 +1,9 @@
 """Where native compiles run: bounded slots per backend, deadlines, and runaways.
 
-A runaway native compile cannot be killed, so it is *abandoned*: its slot is handed back (up
+A backend whose compiles are bounded by its own limits (``BackendInfo.bounded_compile``)
+compiles on the calling thread, within the same slots (``Runner.run_here``). Any other
+backend's native compile runs on a worker. A runaway native compile cannot be killed, so it
+is *abandoned*: its slot is handed back (up
 to ``max_abandoned`` at once per backend; beyond that it keeps the slot, so the CPU spent on
 runaways stays bounded) and its threads drop to the lowest CPU priority. At exit, compiles
 still running are let finish (a native compile torn down mid-flight aborts the process).
@@ -161,12 +164,7 @@ class Runner:
         not queue behind runaways that kept their slots: it goes to its fallback at once;
         ``slot_deadline`` bounds the wait for a slot (default: ``deadline``); ``on_abandon``
         gets the job when the caller gives up on it (later requests may wait on it)."""
-        if not self._slots.acquire(blocking=False):
-            if can_fall_back and self._abandoned > self._max_abandoned:
-                raise CompileTimeoutError(f"every {what} compile slot is held by a runaway")
-            budget = min(deadline, slot_deadline or deadline) - time.monotonic()
-            if budget <= 0 or not self._slots.acquire(timeout=budget):
-                raise CompileTimeoutError(f"no {what} compile slot free before the deadline")
+        self._take_slot(deadline, what, can_fall_back, slot_deadline)
         job = Job(fn)
         with self._lock:
             if self._idle:
@@ -195,6 +193,25 @@ class Runner:
         if job.error is not None:
             raise job.error
         return job.value  # type: ignore[return-value]
+
+    def run_here(self, fn: Callable[[], T], deadline: float, what: str,
+                 can_fall_back: bool = False, slot_deadline: float | None = None) -> T:
+        """``fn()`` on this thread, within the same slots as ``run`` (for a backend whose
+        compiles are bounded: nothing to abandon, so no hand-off to a worker)."""
+        self._take_slot(deadline, what, can_fall_back, slot_deadline)
+        try:
+            return fn()
+        finally:
+            self._slots.release()
+
+    def _take_slot(self, deadline: float, what: str, can_fall_back: bool,
+                   slot_deadline: float | None) -> None:
+        if not self._slots.acquire(blocking=False):
+            if can_fall_back and self._abandoned > self._max_abandoned:
+                raise CompileTimeoutError(f"every {what} compile slot is held by a runaway")
+            budget = min(deadline, slot_deadline or deadline) - time.monotonic()
+            if budget <= 0 or not self._slots.acquire(timeout=budget):
+                raise CompileTimeoutError(f"no {what} compile slot free before the deadline")
 
     def _work(self) -> None:
         tid = threading.get_native_id()

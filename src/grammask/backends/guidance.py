@@ -385,6 +385,9 @@ register(BackendInfo(
     name="guidance", package="llguidance", priority=1, label="llguidance", aliases=("llguidance",),
     adapter=GuidanceBackend, gaps=GAPS, lenient=True, lenient_exact=LENIENT_EXACT,
     lenient_cannot=LENIENT_CANNOT, batch_fill=True,
+    # LLParserLimits' defaults bound a compile: initial lexer fuel 1,000,000 (~20 ms of regex
+    # analysis), 500,000 grammar symbols; the first mask: 200,000 step fuel (~14 ms)
+    bounded_compile=True,
     footprint=(2.3, 0),  # llguidance reports no size: grammask's own estimate
     costs={
         "json_closed": Cost(2, "computes each step's mask lazily, at fill time"),

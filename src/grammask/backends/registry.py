@@ -64,6 +64,13 @@ class BackendInfo:
     costs: Mapping[Workload, Cost] = field(default_factory=dict)
     #: its matchers offer ``batch_fill`` (one parallel fill per step for all its rows)
     batch_fill: bool = False
+    #: its compiles are bounded by its own limits (llguidance: lexer fuel, grammar size), so
+    #: none can run away: they run on the compiling thread itself, with no hand-off to a
+    #: compile worker (the hand-off is what lets a deadline abandon an unbounded compile;
+    #: it cost a cold llguidance compile 60-250 us here). Waiters still hear of a timeout at
+    #: the deadline (the flight's reaper); a blocking caller compiling on its own thread
+    #: hears of it when the bounded compile ends, and the grammar is cached.
+    bounded_compile: bool = False
     #: its compiled grammars can be stored in grammask's disk cache
     disk: bool = False
     #: process memory per cached grammar = scale * the grammar's ``memory_bytes`` + base

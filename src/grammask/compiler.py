@@ -13,12 +13,14 @@ an LRU and one deadline per request.
   Failures live in a bounded negative cache that expires; only user errors go there.
 - Every request has one deadline (``timeout_s`` from submission) covering slot waits, the
   routed backend and its fallbacks; a reaper resolves any request still pending at its deadline.
-- A runaway native compile cannot be killed, so it is *abandoned*: its slot is handed back (up
-  to ``max_abandoned`` at once per backend; beyond that it keeps the slot, so the CPU spent on
-  runaways stays bounded; ``compile_slots``). Each backend has its own slots, so one backend's
-  runaways never hold up another's compiles (fallbacks included). A spec that timed out on
-  a backend is not retried there until ``negative_ttl_s`` passes, and a runaway that
-  finishes late fills the cache.
+- A backend whose own limits bound its compiles (llguidance's parser limits) compiles on
+  the thread that builds the request, within its slots. An unbounded backend's (xgrammar's)
+  runs on a compile worker: a runaway native compile cannot be killed, so it is
+  *abandoned*: its slot is handed back (up to ``max_abandoned`` at once per backend; beyond
+  that it keeps the slot, so the CPU spent on runaways stays bounded; ``compile_slots``).
+  Each backend has its own slots, so one backend's runaways never hold up another's
+  compiles (fallbacks included). A spec that timed out on a backend is not retried there
+  until ``negative_ttl_s`` passes, and a runaway that finishes late fills the cache.
 - ``disk_cache_dir`` (off by default): grammars of backends that declare ``disk`` persist
   across processes
   (``grammask.diskcache``). On a memory miss the disk is tried inside the request's flight
@@ -208,8 +210,9 @@ class Compiler:
         """Blocking compile. A hit returns at once (no future, no thread); a miss waits at most
         ``timeout`` s (default ``timeout_s``), then raises ``CompileTimeoutError`` while the
         compile goes on for whoever else waits (its result is cached). A caller that waits out
-        the whole deadline builds on its own thread: only the native compile goes to a compile
-        worker (what a deadline can abandon), one thread hop instead of two each way."""
+        the whole deadline builds on its own thread: only an unbounded backend's native compile
+        goes to a compile worker (what a deadline can abandon), one thread hop instead of two
+        each way; a bounded backend's (``BackendInfo.bounded_compile``) needs none."""
         spec = self._effective(spec)
         here = self._disk is None and (timeout is None or timeout >= self.timeout_s)
         found, fut, flight = self._lookup(spec, here)

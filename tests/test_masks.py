@@ -402,3 +402,38 @@ def test_a_small_batch_skips_the_batch_fill(advanced: list[Matcher],
     filler.fill([(m, row) for row, m in enumerate(advanced)], got)
     assert torch.equal(got, expected)
     assert filler._pools == {}
+
+
+def test_cpu_lists_read_as_linux_writes_them() -> None:
+    from grammask.masks import parse_cpus
+
+    assert parse_cpus("1") == {1}
+    assert parse_cpus(" 0, 2-3 ") == {0, 2, 3}
+    assert parse_cpus("") is None
+    for bad in ("a", "3-1", "-1", "1-"):
+        with pytest.raises(ValueError, match="not a CPU"):
+            parse_cpus(bad)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
+def test_the_fill_thread_runs_on_the_cpus_it_was_given() -> None:
+    """vLLM's CPU worker pins itself to its OpenMP cores, and a thread it starts inherits
+    that: the fill thread must be movable off them (read back from /proc, the kernel's own
+    view of the thread's affinity)."""
+    import os
+
+    from grammask.masks import FillWorker
+
+    def allowed(tid: int) -> str:
+        with open(f"/proc/self/task/{tid}/status", encoding="ascii") as f:
+            return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+
+    mine = sorted(os.sched_getaffinity(0))
+    for cpus, expected in ((frozenset({mine[-1]}), str(mine[-1])), (None, allowed(
+            threading.get_native_id()))):
+        worker = FillWorker(cpus=cpus)
+        try:
+            tid = worker.run(threading.get_native_id).result()
+            assert allowed(tid) == expected
+        finally:
+            worker.close()

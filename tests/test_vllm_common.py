@@ -72,6 +72,7 @@ def test_settings_defaults_env_and_additional_config() -> None:
     ({"grammask": "fast"}, {}, "must be an object"),
     (None, {"GRAMMASK_BACKEND": "outlines"}, "GRAMMASK_BACKEND"),
     (None, {"GRAMMASK_ENABLED": "maybe"}, "GRAMMASK_ENABLED"),
+    (None, {"GRAMMASK_FILL_CPUS": "1,two"}, "GRAMMASK_FILL_CPUS.*'two'"),
 ])
 def test_bad_settings_name_their_source(config: Any, env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -17,6 +17,7 @@ Where each piece runs in a decode step:
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -30,6 +31,7 @@ from .backends.base import Matcher
 from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
 T = TypeVar("T")
+log = logging.getLogger("grammask")
 
 class MaskBuffers:
     """``count`` reusable bitmasks; pinned when CUDA is present so device copies can overlap."""
@@ -121,14 +123,19 @@ class FillWorker:
     Jobs run without any lock of ours held, so the caller's thread is free to run the forward.
     """
 
-    def __init__(self, name: str = "grammask-fill") -> None:
+    def __init__(self, name: str = "grammask-fill", cpus: frozenset[int] | None = None
+                 ) -> None:
+        """``cpus``: the CPUs the thread runs on (Linux; None: the creating thread's). vLLM's
+        CPU worker pins itself and every thread it starts to its OpenMP cores, so a fill
+        thread left alone time-slices with the forward it is meant to overlap."""
         self._jobs: queue.SimpleQueue[
             tuple[Callable[[], Any], Ticket[Any]] | None] = queue.SimpleQueue()
         #: a ticket the thread made after its last job, for the next ``run`` to take (making
         #: one, a lock, costs tens of microseconds on the host's critical path when cold)
         self.spare: Ticket[Any] | None = Ticket()
         self._closed = False
-        self._thread = threading.Thread(target=_work, args=(self._jobs, weakref.ref(self)),
+        self._thread = threading.Thread(target=_work,
+                                        args=(self._jobs, weakref.ref(self), cpus),
                                         name=name, daemon=True)
         self._thread.start()
         # stop the thread when the worker is dropped without close()
@@ -158,9 +165,11 @@ class FillWorker:
 
 
 def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Ticket[Any]] | None],
-          ref: weakref.ref[FillWorker]) -> None:
+          ref: weakref.ref[FillWorker], cpus: frozenset[int] | None = None) -> None:
     """The thread's loop. It holds its ``FillWorker`` weakly, so that dropping the worker
     still runs its finalizer (which stops the loop)."""
+    if cpus:
+        _run_on(cpus)
     while True:
         item = jobs.get()
         if item is None:
@@ -179,6 +188,33 @@ def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Ticket[Any]] | None],
         del owner
 
 
+def _run_on(cpus: frozenset[int]) -> None:
+    """Move the calling thread onto ``cpus``; a refusal (a CPU outside the process's cgroup,
+    no such call on this OS) is logged and the thread stays where it was."""
+    try:
+        os.sched_setaffinity(0, cpus)  # 0: this thread (Linux sets affinity per thread)
+    except (AttributeError, OSError, ValueError) as exc:
+        log.warning("grammask: fill thread not moved to CPUs %s: %s", sorted(cpus), exc)
+
+
+def parse_cpus(text: str) -> frozenset[int] | None:
+    """A CPU list as Linux writes one (``"1"``, ``"2-3,6"``); None for ``""``. ValueError
+    names the part that is not one."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        low, dash, high = part.partition("-")
+        try:
+            first, last = int(low), int(high if dash else low)
+        except ValueError:
+            raise ValueError(f"not a CPU or CPU range: {part!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU or CPU range: {part!r}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus) or None
+
+
 class Filler:
     """Fills the mask rows of many matchers, batch-parallel where that pays.
 
@@ -187,13 +223,16 @@ class Filler:
     every batch size on 2 cores (the fill thread already has the only spare core), so the batch
     fills are used from 32 rows only where at least 4 cores are available (not measured here).
     ``threads``: worker threads of the batch fills (None: the backend's default).
+    ``cpus``: the CPUs the fill thread runs on (None: where the host started it).
     """
 
-    def __init__(self, *, parallel_min: int | None = None, threads: int | None = None) -> None:
+    def __init__(self, *, parallel_min: int | None = None, threads: int | None = None,
+                 cpus: frozenset[int] | None = None) -> None:
         if parallel_min is None:
             parallel_min = 32 if _cores() >= 4 else 2**31
         self.parallel_min = max(1, parallel_min)
         self.threads = threads
+        self.cpus = cpus
         self._pools: dict[str, Any] = {}  # the backends' batch-fill pools, made on first use
 
     def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:

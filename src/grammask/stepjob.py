@@ -77,7 +77,7 @@ class StepJobs:
         self.masks = masks
         self.stats = stats
         self._filler = filler
-        self._worker = FillWorker()
+        self._worker = FillWorker(cpus=filler.cpus)
         self.pending: Step | None = None
         #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
         #: or planning would not fit in the forward: see ``_plan_fits``)

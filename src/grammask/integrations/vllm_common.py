@@ -27,7 +27,7 @@ from ..agreement import Agreement, Solo, tp_group_for_vllm
 from ..compiler import Compiler, Grammar
 from ..digests import MaskDigests
 from ..errors import CompileFailure, GrammarError, ServerFault
-from ..masks import Filler
+from ..masks import Filler, parse_cpus
 from ..processor import BatchProcessor
 from ..request import ConstraintRequest
 from ..spec import GrammarSpec
@@ -144,7 +144,8 @@ class PluginCore:
                 hedge_s=self.settings.hedge_s, agreement=self.agreement,
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
                 filler=Filler(parallel_min=self.settings.parallel_min,
-                              threads=self.settings.fill_threads), **kwargs)
+                              threads=self.settings.fill_threads,
+                              cpus=parse_cpus(self.settings.fill_cpus)), **kwargs)
             if self.settings.mask_digest_dir:
                 rank = _tp_rank()
                 fault = self.settings.debug_mask_fault_rank == rank

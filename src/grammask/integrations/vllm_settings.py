@@ -33,6 +33,7 @@ class Settings:
     wait_s: float = 0.5
     hedge_s: float = 0.05
     fill_threads: int | None = None
+    fill_cpus: str = ""
     parallel_min: int = 16
     on_error: str = "stop"
     think_end: str = "auto"
@@ -97,6 +98,15 @@ def _optional_int(value: object) -> int | None:
     return int(_positive(int)(value))
 
 
+def _cpus(value: object) -> str:
+    """A CPU list, kept as text (``masks.parse_cpus`` reads it; checked here)."""
+    from ..masks import parse_cpus
+
+    text = str(value).strip()
+    parse_cpus(text)
+    return text
+
+
 def _port(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected a port number, got {value!r}")
@@ -142,6 +152,9 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "hedge_s": (_positive(float), "after this, a JSON schema whose routed backend is still "
                 "compiling is compiled by the other backend too; the first ready serves"),
     "fill_threads": (_optional_int, "threads of the batch-parallel mask fill (auto)"),
+    "fill_cpus": (_cpus, "CPUs the fill thread runs on (a list such as 1 or 2-3; empty: where "
+                  "vLLM started it: its CPU worker pins every thread to its OpenMP cores, so "
+                  "give it the cores vLLM reserved)"),
     "parallel_min": (_positive(int), "fewest rows of one backend that use the batch fill"),
     "on_error": (_word("stop", "free"),
                  "a failed row gets a stop-only mask (stop) or none (free)"),

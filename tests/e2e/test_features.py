@@ -244,12 +244,20 @@ def test_client_aborts_mid_stream_leave_the_rows_clean(server: Server, client: A
             stream.close()
         return "".join(parts)
 
-    for text in together(abandon, range(1, 7)):
-        assert regex.fullmatch(LONG, text, partial=True), text
-    wait_idle(server)
-    finished = metric(server, "vllm:request_success_total") - success_before
-    print(f"\n[e2e] of 6 closed streams {finished:.0f} finished anyway, the rest aborted")
-    assert finished < 6, "no stream was aborted: the engine finished them all"
+    # on a loaded 2-core machine the API server at times delivers a whole stream in one
+    # burst at its end, so the client's close comes after the engine finished: such a batch
+    # aborted nothing and is sent again (other seeds), at most 3 times in all
+    for attempt in range(3):
+        seeds = range(1 + 10 * attempt, 7 + 10 * attempt)
+        for text in together(abandon, seeds):
+            assert regex.fullmatch(LONG, text, partial=True), text
+        wait_idle(server)
+        finished = metric(server, "vllm:request_success_total") - success_before
+        success_before += finished
+        print(f"\n[e2e] of 6 closed streams {finished:.0f} finished anyway, the rest aborted")
+        if finished < 6:
+            break
+    assert finished < 6, "no stream was aborted in 3 batches: the engine finished them all"
 
     def clean(seed: int) -> Any:
         if seed % 2:

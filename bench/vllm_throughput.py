@@ -267,10 +267,12 @@ def chunk(client: Any, base_url: str, model: str, spec: Case, system: str,
             return send(seed)
 
         gate.hold()
-        t0 = time.perf_counter()
-        futures = [pool.submit(send_counted, s) for s in seeds]
-        gated_s = gate.wait_handed_over(lambda: len(began), len(seeds))
-        gate.release()
+        try:  # a paused engine left paused would hang every later request
+            t0 = time.perf_counter()
+            futures = [pool.submit(send_counted, s) for s in seeds]
+            gated_s = gate.wait_handed_over(lambda: len(began), len(seeds))
+        finally:
+            gate.release()
         t_go = time.perf_counter()
         results = [f.result() for f in futures]
         for r in results:  # a request's own time starts at the release too

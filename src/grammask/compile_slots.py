@@ -3,9 +3,9 @@
 A backend whose compiles are bounded by its own limits (``BackendInfo.bounded_compile``)
 compiles on the calling thread, within the same slots (``Runner.run_here``). Any other
 backend's native compile runs on a worker. A runaway native compile cannot be killed, so it
-is *abandoned*: its slot is handed back (up
-to ``max_abandoned`` at once per backend; beyond that it keeps the slot, so the CPU spent on
-runaways stays bounded) and its threads drop to the lowest CPU priority. At exit, compiles
+is *abandoned*: its slot is handed back (up to ``max_abandoned`` at once per backend; beyond
+that it keeps the slot, so the CPU spent on runaways stays bounded) and its threads drop to
+the lowest CPU priority. At exit, compiles
 still running are let finish (a native compile torn down mid-flight aborts the process).
 """
 

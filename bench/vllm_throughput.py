@@ -21,7 +21,11 @@ temperature 1.0):
 Specs: ``json-xg`` (``XG_SCHEMA`` as ``response_format`` ``json_schema``, compact JSON that
 grammask routes to xgrammar), ``json-llg`` (``LLG_SCHEMA`` as ``structured_outputs`` ``json``,
 length-bounded strings: llguidance), ``regex`` (``REGEX``), ``choice``; and, not by default,
-``words`` (a regex of lowercase words that rarely ends within ``max_tokens``). Per round,
+``words`` (a regex of lowercase words that rarely ends within ``max_tokens``), ``json-xg-long``
+and ``json-llg-long`` (arrays of at least 200 items, so the JSON never ends within
+``max_tokens``: a prefix is checked, with ``regex``'s partial matching). The default specs end
+within a few tokens, after which the systems do different work (see below); ``words`` and the
+two long ones keep both engines masking every token, comparing mask against mask. Per round,
 spec and concurrency each system sends ``--reps`` sequential requests at concurrency 1, and
 above it ``--batches`` batches of that many requests sent at once, the same requests (and
 seeds) every round, so that rounds repeat the same work; the three systems take
@@ -117,6 +121,18 @@ from bench.vllm_server import (
 SYSTEMS = ("grammask", "vllm", "unconstrained")
 FIXED = {"ignore_eos": True}
 WORDS = r"[a-z]+( [a-z]+)*"
+#: JSON that never ends within max_tokens: grammask routes the first to xgrammar (no
+#: free-form text), the second to llguidance (length-bounded strings)
+XG_LONG: dict[str, Any] = {"type": "array", "minItems": 200,
+                           "items": {"type": "integer", "minimum": 0, "maximum": 999}}
+LLG_LONG: dict[str, Any] = {"type": "array", "minItems": 200,
+                            "items": {"type": "string", "minLength": 1, "maxLength": 6}}
+_WS = r"[ \t\n\r]*"  # vLLM's engine allows any whitespace between JSON tokens
+_INT = r"(0|[1-9][0-9]{0,2})"
+_STR = r'"([^"\\\x00-\x1f]|\\(["\\/bfnrt]|u[0-9a-fA-F]{4})){1,6}"'
+#: what a truncated output of each must be a prefix of (200 items, then the closing bracket)
+XG_LONG_PREFIX = rf"{_WS}\[{_WS}{_INT}({_WS},{_WS}{_INT}){{199,}}{_WS}\]{_WS}"
+LLG_LONG_PREFIX = rf"{_WS}\[{_WS}{_STR}({_WS},{_WS}{_STR}){{199,}}{_WS}\]{_WS}"
 
 _standard: Any = importlib.import_module("tests.e2e.standard")
 
@@ -125,6 +141,16 @@ def _re_full(pattern: str, text: str) -> bool:
     import regex
 
     return regex.fullmatch(pattern, text) is not None
+
+
+def _prefix_of(pattern: str) -> Any:
+    """A check that the text is a prefix of something ``pattern`` matches whole (the output
+    was cut at ``max_tokens``)."""
+    def check(result: Result) -> bool:
+        import regex
+
+        return regex.fullmatch(pattern, result.text, partial=True) is not None
+    return check
 
 
 def _fixed(params: dict[str, Any]) -> dict[str, Any]:
@@ -146,6 +172,12 @@ SPECS: dict[str, Case] = {
     "words": Case("words", "chat", _fixed(
         {"extra_body": {"structured_outputs": {"regex": WORDS}}}),
         lambda r: _re_full(WORDS, r.text)),
+    "json-xg-long": Case("json-xg-long", "chat", _fixed(
+        {"response_format": _standard.response_format(XG_LONG, strict=True)}),
+        _prefix_of(XG_LONG_PREFIX)),
+    "json-llg-long": Case("json-llg-long", "chat", _fixed(
+        {"extra_body": {"structured_outputs": {"json": LLG_LONG}}}),
+        _prefix_of(LLG_LONG_PREFIX)),
 }
 DEFAULT_SPECS = ("json-xg", "json-llg", "regex", "choice")
 UNCONSTRAINED = Case("unconstrained", "chat", _fixed({}), lambda r: True)
@@ -597,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-gate", action="store_true",
                     help="send batches straight in (no pause/resume around them)")
+    ap.add_argument("--fill-cpus", default="",
+                    help="GRAMMASK_FILL_CPUS for the bench's own server ('' unset)")
     ap.add_argument("--specs", default=",".join(DEFAULT_SPECS),
                     help=f"from {', '.join(SPECS)}")
     ap.add_argument("--json", default="out/bench-vllm-throughput.json",
@@ -625,9 +659,11 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     profiles: list[dict[str, Any]] = []
     profile_s = 0.0
+    server_env = {} if args.no_gate else {"VLLM_SERVER_DEV_MODE": "1"}
+    if args.fill_cpus:
+        server_env["GRAMMASK_FILL_CPUS"] = args.fill_cpus
     with server_for(args.url, args.model, log_name="grammask-bench-throughput.log",
-                    env={} if args.no_gate else {"VLLM_SERVER_DEV_MODE": "1"}
-                    ) as (base_url, model, server):
+                    env=server_env) as (base_url, model, server):
         client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600,
                         http_client=DefaultHttpxClient(limits=short_keepalive()))
         version = server_version(base_url)
@@ -687,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"rounds": args.rounds, "concurrency": concurrencies,
                          "reps": args.reps, "batches": args.batches,
                          "max_tokens": args.max_tokens, "temperature": 1.0,
-                         "gate": gate is not None,
+                         "gate": gate is not None, "fill_cpus": args.fill_cpus or None,
                          "fixed": FIXED, "opt_out": {"vllm_xargs": OPT_OUT},
                          "specs": {s.name: s.params for s in specs},
                          "unconstrained": UNCONSTRAINED.params},

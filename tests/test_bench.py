@@ -298,3 +298,40 @@ def test_gate_waits_until_the_api_server_went_quiet(tmp_path: Path) -> None:
         child.kill()
         child.wait()
     assert cpu_seconds(child.pid) is None  # gone: no time to read
+
+
+@pytest.mark.parametrize("name", ["json-xg-long", "json-llg-long"])
+def test_long_json_checks_take_real_truncated_outputs_and_refuse_wrong_items(name: str) -> None:
+    """The long specs' outputs are cut at max_tokens, so their check is a prefix check. Fed
+    what grammask's real masks let a random sampler write in 64 tokens, it must pass; an item
+    out of the schema's bounds, or a closing bracket before 200 items, must not."""
+    import random
+
+    from bench.vllm_server import Result
+
+    import grammask
+    from grammask import GrammarSpec, allocate_bitmask
+    from tests.helpers import words_to_bool
+
+    vocab = grammask.load_vocabulary("qwen2.5")
+    spec_case = throughput.SPECS[name]
+    schema = throughput.XG_LONG if name == "json-xg-long" else throughput.LLG_LONG
+    grammar = grammask.Compiler(vocab).compile(GrammarSpec.json_schema(schema))
+    assert grammar.backend == ("xgrammar" if name == "json-xg-long" else "guidance")
+    rng = random.Random(7)
+    bitmask = allocate_bitmask(1, vocab.vocab_size)
+    for _ in range(3):
+        matcher = grammar.matcher()
+        tokens: list[int] = []
+        for _ in range(64):
+            matcher.fill(bitmask, 0)
+            allowed = words_to_bool(bitmask[0], vocab.vocab_size).nonzero().flatten().tolist()
+            token = rng.choice(allowed)
+            assert matcher.accept(token)
+            tokens.append(token)
+        text = vocab.decode(tokens).decode("utf-8", errors="replace")
+        assert spec_case.check(Result(text=text)), text
+    bad = ["[1,2]", "[1000", "[01"] if name == "json-xg-long" else \
+        ['["a","b"]', '["abcdefg"', '[""', '["a\n"']
+    for text in bad:
+        assert not spec_case.check(Result(text=text)), text

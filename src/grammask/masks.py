@@ -17,9 +17,11 @@ Where each piece runs in a decode step:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -135,7 +137,7 @@ class FillWorker:
         self.spare: Ticket[Any] | None = Ticket()
         self._closed = False
         self._thread = threading.Thread(target=_work,
-                                        args=(self._jobs, weakref.ref(self), cpus),
+                                        args=(self._jobs, weakref.ref(self), cpus, name),
                                         name=name, daemon=True)
         self._thread.start()
         # stop the thread when the worker is dropped without close()
@@ -165,9 +167,11 @@ class FillWorker:
 
 
 def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Ticket[Any]] | None],
-          ref: weakref.ref[FillWorker], cpus: frozenset[int] | None = None) -> None:
+          ref: weakref.ref[FillWorker], cpus: frozenset[int] | None = None,
+          name: str = "") -> None:
     """The thread's loop. It holds its ``FillWorker`` weakly, so that dropping the worker
     still runs its finalizer (which stops the loop)."""
+    _name_os_thread(name)
     if cpus:
         _run_on(cpus)
     while True:
@@ -188,6 +192,18 @@ def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Ticket[Any]] | None],
         del owner
 
 
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread its name in the kernel too (Linux, 15 bytes), so ``top -H``,
+    ``py-spy`` and ``/proc/<pid>/task/*/comm`` show which thread is the fill."""
+    if not name or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_on(cpus: frozenset[int]) -> None:
     """Move the calling thread onto ``cpus``; a refusal (a CPU outside the process's cgroup,
     no such call on this OS) is logged and the thread stays where it was."""
@@ -195,24 +211,6 @@ def _run_on(cpus: frozenset[int]) -> None:
         os.sched_setaffinity(0, cpus)  # 0: this thread (Linux sets affinity per thread)
     except (AttributeError, OSError, ValueError) as exc:
         log.warning("grammask: fill thread not moved to CPUs %s: %s", sorted(cpus), exc)
-
-
-def parse_cpus(text: str) -> frozenset[int] | None:
-    """A CPU list as Linux writes one (``"1"``, ``"2-3,6"``); None for ``""``. ValueError
-    names the part that is not one."""
-    cpus: set[int] = set()
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        low, dash, high = part.partition("-")
-        try:
-            first, last = int(low), int(high if dash else low)
-        except ValueError:
-            raise ValueError(f"not a CPU or CPU range: {part!r}") from None
-        if first < 0 or last < first:
-            raise ValueError(f"not a CPU or CPU range: {part!r}")
-        cpus.update(range(first, last + 1))
-    return frozenset(cpus) or None
 
 
 class Filler:

@@ -82,6 +82,49 @@ def test_startup_log_names_grammask_and_version(server: Server) -> None:
                    f"{server.log_tail(30)}")
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            kids = [int(k) for k in (task / "children").read_text().split()]
+            found += kids
+            todo += kids
+    return found
+
+
+def _thread_cpus(pid: int) -> dict[str, set[int]]:
+    """Thread name -> the CPUs its threads may run on (``/proc``, the kernel's view)."""
+    from grammask.cpu_placement import parse_cpus
+
+    out: dict[str, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines()
+                      if ":" in line)
+        cpus = parse_cpus(status["Cpus_allowed_list"].strip()) or frozenset()
+        out.setdefault(status["Name"].strip(), set()).update(cpus)
+    return out
+
+
+def test_the_fill_thread_does_not_take_turns_with_the_forward(client: Any,
+                                                              server: Server) -> None:
+    """vLLM's CPU worker pins itself and every thread it starts to its OpenMP core; with the
+    default ``fill_cpus=auto`` grammask's fill thread runs on another CPU (the one vLLM
+    reserved), so it overlaps the forward instead of time-slicing with it."""
+    import os
+
+    if len(os.sched_getaffinity(server.proc.pid)) < 2:
+        pytest.skip("one CPU: there is no other CPU to move to")
+    finish, text = ask(client, {"regex": REGEX}, seed=3)  # makes the fill thread
+    check_regex(REGEX, text, finish)
+    workers = [p for p in _descendants(server.proc.pid)
+               if "grammask-fill" in _thread_cpus(p)]
+    assert len(workers) == 1, f"no single worker with a fill thread: {workers}"
+    threads = _thread_cpus(workers[0])
+    fill = threads.pop("grammask-fill")
+    others = set().union(*threads.values())
+    assert fill and fill.isdisjoint(others), (fill, threads)
+
+
 # ---------------------------------------------------------------------- JSON schemas
 @pytest.mark.parametrize(("schema", "routed"), [(XG_SCHEMA, "xgrammar"),
                                                 (LLG_SCHEMA, "guidance")],

@@ -25,9 +25,10 @@ from typing import Any, Literal
 from .. import __version__, metrics
 from ..agreement import Agreement, Solo, tp_group_for_vllm
 from ..compiler import Compiler, Grammar
+from ..cpu_placement import fill_cpus
 from ..digests import MaskDigests
 from ..errors import CompileFailure, GrammarError, ServerFault
-from ..masks import Filler, parse_cpus
+from ..masks import Filler
 from ..processor import BatchProcessor
 from ..request import ConstraintRequest
 from ..spec import GrammarSpec
@@ -145,7 +146,7 @@ class PluginCore:
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
                 filler=Filler(parallel_min=self.settings.parallel_min,
                               threads=self.settings.fill_threads,
-                              cpus=parse_cpus(self.settings.fill_cpus)), **kwargs)
+                              cpus=fill_cpus(self.settings.fill_cpus)), **kwargs)
             if self.settings.mask_digest_dir:
                 rank = _tp_rank()
                 fault = self.settings.debug_mask_fault_rank == rank

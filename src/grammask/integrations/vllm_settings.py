@@ -33,7 +33,7 @@ class Settings:
     wait_s: float = 0.5
     hedge_s: float = 0.05
     fill_threads: int | None = None
-    fill_cpus: str = ""
+    fill_cpus: str = "auto"
     parallel_min: int = 16
     on_error: str = "stop"
     think_end: str = "auto"
@@ -99,11 +99,12 @@ def _optional_int(value: object) -> int | None:
 
 
 def _cpus(value: object) -> str:
-    """A CPU list, kept as text (``masks.parse_cpus`` reads it; checked here)."""
-    from ..masks import parse_cpus
+    """``auto``, ``none`` or a CPU list, kept as text (``cpu_placement.fill_cpus`` reads
+    it; checked here)."""
+    from ..cpu_placement import check_setting
 
     text = str(value).strip()
-    parse_cpus(text)
+    check_setting(text)
     return text
 
 
@@ -152,9 +153,10 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "hedge_s": (_positive(float), "after this, a JSON schema whose routed backend is still "
                 "compiling is compiled by the other backend too; the first ready serves"),
     "fill_threads": (_optional_int, "threads of the batch-parallel mask fill (auto)"),
-    "fill_cpus": (_cpus, "CPUs the fill thread runs on (a list such as 1 or 2-3; empty: where "
-                  "vLLM started it: its CPU worker pins every thread to its OpenMP cores, so "
-                  "give it the cores vLLM reserved)"),
+    "fill_cpus": (_cpus, "CPUs the fill thread runs on: auto (off the worker's pin when the "
+                  "host pinned it, as vLLM's CPU worker does to its OpenMP cores, onto CPUs no "
+                  "rank is pinned to), none (where vLLM started it), or a list such as 1 or "
+                  "2-3"),
     "parallel_min": (_positive(int), "fewest rows of one backend that use the batch fill"),
     "on_error": (_word("stop", "free"),
                  "a failed row gets a stop-only mask (stop) or none (free)"),

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from grammask.cpu_placement import check_setting, choose, fill_cpus, parse_cpus
+from grammask.cpu_placement import check_setting, choose, fill_cpus, parse_cpus, same_node
 
 LINUX = hasattr(os, "sched_setaffinity")
 
@@ -33,8 +33,9 @@ def test_settings_take_keywords_or_a_list() -> None:
         check_setting(ok)
     with pytest.raises(ValueError, match="'two'"):
         check_setting("1,two")
-    assert fill_cpus("none") is None
-    assert fill_cpus("2-3") == {2, 3}
+    assert fill_cpus("none", pinning_host=True) is None
+    assert fill_cpus("2-3", pinning_host=False) == {2, 3}
+    assert fill_cpus("auto", pinning_host=False) is None  # a GPU host: left where it is
 
 
 def test_spare_cpus_are_what_no_pin_holds() -> None:
@@ -49,11 +50,22 @@ def test_spare_cpus_are_what_no_pin_holds() -> None:
     assert choose(frozenset({0}), every, frozenset({1})) == {2, 3}
 
 
+def test_spare_cpus_prefer_the_workers_numa_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from grammask import cpu_placement
+
+    nodes = {0: 0, 1: 0, 2: 1, 3: 1}
+    monkeypatch.setattr(cpu_placement, "_node", nodes.get)
+    assert same_node(frozenset({1, 3}), frozenset({0})) == {1}
+    assert same_node(frozenset({2, 3}), frozenset({0})) == {2, 3}  # none near: all
+    monkeypatch.setattr(cpu_placement, "_node", lambda cpu: None)
+    assert same_node(frozenset({1, 3}), frozenset({0})) == {1, 3}  # nodes unknown
+
+
 _PROBE = """
 import os, sys
 os.sched_setaffinity(0, {%d})
 from grammask.cpu_placement import fill_cpus
-got = fill_cpus("auto")
+got = fill_cpus("auto", pinning_host=True)
 print("none" if got is None else ",".join(map(str, sorted(got))))
 """
 

@@ -4,7 +4,9 @@ vLLM's CPU worker pins its main thread to the OpenMP cores of its rank, and ever
 starts inherits that pin, the fill thread included. The fill then takes turns with the
 forward it is meant to overlap. ``auto`` finds that case and moves the fill thread onto CPUs
 the worker's parent may use that no rank is pinned to (the core vLLM reserves for its
-scheduler). A host that pins nothing (a GPU worker) is left as it is.
+scheduler), on the worker's NUMA node where it has such CPUs. Only where the host is known to
+pin its workers to their compute cores (vLLM's CPU platform): a GPU worker bound to a NUMA
+node is where its memory is, and is left as it is.
 """
 
 from __future__ import annotations
@@ -44,15 +46,16 @@ def check_setting(text: str) -> None:
         parse_cpus(text)
 
 
-def fill_cpus(setting: str) -> frozenset[int] | None:
+def fill_cpus(setting: str, *, pinning_host: bool) -> frozenset[int] | None:
     """The CPUs for a fill thread the calling thread starts, per the ``fill_cpus`` setting:
-    ``auto`` (or empty) picks ``spare_cpus()``, ``none``/``off`` keeps the caller's, and a
-    CPU list is taken as given. None: the thread stays where it starts."""
+    ``auto`` (or empty) picks ``spare_cpus()`` on a ``pinning_host`` (one that pins its
+    workers to their compute cores), ``none``/``off`` keeps the caller's, and a CPU list is
+    taken as given. None: the thread stays where it starts."""
     text = setting.strip().lower()
     if text in STAY:
         return None
     if text in ("auto", ""):
-        return spare_cpus()
+        return spare_cpus() if pinning_host else None
     return parse_cpus(text)
 
 
@@ -80,6 +83,7 @@ def spare_cpus() -> frozenset[int] | None:
             taken |= theirs
     spare = choose(own, allowed, frozenset(taken))
     if spare is not None:
+        spare = same_node(spare, own)
         log.info("grammask: the fill thread runs on CPUs %s: this worker is pinned to %s and "
                  "no sibling process is pinned there", _show(spare), _show(own))
     return spare
@@ -92,6 +96,19 @@ def choose(own: frozenset[int], allowed: frozenset[int], taken: frozenset[int]
     if not own < allowed:
         return None
     return (allowed - own - taken) or None
+
+
+def same_node(spare: frozenset[int], own: frozenset[int]) -> frozenset[int]:
+    """The spare CPUs on a NUMA node of ``own`` (the fill reads the worker's memory), or all
+    of them when none is, or the nodes are unknown (``/sys``)."""
+    nodes = {_node(c) for c in own} - {None}
+    near = frozenset(c for c in spare if _node(c) in nodes)
+    return near or spare
+
+
+def _node(cpu: int) -> int | None:
+    found = list(Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"))
+    return int(found[0].name[4:]) if found else None
 
 
 def _children(pid: int) -> Iterable[int]:

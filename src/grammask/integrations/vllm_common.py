@@ -65,6 +65,16 @@ from .vllm_settings import (
 
 log = logging.getLogger("grammask")
 
+
+def _cpu_platform() -> bool:
+    """vLLM's CPU platform, whose workers pin every thread they start to their OpenMP cores
+    (``fill_cpus=auto`` moves the fill thread off them)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
 #: The class vLLM loads (entry point and ``--logits-processors``).
 FQCN = "grammask.integrations.vllm_plugin:GrammaskLogitsProcessor"
 RunnerKind = Literal["v1", "v2"]
@@ -146,7 +156,8 @@ class PluginCore:
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
                 filler=Filler(parallel_min=self.settings.parallel_min,
                               threads=self.settings.fill_threads,
-                              cpus=fill_cpus(self.settings.fill_cpus)), **kwargs)
+                              cpus=fill_cpus(self.settings.fill_cpus,
+                                             pinning_host=_cpu_platform())), **kwargs)
             if self.settings.mask_digest_dir:
                 rank = _tp_rank()
                 fault = self.settings.debug_mask_fault_rank == rank

@@ -61,14 +61,15 @@ def fill_cpus(setting: str, *, pinning_host: bool) -> frozenset[int] | None:
 
 def spare_cpus() -> frozenset[int] | None:
     """CPUs off the calling thread's pin and off every sibling process's pin, within what the
-    parent process may use; None when the calling thread is not pinned tighter than its
-    parent (nothing to escape), on no Linux, or when no CPU is left."""
+    parent process and the caller may use; None when the calling thread is not pinned
+    tighter than that (nothing to escape), on no Linux, or when no CPU is left."""
     if not hasattr(os, "sched_getaffinity"):
         return None
     try:
         own = frozenset(os.sched_getaffinity(0))
         parent = os.getppid()
-        allowed = frozenset(os.sched_getaffinity(parent))
+        # the parent's CPUs are usable here too (one cgroup), even when it is pinned itself
+        allowed = frozenset(os.sched_getaffinity(parent)) | own
     except OSError:
         return None
     taken: set[int] = set()
@@ -79,7 +80,7 @@ def spare_cpus() -> frozenset[int] | None:
             theirs = frozenset(os.sched_getaffinity(pid))
         except OSError:  # gone, or not ours to read
             continue
-        if theirs != allowed:  # pinned: a rank (an unpinned child pins nothing)
+        if not theirs >= allowed:  # pinned: a rank (an unpinned child pins nothing)
             taken |= theirs
     spare = choose(own, allowed, frozenset(taken))
     if spare is not None:

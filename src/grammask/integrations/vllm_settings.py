@@ -153,10 +153,10 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "hedge_s": (_positive(float), "after this, a JSON schema whose routed backend is still "
                 "compiling is compiled by the other backend too; the first ready serves"),
     "fill_threads": (_optional_int, "threads of the batch-parallel mask fill (auto)"),
-    "fill_cpus": (_cpus, "CPUs the fill thread runs on: auto (off the worker's pin when the "
-                  "host pinned it, as vLLM's CPU worker does to its OpenMP cores, onto CPUs no "
-                  "rank is pinned to), none (where vLLM started it), or a list such as 1 or "
-                  "2-3"),
+    "fill_cpus": (_cpus, "CPUs the fill thread runs on: auto (on vLLM's CPU platform, which "
+                  "pins each worker and its threads to its OpenMP cores: onto CPUs no rank is "
+                  "pinned to, when there are any), none (where vLLM started it), or a list "
+                  "such as 1 or 2-3"),
     "parallel_min": (_positive(int), "fewest rows of one backend that use the batch fill"),
     "on_error": (_word("stop", "free"),
                  "a failed row gets a stop-only mask (stop) or none (free)"),

@@ -207,16 +207,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
       rows that allow few tokens memset and restored. CUDA logits copy the (pinned) bitmask to the
       device and use the Triton kernel: that branch is untested here (no GPU).
     """
+    if plan is not None:  # first: it reads neither the bitmask nor more of the logits
+        layout = cpu_layout(logits) if layout is None else layout  # None unless 2-D CPU
+        if layout is not None and _plan_holds(layout, bitmask, vocab_size, indices, plan):
+            _apply_plan(logits, plan, layout)  # the plan covers the padding columns
+            return
     if logits.dim() == 1:
         logits = logits.unsqueeze(0)
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"expected 2-D logits and a 2-D int32 bitmask, got {tuple(logits.shape)}"
                          f" and {tuple(bitmask.shape)} {bitmask.dtype}")
-    if plan is not None:
-        layout = cpu_layout(logits) if layout is None else layout
-        if layout is not None and _plan_holds(layout, bitmask, vocab_size, indices, plan):
-            _apply_plan(logits, plan, layout)  # the plan covers the padding columns
-            return
     rows = list(range(logits.shape[0])) if indices is None else list(indices)
     if not rows:
         return
@@ -253,7 +253,7 @@ def _plan_holds(layout: LogitsLayout, bitmask: torch.Tensor, vocab_size: int,
     the forward)."""
     rows = tuple(range(layout.rows)) if indices is None else tuple(indices)
     words = bitmask.shape
-    return (bool(rows) and plan.bound <= words[0]
+    return (bool(rows) and len(words) == 2 and plan.bound <= words[0]
             and plan.holds(layout, rows, min(layout.width, vocab_size, words[1] * 32)))
 
 

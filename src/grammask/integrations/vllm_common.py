@@ -75,6 +75,7 @@ def _cpu_platform() -> bool:
         return False
     return bool(current_platform.is_cpu())
 
+
 #: The class vLLM loads (entry point and ``--logits-processors``).
 FQCN = "grammask.integrations.vllm_plugin:GrammaskLogitsProcessor"
 RunnerKind = Literal["v1", "v2"]

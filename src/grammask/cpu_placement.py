@@ -42,8 +42,12 @@ def parse_cpus(text: str) -> frozenset[int] | None:
 
 def check_setting(text: str) -> None:
     """Raises ValueError for a ``fill_cpus`` value that is neither a keyword nor a CPU list."""
-    if text.strip().lower() not in STAY | {"auto", ""}:
+    if text.strip().lower() in STAY | {"auto", ""}:
+        return
+    try:
         parse_cpus(text)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; expected auto, none or a CPU list such as 1 or 2-3") from None
 
 
 def fill_cpus(setting: str, *, pinning_host: bool) -> frozenset[int] | None:
@@ -87,6 +91,9 @@ def spare_cpus() -> frozenset[int] | None:
         spare = same_node(spare, own)
         log.info("grammask: the fill thread runs on CPUs %s: this worker is pinned to %s and "
                  "no sibling process is pinned there", _show(spare), _show(own))
+    elif own < allowed:
+        log.info("grammask: the fill thread shares this worker's CPUs %s: every other CPU is "
+                 "pinned to another rank", _show(own))
     return spare
 
 

@@ -82,11 +82,25 @@ def test_startup_log_names_grammask_and_version(server: Server) -> None:
                    f"{server.log_tail(30)}")
 
 
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process ended
+        return []
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # the thread ended between the listing and the read
+        return ""
+
+
 def _descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
-            kids = [int(k) for k in (task / "children").read_text().split()]
+        for task in _tasks(todo.pop()):
+            kids = [int(k) for k in _read(task / "children").split()]
             found += kids
             todo += kids
     return found
@@ -97,9 +111,11 @@ def _thread_cpus(pid: int) -> dict[str, set[int]]:
     from grammask.cpu_placement import parse_cpus
 
     out: dict[str, set[int]] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines()
+    for task in _tasks(pid):
+        status = dict(line.split(":", 1) for line in _read(task / "status").splitlines()
                       if ":" in line)
+        if "Name" not in status:
+            continue
         cpus = parse_cpus(status["Cpus_allowed_list"].strip()) or frozenset()
         out.setdefault(status["Name"].strip(), set()).update(cpus)
     return out

@@ -44,7 +44,10 @@ tokens/s (completion tokens over the wall time of its chunks, as the client sees
 from the server's ``/metrics`` read around each chunk, the mean of
 vLLM's per-request time per output token (``vllm:request_time_per_output_token_seconds``:
 decode time over tokens - 1, stamped by the engine core) and TTFT, and grammask's
-``grammask_requests_total`` (it grows by the requests of grammask's cells only). Reported
+``grammask_requests_total`` (it grows by the requests of grammask's cells only); per chunk
+also the share of the machine's CPU time the hypervisor stole (``/proc/stat``: on a shared
+VM, slow spells no interleaving can control), and per cell up to three outputs that failed
+their check (``invalid_samples``). Reported
 per (spec, concurrency, system): the median over rounds with min-max and the spread
 ((max - min) / median), and the TPOT ratios grammask/vLLM and grammask/unconstrained (each
 round's ratio: the median of its chunk-by-chunk ratios, the two systems' chunks having run
@@ -103,7 +106,7 @@ from tests.e2e.specs import LLG_SCHEMA, REGEX, XG_SCHEMA
 
 from bench import pyspy
 from bench.gate import Gate
-from bench.stats import fmt_ms, machine_info, render_table, write_json
+from bench.stats import cpu_ticks, fmt_ms, machine_info, render_table, steal_share, write_json
 from bench.vllm_server import (
     CHOICES,
     MESSAGES,
@@ -283,6 +286,7 @@ def chunk(client: Any, base_url: str, model: str, spec: Case, system: str,
         return request(client, model, case, system, seed, max_tokens)
 
     before = scrape(base_url)
+    ticks = cpu_ticks()
     t0 = time.perf_counter()
     gated_s = None
     if concurrency == 1 or pool is None:
@@ -310,6 +314,7 @@ def chunk(client: Any, base_url: str, model: str, spec: Case, system: str,
         for r in results:  # a request's own time starts at the release too
             r.total_ms = max(0.0, r.total_ms - (t_go - t0) * 1000)
     t_end = time.perf_counter()
+    stolen = steal_share(ticks, cpu_ticks())
     wall_s = t_end - t_go
     after = scrape(base_url)
     for _ in range(10):  # the API server records a request's stats as it answers it
@@ -320,7 +325,7 @@ def chunk(client: Any, base_url: str, model: str, spec: Case, system: str,
         after = scrape(base_url)
     delta = metric_delta(before, after)
     return {"seeds": seeds, "results": results, "wall_s": wall_s, "delta": delta,
-            "gated_s": gated_s, "overlap": overlap(delta, t_end - t0)}
+            "gated_s": gated_s, "overlap": overlap(delta, t_end - t0), "steal": stolen}
 
 
 def overlap(delta: dict[str, float] | None, wall_s: float) -> float | None:
@@ -388,7 +393,12 @@ def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: 
                           for c in chunks],
         "overlap_min": min((c["overlap"] for c in chunks if c.get("overlap") is not None),
                            default=None),
+        "chunk_steal_pct": [None if c.get("steal") is None else round(100 * c["steal"], 2)
+                            for c in chunks],
         "valid": sum(case.check(r) for r in results),
+        "invalid_samples": [{"seed": s, "text": r.text[:400]}
+                            for s, r in zip(seeds, results, strict=True)
+                            if not r.error and not case.check(r)][:3],
         "finish": dict(Counter(r.finish for r in results).most_common()),
         "not_fixed": len(not_fixed), "not_fixed_samples": not_fixed[:5],
         "errors": [r.error for r in results if r.error][:3],
@@ -469,10 +479,13 @@ def run(client: Any, base_url: str, model: str, specs: list[Case], *, rounds: in
                         warn = f"  NOT {max_tokens} TOKENS: {row['not_fixed']}" if (
                             row["not_fixed"]) else ""
                         resent = f"  resent {row['resent']}" if row["resent"] else ""
+                        stolen = [x for x in row["chunk_steal_pct"] if x is not None]
+                        steal = f"  steal {max(stolen):.1f}%" if stolen else ""
                         print(f"  {system:13} {spec.name:8} c={conc:<3} "
                               f"{row['tokens_per_s']:>7} tok/s  server TPOT "
                               f"{fmt_ms(row.get('server_tpot_ms'))} ms  valid "
-                              f"{row['valid']}/{row['requests']}{warn}{resent}", flush=True)
+                              f"{row['valid']}/{row['requests']}{warn}{resent}{steal}",
+                              flush=True)
     counts: dict[str, dict[str, dict[str, int] | None]] = {
         spec: {system: dict(c) if checked else None for system, c in by.items()}
         for spec, by in served.items()}

@@ -19,7 +19,7 @@ from bench import mask as mask_bench
 from bench import pyspy
 from bench import vllm_throughput as throughput
 from bench.cases import Case, extra_cases, load_maskbench, stratified
-from bench.stats import dist, percentile
+from bench.stats import cpu_ticks, dist, percentile, steal_share
 from bench.systems import parse_systems
 
 DIST_KEYS = {"n", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
@@ -118,6 +118,24 @@ def test_throughput_ratio_pairs_chunks_that_ran_next_to_each_other() -> None:
         del c["chunk_tpot_ms"]
     assert throughput.tpot_ratio(cells, "regex", 32, "grammask", "vllm")["median"] == round(
         14.0 / 24.0, 3)
+
+
+def test_steal_share_reads_this_machines_cpu_time() -> None:
+    """The bench's per-chunk steal: real ``/proc/stat`` counters, which only grow, and the
+    share the hypervisor took between two readings."""
+    before = cpu_ticks()
+    assert before is not None  # Linux: /proc/stat is there
+    assert before["total"] >= before["idle"] + before["steal"] >= 0
+    sum(i * i for i in range(2_000_000))  # some CPU time passes
+    after = cpu_ticks()
+    assert after is not None and after["total"] >= before["total"]
+    assert after["steal"] >= before["steal"]
+    share = steal_share(before, after)
+    assert share is None or 0.0 <= share <= 1.0
+    assert steal_share({"total": 100, "idle": 50, "steal": 10},
+                       {"total": 300, "idle": 120, "steal": 60}) == 0.25
+    assert steal_share(before, before) is None  # no time passed: no share
+    assert steal_share(None, after) is None
 
 
 def test_pyspy_summary_splits_busy_waiting_and_grammask(tmp_path: Path) -> None:

@@ -85,8 +85,9 @@ def test_throughput_summary_rotates_systems_and_takes_per_round_ratios() -> None
     assert rows["vllm"]["tpot_ms"]["spread"] == 0.0
     # the bar: <= 1.0 in the median, but grammask's rounds are 0.5-1.5x apart
     assert throughput.verdict(list(rows.values())) == (
-        "TPOT grammask/vLLM <= 1.0 at c >= 16: 1/1 cells; its spread across rounds < 10%: "
-        "0/1 (not: regex c=32); both systems' TPOT spreads < 10% too: 0/1")
+        "TPOT grammask/vLLM <= 1.0 at c >= 16: 1/1 cells (in every round: 0/1); its spread "
+        "across rounds < 10%: 0/1 (not: regex c=32); both systems' TPOT spreads < 10% too: "
+        "0/1")
     assert g["tpot_vs_unconstrained"]["median"] == 2.0  # per round: 2, 2, 3
     assert rows["vllm"]["not_fixed"] == 1 and rows["vllm"]["tpot_vs_vllm"] is None
     assert rows["unconstrained"]["tpot_vs_unconstrained"] is None

@@ -265,6 +265,25 @@ def test_a_plan_for_other_rows_or_layout_is_not_used() -> None:
         assert torch.equal(logits, expected)
 
 
+def test_a_plan_checks_the_shape_of_another_bitmask() -> None:
+    """The plan keeps the shape of the bitmask it was made from, for applies with that very
+    buffer; a plan handed another bitmask (fewer rows than the plan masks) must read that
+    one's shape and refuse, as an apply without a plan does."""
+    gen = torch.Generator().manual_seed(7)
+    bitmask = make_bitmask("mixed", 4, 10, gen)
+    plan = plan_cpu_apply(bitmask, [0, 3], vocab_size=320, width=320, stride=320)
+    logits = torch.randn(4, 320, generator=gen)
+    expected = reference_apply(logits, bitmask, 320, [0, 3])
+    apply_bitmask(logits, bitmask, vocab_size=320, indices=[0, 3], plan=plan)
+    assert torch.equal(logits, expected)
+    other = bitmask[:2].clone()  # rows 0-1 only: row 3 is outside it
+    logits = torch.randn(4, 320, generator=gen)
+    before = logits.clone()
+    with pytest.raises(ValueError, match="outside"):
+        apply_bitmask(logits, other, vocab_size=320, indices=[0, 3], plan=plan)
+    assert torch.equal(logits, before)
+
+
 def test_worker_tickets_return_results_and_errors() -> None:
     worker = FillWorker()
     tickets = [worker.run(lambda i=i: i * 2) for i in range(10)]

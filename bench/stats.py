@@ -70,16 +70,15 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
 
 def cpu_ticks() -> dict[str, int] | None:
     """The machine's CPU time so far, in clock ticks, from ``/proc/stat`` (all CPUs):
-    ``total``, ``idle`` (iowait included) and ``steal`` (time the hypervisor gave this VM's
-    CPUs to someone else: on a shared VM, the slow spells a benchmark cannot control).
-    None where it cannot be read."""
+    ``total`` and ``steal`` (time the hypervisor gave this VM's CPUs to someone else: on a
+    shared VM, the slow spells a benchmark cannot control). None where it cannot be read."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
     fields += [0] * (8 - len(fields))
-    return {"total": sum(fields[:8]), "idle": fields[3] + fields[4], "steal": fields[7]}
+    return {"total": sum(fields[:8]), "steal": fields[7]}
 
 
 def steal_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:

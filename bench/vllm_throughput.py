@@ -378,6 +378,7 @@ def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: 
             for k, v in d.items():
                 delta[k] = delta.get(k, 0.0) + v
     tokens = sum(r.tokens for r in results)
+    passed = [case.check(r) for r in results]
     per_token = [r.total_ms / r.tokens for r in results if r.tokens]
     not_fixed = [{"seed": s, "tokens": r.tokens, "finish": r.finish, "error": r.error}
                  for s, r in zip(seeds, results, strict=True) if r.tokens != max_tokens]
@@ -395,10 +396,10 @@ def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: 
                            default=None),
         "chunk_steal_pct": [None if c.get("steal") is None else round(100 * c["steal"], 2)
                             for c in chunks],
-        "valid": sum(case.check(r) for r in results),
+        "valid": sum(passed),
         "invalid_samples": [{"seed": s, "text": r.text[:400]}
-                            for s, r in zip(seeds, results, strict=True)
-                            if not r.error and not case.check(r)][:3],
+                            for s, r, ok in zip(seeds, results, passed, strict=True)
+                            if not r.error and not ok][:3],
         "finish": dict(Counter(r.finish for r in results).most_common()),
         "not_fixed": len(not_fixed), "not_fixed_samples": not_fixed[:5],
         "errors": [r.error for r in results if r.error][:3],

@@ -266,9 +266,9 @@ def test_a_plan_for_other_rows_or_layout_is_not_used() -> None:
 
 
 def test_a_plan_checks_the_shape_of_another_bitmask() -> None:
-    """The plan keeps the shape of the bitmask it was made from, for applies with that very
-    buffer; a plan handed another bitmask (fewer rows than the plan masks) must read that
-    one's shape and refuse, as an apply without a plan does."""
+    """A plan handed another bitmask than its own (fewer rows than the plan masks) is
+    checked against that one's shape and refused, as an apply without a plan is; the logits
+    are left as they were."""
     gen = torch.Generator().manual_seed(7)
     bitmask = make_bitmask("mixed", 4, 10, gen)
     plan = plan_cpu_apply(bitmask, [0, 3], vocab_size=320, width=320, stride=320)

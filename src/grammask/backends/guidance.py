@@ -246,7 +246,6 @@ def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary
     Computed on a copy of the template (returned: the first request's matcher)."""
     probe = template.deep_copy()
     first = new_first_mask(vocab.vocab_size)
-    words = first.words
     probe.unsafe_compute_mask_ptr(first.ptr, first.nbytes)
     where = "/" if spec.kind == "json_schema" else None
     if probe.is_error():
@@ -254,7 +253,7 @@ def _first_mask(spec: GrammarSpec, template: llg.LLMatcher, vocab: Vocabulary
         raise UnsupportedError(f"llguidance: the compiled grammar can produce no output: "
                                f"nothing can be generated (first mask failed: {reason})",
                                where=where)
-    refuse_empty_language(words, "llguidance", where)
+    refuse_empty_language(first, "llguidance", where)
     return first, probe
 
 

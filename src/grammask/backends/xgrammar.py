@@ -202,13 +202,13 @@ def _refuse_empty(compiled: XGrammarCompiled, spec: GrammarSpec, vocab: Vocabula
     are kept for the first request."""
     first = new_first_mask(vocab.vocab_size)
     native = compiled._native()
+    where = "/" if spec.kind == "json_schema" else None
     if native.is_terminated():  # not at a start state: the adapter's own fill says what then
-        compiled.matcher().fill(first.words, 0)
-        refuse_empty_language(first.words, "xgrammar", "/" if spec.kind == "json_schema"
-                              else None)
+        compiled.matcher().fill(first.tensor(), 0)
+        refuse_empty_language(first, "xgrammar", where)
         return
-    native.fill_next_token_bitmask(first.words, 0)
-    refuse_empty_language(first.words, "xgrammar", "/" if spec.kind == "json_schema" else None)
+    native.fill_next_token_bitmask(first.tensor(), 0)
+    refuse_empty_language(first, "xgrammar", where)
     compiled._first_mask = first
     compiled._spare.append(native)
 

@@ -550,3 +550,124 @@ def test_a_refused_schema_gets_the_checkers_own_error() -> None:
     with pytest.raises(InvalidSchemaError, match="remote"):  # before any keyword error
         plan(GrammarSpec.json_schema({**schema, "$ref": "http://example.com/s"}))
 
+
+
+def _features_as_written_before(node: dict[str, Any]) -> list[str]:
+    """``router._node_features`` before it skipped groups by the node's keys (commit
+    5fbaca5), kept as the reference the faster one must agree with."""
+    from grammask import router as r
+
+    out: list[str] = []
+    if node.get("uniqueItems") is True:
+        out.append("uniqueItems")
+    for key in ("dependentRequired", "dependentSchemas", "dependencies", "not",
+                "propertyNames", "unevaluatedProperties", "unevaluatedItems", "oneOf"):
+        if key in node:
+            out.append(key)
+    if "if" in node:
+        out.append("if/then/else")
+    if any(k in node for k in ("contains", "minContains", "maxContains")):
+        out.append("contains")
+    mult = node.get("multipleOf")
+    if isinstance(mult, float) and not mult.is_integer():
+        out.append("multipleOf (non-integer)")
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        out.append("allOf (several branches)")
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        if not ref.startswith("#"):
+            out.append("$ref (remote)")
+        elif ref == "#":
+            out.append("$ref to the root")
+        elif ref != "#" and not ref.startswith("#/"):
+            out.append("$anchor / $dynamicRef")
+        if any(k not in r._ANNOTATIONS and k not in r._REF_NEUTRAL for k in node
+               if k != "$ref"):
+            out.append("$ref with siblings")
+    if "$dynamicRef" in node or "$dynamicAnchor" in node:
+        out.append("$anchor / $dynamicRef")
+    has_length = "minLength" in node or "maxLength" in node
+    pattern = node.get("pattern")
+    if "pattern" in node and has_length:
+        out.append("pattern with minLength/maxLength")
+    elif has_length and r._may_be_string(node):
+        out.append("string minLength/maxLength")
+    patterns = [pattern] if isinstance(pattern, str) else []
+    pattern_props = node.get("patternProperties")
+    if isinstance(pattern_props, dict):
+        patterns += [p for p in pattern_props if isinstance(p, str)]
+    if isinstance(pattern, str) and r._inner_anchor(pattern):
+        out.append("pattern (inner anchors)")
+    if any(r._LOOKAROUND.search(p) for p in patterns):
+        out.append("pattern (lookaround)")
+    required = node.get("required")
+    if isinstance(required, list):
+        props = node.get("properties")
+        declared = props if isinstance(props, dict) else {}
+        if any(name not in declared for name in required):
+            out.append("required (undeclared names)")
+    if "patternProperties" in node and "additionalProperties" not in node:
+        out.append("patternProperties")
+    fmt = node.get("format")
+    if isinstance(fmt, str) and node.get("type") in ("string", None):
+        if fmt == "date":
+            out.append("format: date")
+        elif fmt in r._XGRAMMAR_ONLY_FORMATS:
+            out.append("format (llguidance unknown)")
+        elif fmt in r._UNENFORCED_FORMATS:
+            out.append("format (neither backend)")
+        elif fmt not in r._KNOWN_FORMATS:
+            out.append("format (unknown)")
+        if "type" not in node and fmt not in r._UNENFORCED_FORMATS:
+            out.append("format (untyped)")
+    if ("minProperties" in node or "maxProperties" in node) and r._has_optional(node):
+        out.append("minProperties/maxProperties")
+    return out
+
+
+def test_node_features_agree_with_the_checks_as_written_before(corpus: Path) -> None:
+    """The features of every subschema of 100 corpus schemas per maskbench subset, and of
+    copies with the rarer feature keywords planted, come out as the plain checks give them,
+    in their order (the report lists them so)."""
+    import copy
+    import gzip
+    import random
+
+    from grammask import router
+    from grammask.normalize import subschemas
+
+    planted: list[tuple[str, Any]] = [
+        ("uniqueItems", True), ("uniqueItems", False), ("dependentRequired", {"a": ["b"]}),
+        ("if", {"type": "string"}), ("contains", {"type": "integer"}), ("minContains", 1),
+        ("multipleOf", 0.5), ("multipleOf", 2.0), ("allOf", [{}, {}]), ("allOf", [{}]),
+        ("$ref", "#"), ("$ref", "#anchor"), ("$ref", "http://x/s"), ("$dynamicRef", "#a"),
+        ("pattern", "a(?=b)"), ("pattern", "a^b"), ("maxLength", 3), ("format", "date"),
+        ("format", "uri"), ("format", "nonsense"), ("patternProperties", {"^x": {}}),
+        ("minProperties", 1), ("required", ["undeclared"]), ("oneOf", [{}, {}]), ("not", {})]
+    rng = random.Random(7)
+    nodes = planted_nodes = 0
+    seen: set[str] = set()
+    for path in sorted((corpus / "maskbench").glob("*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                if i == 100:
+                    break
+                schema = json.loads(line)["schema"]
+                if not isinstance(schema, dict):
+                    continue
+                twin = copy.deepcopy(schema)
+                for _, node in list(subschemas(twin)):
+                    if rng.random() < 0.3:
+                        for _ in range(rng.randint(1, 3)):
+                            key, value = rng.choice(planted)
+                            node[key] = copy.deepcopy(value)
+                        planted_nodes += 1
+                for tree in (schema, twin):
+                    for _, node in subschemas(tree):
+                        got = router._node_features(node)
+                        assert got == _features_as_written_before(node), node
+                        seen.update(got)
+                        nodes += 1
+    assert nodes > 20_000 and planted_nodes > 2_000
+    assert len(seen) >= 20, seen  # the planted keywords reached nearly every check

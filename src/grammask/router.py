@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -576,71 +575,88 @@ _FEATURE_KEYS = frozenset({
     "format", "minProperties", "maxProperties"})
 
 
-def _node_features(node: dict[str, Any]) -> Iterator[str]:
-    if node.get("uniqueItems") is True:
-        yield "uniqueItems"
-    for key in ("dependentRequired", "dependentSchemas", "dependencies", "not",
-                "propertyNames", "unevaluatedProperties", "unevaluatedItems", "oneOf"):
-        if key in node:
-            yield key
-    if "if" in node:
-        yield "if/then/else"
-    if any(k in node for k in ("contains", "minContains", "maxContains")):
-        yield "contains"
-    mult = node.get("multipleOf")
-    if isinstance(mult, float) and not mult.is_integer():
-        yield "multipleOf (non-integer)"
-    all_of = node.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        yield "allOf (several branches)"
+#: ``_node_features``' checks by the keys that can trigger them: most nodes have only
+#: ``required``, ``format``, ``pattern`` or a length, and skip the rest in one set test
+_RARE_KEYS = frozenset({"dependentRequired", "dependentSchemas", "dependencies", "not",
+                        "propertyNames", "unevaluatedProperties", "unevaluatedItems", "oneOf",
+                        "if", "contains", "minContains", "maxContains", "multipleOf", "allOf"})
+_PATTERN_KEYS = frozenset({"minLength", "maxLength", "pattern", "patternProperties"})
+
+
+def _node_features(node: dict[str, Any]) -> list[str]:
+    """The features one node uses, in a fixed order (the report's order). Each group of
+    checks runs only when the node has one of its keys: this runs for nearly every object
+    node of every cold compile."""
+    present = _FEATURE_KEYS.intersection(node)
+    out: list[str] = []
+    if not present:
+        return out
+    if "uniqueItems" in present and node["uniqueItems"] is True:
+        out.append("uniqueItems")
+    if not _RARE_KEYS.isdisjoint(present):
+        out.extend(key for key in ("dependentRequired", "dependentSchemas", "dependencies",
+                                   "not", "propertyNames", "unevaluatedProperties",
+                                   "unevaluatedItems", "oneOf") if key in present)
+        if "if" in present:
+            out.append("if/then/else")
+        if "contains" in present or "minContains" in present or "maxContains" in present:
+            out.append("contains")
+        mult = node.get("multipleOf")
+        if isinstance(mult, float) and not mult.is_integer():
+            out.append("multipleOf (non-integer)")
+        all_of = node.get("allOf")
+        if isinstance(all_of, list) and len(all_of) > 1:
+            out.append("allOf (several branches)")
     ref = node.get("$ref")
     if isinstance(ref, str):
         if not ref.startswith("#"):
-            yield "$ref (remote)"
+            out.append("$ref (remote)")
         elif ref == "#":
-            yield "$ref to the root"
-        elif ref != "#" and not ref.startswith("#/"):
-            yield "$anchor / $dynamicRef"
+            out.append("$ref to the root")
+        elif not ref.startswith("#/"):
+            out.append("$anchor / $dynamicRef")
         if any(k not in _ANNOTATIONS and k not in _REF_NEUTRAL for k in node if k != "$ref"):
-            yield "$ref with siblings"
-    if "$dynamicRef" in node or "$dynamicAnchor" in node:
-        yield "$anchor / $dynamicRef"
-    has_length = "minLength" in node or "maxLength" in node
-    pattern = node.get("pattern")
-    if "pattern" in node and has_length:
-        yield "pattern with minLength/maxLength"
-    elif has_length and _may_be_string(node):
-        yield "string minLength/maxLength"
-    patterns = [pattern] if isinstance(pattern, str) else []
-    pattern_props = node.get("patternProperties")
-    if isinstance(pattern_props, dict):
-        patterns += [p for p in pattern_props if isinstance(p, str)]
-    if isinstance(pattern, str) and _inner_anchor(pattern):
-        yield "pattern (inner anchors)"
-    if any(_LOOKAROUND.search(p) for p in patterns):
-        yield "pattern (lookaround)"
+            out.append("$ref with siblings")
+    if "$dynamicRef" in present or "$dynamicAnchor" in present:
+        out.append("$anchor / $dynamicRef")
+    if not _PATTERN_KEYS.isdisjoint(present):
+        has_length = "minLength" in present or "maxLength" in present
+        pattern = node.get("pattern")
+        if "pattern" in present and has_length:
+            out.append("pattern with minLength/maxLength")
+        elif has_length and _may_be_string(node):
+            out.append("string minLength/maxLength")
+        patterns = [pattern] if isinstance(pattern, str) else []
+        pattern_props = node.get("patternProperties")
+        if isinstance(pattern_props, dict):
+            patterns += [p for p in pattern_props if isinstance(p, str)]
+        if isinstance(pattern, str) and _inner_anchor(pattern):
+            out.append("pattern (inner anchors)")
+        if any(_LOOKAROUND.search(p) for p in patterns):
+            out.append("pattern (lookaround)")
     required = node.get("required")
-    if isinstance(required, list):
+    if isinstance(required, list) and required:
         props = node.get("properties")
         declared = props if isinstance(props, dict) else {}
         if any(name not in declared for name in required):
-            yield "required (undeclared names)"
-    if "patternProperties" in node and "additionalProperties" not in node:
-        yield "patternProperties"
+            out.append("required (undeclared names)")
+    if "patternProperties" in present and "additionalProperties" not in node:
+        out.append("patternProperties")
     fmt = node.get("format")
     if isinstance(fmt, str) and node.get("type") in ("string", None):
         if fmt == "date":
-            yield "format: date"
+            out.append("format: date")
         elif fmt in _XGRAMMAR_ONLY_FORMATS:
-            yield "format (llguidance unknown)"
+            out.append("format (llguidance unknown)")
         elif fmt in _UNENFORCED_FORMATS:
-            yield "format (neither backend)"
+            out.append("format (neither backend)")
         elif fmt not in _KNOWN_FORMATS:
-            yield "format (unknown)"
+            out.append("format (unknown)")
         if "type" not in node and fmt not in _UNENFORCED_FORMATS:
-            yield "format (untyped)"
-    if ("minProperties" in node or "maxProperties" in node) and _has_optional(node):
-        yield "minProperties/maxProperties"
+            out.append("format (untyped)")
+    if ("minProperties" in present or "maxProperties" in present) and _has_optional(node):
+        out.append("minProperties/maxProperties")
+    return out
 
 
 def _may_be_string(node: dict[str, Any]) -> bool:

@@ -729,12 +729,18 @@ def _check_node(node: Mapping[str, Any], ptr: str, *, ranges: bool) -> None:
                                          f"{_json_type(name)}", where=f"{ptr}/required/{i}")
 
 
+def _is_map(v: object) -> bool:
+    """``isinstance(v, Mapping)``, with parsed JSON's dicts first: the ABC's check costs
+    ~8x a plain type check, on every subschema's keys of every cold compile."""
+    return isinstance(v, (dict, Mapping))
+
+
 def _is_schema(v: object) -> bool:
-    return isinstance(v, bool | Mapping)
+    return isinstance(v, (dict, bool, Mapping))
 
 
 _SHAPES: tuple[tuple[str, str, Any], ...] = (
-    *((k, "an object", lambda v: isinstance(v, Mapping)) for k in
+    *((k, "an object", _is_map) for k in
       (*_SCHEMA_MAPS, "dependentRequired")),
     *((k, "a non-empty array", lambda v: isinstance(v, list) and bool(v)) for k in
       ("allOf", "anyOf", "oneOf")),
@@ -802,6 +808,9 @@ def _names_ok(value: Any) -> bool:
 def _every(*checks: Any) -> Any:
     if len(checks) == 1:
         return checks[0]
+    if len(checks) == 2:  # no generator per call
+        first, second = checks
+        return lambda value: first(value) and second(value)
     return lambda value: all(ok(value) for ok in checks)
 
 

@@ -691,3 +691,52 @@ def test_metric_children_are_bound_once_and_count() -> None:
     before = metrics.snapshot().get(name, 0.0)
     child.inc()
     assert metrics.snapshot()[name] == before + 1
+
+
+def test_a_build_on_the_callers_thread_keeps_every_callers_deadline(
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blocking caller builds a bounded backend's compile on its own thread, and the
+    reaper is told of the flight only when a second caller joins it. The joiner (async, no
+    timeout of its own) still hears of the timeout at the deadline while the build runs
+    on, and the builder, whose compile ends past the deadline, gets the timeout as before;
+    the grammar is cached for the next request. A builder alone that overruns also times
+    out, and counts it."""
+    release, entered = threading.Event(), threading.Event()
+    backend = get_backend("guidance")
+    real_compile = backend.compile
+
+    def held(spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
+        entered.set()
+        release.wait(30)
+        return real_compile(spec, vocab, lenient=lenient)
+
+    monkeypatch.setattr(backend, "compile", held)
+    compiler = Compiler(qwen25, timeout_s=0.4)
+    spec = GrammarSpec.regex("held-[0-9]+", backend="guidance")
+    outcome: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            outcome["builder"] = compiler.compile(spec)
+        except CompileTimeoutError as exc:
+            outcome["builder"] = exc
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    assert entered.wait(10)
+    joiner = compiler.compile_async(spec)
+    with pytest.raises(CompileTimeoutError):
+        joiner.result(5)  # the reaper settles it at the deadline, not the build's end
+    assert builder.is_alive()  # the build is still held
+    release.set()
+    builder.join(10)
+    assert isinstance(outcome["builder"], CompileTimeoutError)
+    assert compiler.cached(spec) is not None and compiler.stats.timeouts == 1
+
+    alone = GrammarSpec.regex("alone-[0-9]+", backend="guidance")
+    entered.clear()
+    release.clear()
+    threading.Timer(0.8, release.set).start()
+    with pytest.raises(CompileTimeoutError):
+        compiler.compile(alone)
+    assert compiler.cached(alone) is not None and compiler.stats.timeouts == 2

@@ -74,6 +74,9 @@ class _Flight:
         self.deadline = deadline
         self.waiters: list[Future[Grammar]] = []
         self.done = False
+        #: handed to the reaper (at once, unless its builder is its only caller: then when
+        #: a second caller joins; the builder checks its own deadline)
+        self.watched = False
         #: the error that settled the flight (a copy: the flight outlives its request in the
         #: reaper's heap, and must not hold its frames); None when a grammar did
         self.error: BaseException | None = None
@@ -272,14 +275,24 @@ class Compiler:
                 self.stats.joined += 1
                 fut: Future[Grammar] = Future()
                 running.waiters.append(fut)
-                return None, fut, None
-            self.stats.misses += 1
-            _MEMORY_MISSES.inc()
-            flight = _Flight(key, time.monotonic() + self.timeout_s)
-            mine: Future[Grammar] | None = None if here else Future()
-            flight.waiters.extend(() if mine is None else (mine,))
-            self._inflight[key] = flight
-        self._reaper.add(flight)
+                watch, running.watched = not running.watched, True
+            else:
+                self.stats.misses += 1
+                _MEMORY_MISSES.inc()
+                flight = _Flight(key, time.monotonic() + self.timeout_s)
+                mine: Future[Grammar] | None = None if here else Future()
+                flight.waiters.extend(() if mine is None else (mine,))
+                # a caller that builds on its own thread waits for nobody's deadline but its
+                # own, which its build checks: the reaper (a lock, a heap, a wake-up on a
+                # cold compile's path) only once someone joins
+                flight.watched = mine is not None
+                self._inflight[key] = flight
+        if running is not None:
+            if watch:
+                self._reaper.add(running)
+            return None, fut, None
+        if flight.watched:
+            self._reaper.add(flight)
         return None, mine, flight
 
     def cached(self, spec: GrammarSpec) -> Grammar | None:
@@ -389,6 +402,12 @@ class Compiler:
         _Flight.notify(waiters, grammar, error)
         return True
 
+    def _expire_overrun(self, flight: _Flight) -> None:
+        """A build that ended past its flight's deadline settles it as the reaper would have
+        (a flight its builder alone waits on is not the reaper's until someone joins)."""
+        if time.monotonic() >= flight.deadline + _Reaper.GRACE_S:
+            self._expire(flight)
+
     def _expire(self, flight: _Flight) -> None:
         """The reaper's call: a flight reached its deadline with its build still going."""
         error = CompileTimeoutError(f"not compiled within {self.timeout_s:.2f} s")
@@ -406,6 +425,7 @@ class Compiler:
         try:
             grammar = self._plans.run(spec, self.plan(spec), flight.deadline)
         except BaseException as exc:
+            self._expire_overrun(flight)
             error = exc if isinstance(exc, CompileFailure) else InternalCompileError(
                 f"internal error while compiling: {type(exc).__name__}: {exc}")
             with self._lock:
@@ -418,6 +438,7 @@ class Compiler:
             if not isinstance(exc, Exception):  # KeyboardInterrupt and the like: the caller's
                 raise
             return error if settled or flight.error is None else flight.error
+        self._expire_overrun(flight)
         with self._lock:
             if not self._closed:
                 self._memory.insert(spec.key, grammar)

@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("grammask")
 
+#: the normalized schema as llguidance reads it (compact; a NaN or infinity was refused
+#: when the spec was parsed)
+_SCHEMA_TEXT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
 
 class GuidanceMatcher(BackendMatcher):
     def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...], vocab_size: int,
@@ -166,7 +170,7 @@ class GuidanceCompiled:
     backend: BackendName = "guidance"
 
     def __init__(self, template: llg.LLMatcher, grammar: str, stop_ids: tuple[int, ...],
-                 warnings: list[str], first_mask: FirstMask, vocab_size: int,
+                 first_mask: FirstMask, vocab_size: int,
                  tokenizer: llg.LLTokenizer | None = None,
                  spare: llg.LLMatcher | None = None) -> None:
         self._template = template
@@ -180,9 +184,14 @@ class GuidanceCompiled:
         self._stop_ids = stop_ids
         self._first_mask = first_mask
         self._vocab_size = vocab_size
-        self.warnings = warnings
         # an estimate: llguidance exposes none
         self.memory_bytes = len(grammar) * 4 + 64 * 1024 + first_mask.nbytes
+
+    @property
+    def warnings(self) -> list[str]:
+        """What llguidance ignored in the grammar, read when asked (a lenient compile's
+        report): not on every compile's path."""
+        return list(self._template.get_grammar_warnings())
 
     def matcher(self) -> GuidanceMatcher:
         if self._broken:
@@ -226,8 +235,7 @@ class GuidanceBackend:
         if template.is_error():
             raise _translate(spec, template.get_error())
         first_mask, probe = _first_mask(spec, template, vocab)
-        return GuidanceCompiled(template, grammar, vocab.stop_ids,
-                                list(template.get_grammar_warnings()), first_mask,
+        return GuidanceCompiled(template, grammar, vocab.stop_ids, first_mask,
                                 vocab.vocab_size, vocab.llguidance_tokenizer, spare=probe)
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
@@ -281,8 +289,9 @@ def grammar_text(spec: GrammarSpec, *, lenient: bool) -> str:
                 raise InvalidSchemaError("the schema `false` accepts no value", where="/")
             if schema is True:
                 schema = {}
+            # as text: llguidance converts a dict ~3x slower than the C encoder writes it
             return str(llg.LLMatcher.grammar_from_json_schema(
-                schema, defaults=json_options(spec, lenient=lenient)))
+                _SCHEMA_TEXT.encode(schema), defaults=json_options(spec, lenient=lenient)))
         if spec.kind == "json_object":
             return str(llg.LLMatcher.grammar_from_json_schema(
                 {"type": "object"}, defaults=json_options(spec, lenient=False)))

@@ -85,6 +85,23 @@ class BackendInfo:
 _lock = threading.Lock()
 _registered: dict[str, BackendInfo] = {}
 _adapters: dict[str, Any] = {}
+#: kept in step with ``_registered`` (rebuilt under the lock when it changes): every spec
+#: and every plan reads them, a sort and a scan each on a cold compile's path
+_ordered: tuple[BackendInfo, ...] = ()
+_by_name: dict[str, str] = {}
+
+
+def _reindex() -> None:
+    """Rebuild the ordered tuple and the name/alias index (the caller holds the lock)."""
+    global _ordered, _by_name
+    _ordered = tuple(sorted(_registered.values(), key=lambda b: b.priority))
+    index: dict[str, str] = {}
+    for b in _ordered:  # a name before any alias, in preference order, as the scan found
+        index.setdefault(b.name, b.name)
+    for b in _ordered:
+        for alias in b.aliases:
+            index.setdefault(alias, b.name)
+    _by_name = index
 
 
 def register(info: BackendInfo) -> None:
@@ -97,6 +114,7 @@ def register(info: BackendInfo) -> None:
                 raise ValueError(f"backend name {n!r} is already taken")
         _registered[info.name] = info
         _adapters.pop(info.name, None)
+        _reindex()
 
 
 def unregister(name: str) -> None:
@@ -104,12 +122,12 @@ def unregister(name: str) -> None:
     with _lock:
         _registered.pop(name, None)
         _adapters.pop(name, None)
+        _reindex()
 
 
 def backends() -> tuple[BackendInfo, ...]:
     """Every registered backend, in preference order (``priority``, then registration)."""
-    with _lock:
-        return tuple(sorted(_registered.values(), key=lambda b: b.priority))
+    return _ordered
 
 
 def names() -> tuple[str, ...]:
@@ -118,10 +136,7 @@ def names() -> tuple[str, ...]:
 
 def canonical(value: str) -> str | None:
     """The registered name a user's name or alias stands for; None when unknown."""
-    for b in backends():
-        if value == b.name or value in b.aliases:
-            return b.name
-    return None
+    return _by_name.get(value)
 
 
 def resolve(value: object, what: str = "backend") -> str | None:

@@ -22,6 +22,8 @@ from bench.cases import Case, extra_cases, load_maskbench, stratified
 from bench.stats import cpu_ticks, dist, percentile, steal_share
 from bench.systems import parse_systems
 
+from grammask import Vocabulary
+
 DIST_KEYS = {"n", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
 
 
@@ -353,3 +355,26 @@ def test_long_json_checks_take_real_truncated_outputs_and_refuse_wrong_items(nam
         ['["a","b"]', '["abcdefg"', '[""', '["a\n"']
     for text in bad:
         assert not spec_case.check(Result(text=text)), text
+
+
+def test_cold_stages_time_every_stage_and_put_the_functions_back(qwen25: Vocabulary) -> None:
+    """``bench.coldstages`` wraps grammask's functions where grammask looks them up: one
+    llguidance compile records every stage of its path, and the originals are back after."""
+    from bench.coldstages import _STAGES, _resolve, instrument
+
+    import grammask.compiler
+    from grammask import Compiler, GrammarSpec
+
+    originals = [getattr(_resolve(owner), name) for owner, name, _ in _STAGES]
+    marks: dict[str, float] = {}
+    restore = instrument(marks)
+    try:
+        assert grammask.compiler.plan is not originals[3]  # the compiler's own name for it
+        compiler = Compiler(qwen25, backend="guidance")
+        compiler.compile(GrammarSpec.json_schema(
+            '{"type": "object", "properties": {"a": {"type": "string"}}}'))
+    finally:
+        restore()
+    assert set(marks) == {label for _, _, label in _STAGES}, marks
+    assert all(value > 0 for value in marks.values())
+    assert [getattr(_resolve(owner), name) for owner, name, _ in _STAGES] == originals

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -288,3 +289,45 @@ def test_the_key_line_of_options_is_the_json_of_the_options() -> None:
                           ensure_ascii=False)
         material = f"{head}\n{spec.source}"
         assert spec.key == hashlib.sha256(material.encode("utf-8")).hexdigest()[:32]
+
+
+def test_a_number_beyond_a_double_is_refused_where_it_is() -> None:
+    """``1e400`` reads as an infinity, which no JSON text can carry: a clear error at its
+    pointer (it used to escape as a bare ``ValueError`` from the compact encoder)."""
+    for text, where in [('{"type": "number", "maximum": 1e400}', "/maximum"),
+                        ('{"properties": {"a": {"minimum": -1E999}}}', "/properties/a/minimum")]:
+        with pytest.raises(InvalidSchemaError, match="out of range") as info:
+            GrammarSpec.json_schema(text)
+        assert info.value.where == where
+    assert GrammarSpec.json_schema('{"maximum": 1.5e3}').schema == {"maximum": 1500.0}
+
+
+def test_json_text_is_the_standard_encoders_with_or_without_orjson(
+        corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``jsontext`` writes what the standard encoder writes (corpus schemas: the same text,
+    so the same keys), falls back to it for what orjson refuses (integers beyond 64 bits,
+    lone surrogates), and gives native parsers valid UTF-8 either way."""
+    import gzip
+
+    from grammask import jsontext
+
+    assert jsontext._orjson is not None  # installed with grammask: the fast path is tested
+    schemas = []
+    for path in sorted((corpus / "maskbench").glob("*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            schemas += [json.loads(line)["schema"] for _, line in zip(range(15), fh,
+                                                                       strict=False)]
+    edge: list[object] = [{"big": 2 ** 70, "neg": -(2 ** 64)}, {"s": "\ud800x"},
+                          {"s": "".join(map(chr, range(0x80))) + "\u2028é😀"}]
+    standard = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    keys = [GrammarSpec.json_schema(json.dumps(s)).key for s in schemas]
+    for value in [*schemas, *edge]:
+        assert jsontext.compact(value) == standard.encode(value), value
+        text = jsontext.for_parser(value)
+        text.encode("utf-8")  # a lone surrogate comes out escaped
+        assert json.loads(text) == value
+    monkeypatch.setattr(jsontext, "_orjson", None)
+    assert [GrammarSpec.json_schema(json.dumps(s)).key for s in schemas] == keys
+    for value in [*schemas, *edge]:
+        assert jsontext.compact(value) == standard.encode(value)
+        jsontext.for_parser(value).encode("utf-8")

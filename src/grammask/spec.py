@@ -18,6 +18,7 @@ from functools import cached_property
 from typing import Any, Literal, cast
 from urllib.parse import unquote
 
+from . import jsontext
 from .catalog import Syntax
 from .catalog import load as load_library_grammar
 from .errors import GrammarError, InvalidGrammarError, InvalidSchemaError, InvalidSpecError
@@ -354,11 +355,8 @@ def detect_syntax(text: str) -> Syntax:
 
 #: ``json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``, made once
 #: (``json.dumps`` with options builds an encoder per call)
-_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
 def _compact_json(value: Any) -> str:
-    return _COMPACT.encode(value)
+    return jsontext.compact(value)
 
 
 def _digest(text: str) -> str:
@@ -434,6 +432,8 @@ def _parse_schema(schema: object, max_bytes: int) -> Any:
         except json.JSONDecodeError as exc:
             raise InvalidSchemaError(f"schema is not valid JSON: {exc.msg}",
                                      where=f"line {exc.lineno} column {exc.colno}") from exc
+        except _OutOfRange as exc:
+            raise _out_of_range(schema, exc.text, max_bytes) from None
         except RecursionError as exc:
             raise InvalidSchemaError(f"schema nests deeper than {MAX_NESTING} levels",
                                      where="/") from exc
@@ -473,9 +473,35 @@ def _no_constant(name: str) -> Any:
     raise InvalidSchemaError(f"{name} is not a JSON number", where="/")
 
 
-#: ``json.loads(text, parse_constant=_no_constant)``, made once (``json.loads`` with options
-#: builds a decoder per call)
-_SCHEMA_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+class _OutOfRange(Exception):
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number beyond a double (``1e400``) reads as an infinity, which no JSON text
+    can carry on: refused (a literal is never NaN)."""
+    value = float(text)
+    if value in (math.inf, -math.inf):
+        raise _OutOfRange(text)
+    return value
+
+
+def _out_of_range(text: str, literal: str, max_bytes: int) -> InvalidSchemaError:
+    """The error for a number beyond a double, at its pointer (the text parsed again with
+    the infinities kept, and walked: only for a refused schema)."""
+    where = "/"
+    try:
+        _check_json_value(json.loads(text, parse_constant=_no_constant), 0, [0], max_bytes)
+    except _BadValue as bad:
+        where = _pointer(bad.path)
+    return InvalidSchemaError(f"{literal} is out of range: a JSON number must fit a double",
+                              where=where)
+
+
+#: ``json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)``, made once
+#: (``json.loads`` with options builds a decoder per call)
+_SCHEMA_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 
 def _too_deep(root: Any) -> str | None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance as llg
 import torch
 
+from .. import jsontext
 from ..errors import (
     GrammarError,
     InvalidGrammarError,
@@ -42,10 +43,6 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
 
 log = logging.getLogger("grammask")
-
-#: the normalized schema as llguidance reads it (compact; a NaN or infinity was refused
-#: when the spec was parsed)
-_SCHEMA_TEXT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 class GuidanceMatcher(BackendMatcher):
@@ -291,7 +288,7 @@ def grammar_text(spec: GrammarSpec, *, lenient: bool) -> str:
                 schema = {}
             # as text: llguidance converts a dict ~3x slower than the C encoder writes it
             return str(llg.LLMatcher.grammar_from_json_schema(
-                _SCHEMA_TEXT.encode(schema), defaults=json_options(spec, lenient=lenient)))
+                jsontext.for_parser(schema), defaults=json_options(spec, lenient=lenient)))
         if spec.kind == "json_object":
             return str(llg.LLMatcher.grammar_from_json_schema(
                 {"type": "object"}, defaults=json_options(spec, lenient=False)))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from .. import jsontext
 from ..diskcache import DiskCache
 from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
 from ..normalize import locate, normalize_schema
@@ -222,8 +223,8 @@ def json_options(spec: GrammarSpec) -> dict[str, Any]:
 
 
 def _schema_text(spec: GrammarSpec) -> str:
-    return json.dumps(normalize_schema(spec.schema, close_objects=False, explicit_free=True,
-                                       escape_nul=True))
+    return jsontext.for_parser(normalize_schema(spec.schema, close_objects=False,
+                                                explicit_free=True, escape_nul=True))
 
 
 def _compile(comp: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:

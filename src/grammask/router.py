@@ -143,6 +143,34 @@ def plan(spec: GrammarSpec, *, prefer: Preference = "auto",
     depends on timing. The first attempt gets the whole budget and waits for its slot, and
     only a refusal or an internal error, which every rank sees alike, moves to the next."""
     features, work = _analysis(spec)
+    key = (tuple(features), work[0], prefer, rank_invariant, spec.strict, spec.backend,
+           spec.kind)
+    backends = registry.backends()
+    known = _PLANS.get(key)
+    if known is not None and known[0] is backends:
+        _, shape, attempts, hedge = known
+        return Plan(replace(shape, reason=shape.reason.replace(_LABEL, _label(work)),
+                            features=features), attempts, hedge)
+    made = _plan(spec, features, work, prefer, rank_invariant)
+    # the same plan for every spec with these feature names and this workload: only the
+    # reason's label (a pointer) and the features' pointers differ, filled in per spec
+    template = _decide(spec, features, prefer, work, label=_LABEL)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = (backends, replace(template, features={}), made.attempts, made.hedge)
+    return made
+
+
+#: decided plans by (feature names, workload, options): (the registry they were made
+#: with, the route with ``_LABEL`` for the workload's label, the attempts, the hedge). The
+#: decision costs ~60 µs on a cold compile's path; a service sees a few dozen shapes.
+_PLANS: dict[tuple[Any, ...], tuple[Any, Route, tuple[Attempt, ...], Attempt | None]] = {}
+_MAX_PLANS = 4096
+_LABEL = "\x00label\x00"
+
+
+def _plan(spec: GrammarSpec, features: dict[str, str], work: tuple[Workload, str | None],
+          prefer: Preference, rank_invariant: bool) -> Plan:
     decision = _decide(spec, features, prefer, work)
     hedge = _hedge(spec, features, decision, work)
     after = NOT_TIMING if rank_invariant else ALL_FAILURES
@@ -290,14 +318,16 @@ def _refuse(spec: GrammarSpec, features: dict[str, str], *, checked: bool) -> No
 
 
 def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference,
-            work: tuple[Workload, str | None]) -> Route:
+            work: tuple[Workload, str | None], label: str | None = None) -> Route:
     """The cheapest backend that enforces every keyword (``prefer`` among those first);
-    when none does, the one that misses fewest (strict specs: refused)."""
+    when none does, the one that misses fewest (strict specs: refused). ``label``: the
+    workload's label in the reason (default: ``_label(work)``)."""
     if spec.backend is not None:
         return _forced(spec, features)
     serving = _serving(work[0])
     if not serving:
         raise UnsupportedError(f"no registered backend serves {_label(work)}", where="kind")
+    label = _label(work) if label is None else label
     gaps = {b.name: _gaps(features, b) for b in serving}
     gapped = "; ".join(f"{b.title} does not enforce {_names(gaps[b.name])}"
                        for b in serving if gaps[b.name])
@@ -308,7 +338,7 @@ def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference,
         if chosen.name == prefer:
             why = f"{chosen.title} preferred by configuration"
         else:
-            why = f"{_label(work)}: {chosen.title} {chosen.costs[work[0]].why}"
+            why = f"{label}: {chosen.title} {chosen.costs[work[0]].why}"
             if runner_up is not None:
                 why += f"; {runner_up.title} {runner_up.costs[work[0]].why}"
         if gapped:

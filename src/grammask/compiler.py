@@ -339,7 +339,8 @@ class Compiler:
     def clear(self, *, trim: bool = True) -> None:
         """Drop every cached grammar, failure and plan (the next request of any spec is cold
         again), and hand the memory back to the OS (``trim``; a benchmark that only wants
-        cold compiles keeps it, as a long-running server's heap does)."""
+        cold compiles keeps it, as a long-running server's heap does). The router's plans
+        by shape stay: they hold nothing of any one spec."""
         with self._lock:
             self._memory.clear()
         if trim:

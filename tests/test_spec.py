@@ -254,7 +254,8 @@ def test_every_option_and_the_text_make_the_key() -> None:
 def test_text_schemas_parse_and_key_as_json_loads_and_dumps_did() -> None:
     """The decoder and the compact encoder are made once; the depth walk is skipped for a
     text with at most 100 brackets. Errors and keys are those of ``json.loads`` / ``dumps``."""
-    from grammask.spec import MAX_NESTING, _compact_json
+    from grammask.jsontext import compact
+    from grammask.spec import MAX_NESTING
 
     for text, fragment in [("\ufeff{}", "BOM"), ('{"a": NaN}', "NaN is not a JSON number"),
                            ('{"a": -Infinity}', "-Infinity is not"), ('{"a": 1} x', "Extra"),
@@ -262,8 +263,8 @@ def test_text_schemas_parse_and_key_as_json_loads_and_dumps_did() -> None:
         with pytest.raises(InvalidSchemaError, match=fragment):
             GrammarSpec.json_schema(text)
     value = {"b": [1, 2.5, "é\u2028"], "a": {"c": None, "d": True}}
-    assert _compact_json(value) == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    assert GrammarSpec.json_schema(json.dumps(value, indent=2)).source == _compact_json(value)
+    assert compact(value) == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    assert GrammarSpec.json_schema(json.dumps(value, indent=2)).source == compact(value)
     # exactly at the bracket bound, and one container deeper: the walk decides
     deep: dict[str, object] = {}
     for _ in range(MAX_NESTING):

@@ -28,20 +28,20 @@ _ASCII = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 def compact(value: Any) -> str:
     """Compact JSON (no spaces, non-ASCII kept as is): a spec's canonical text."""
-    if _orjson is not None:
-        try:
-            return _orjson.dumps(value).decode("utf-8")
-        except TypeError:
-            pass
-    return _COMPACT.encode(value)
+    return _fast(value) or _COMPACT.encode(value)
 
 
 def for_parser(value: Any) -> str:
     """Compact JSON a native parser can always take: valid UTF-8 (a lone surrogate, which
     ``compact`` keeps, is escaped here)."""
-    if _orjson is not None:
-        try:
-            return _orjson.dumps(value).decode("utf-8")
-        except TypeError:
-            pass
-    return _ASCII.encode(value)
+    return _fast(value) or _ASCII.encode(value)
+
+
+def _fast(value: Any) -> str | None:
+    """orjson's text, or None when it is not installed or refuses the value."""
+    if _orjson is None:
+        return None
+    try:
+        return _orjson.dumps(value).decode("utf-8")
+    except TypeError:
+        return None

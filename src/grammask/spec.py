@@ -143,7 +143,7 @@ class GrammarSpec:
     ) -> GrammarSpec:
         parsed = _parse_schema(schema, max_bytes)
         spec = cls(
-            "json_schema", _compact_json(parsed),
+            "json_schema", jsontext.compact(parsed),
             any_whitespace=_check_bool(any_whitespace, "any_whitespace"),
             whitespace_pattern=_check_opt_str(whitespace_pattern, "whitespace_pattern"),
             extra_properties=_check_bool(extra_properties, "extra_properties"),
@@ -245,7 +245,7 @@ class GrammarSpec:
             raise InvalidGrammarError("structural tag must be a JSON object",
                                       where="structural_tag")
         check_structural_tag(parsed)
-        return cls("structural_tag", _compact_json(parsed), backend=backend_name(backend))
+        return cls("structural_tag", jsontext.compact(parsed), backend=backend_name(backend))
 
     # -------------------------------------------------------------------- front ends
     @classmethod
@@ -351,12 +351,6 @@ def canonical_json(value: Any) -> str:
 def detect_syntax(text: str) -> Syntax:
     """GBNF rules use ``::=``; Lark rules use ``:``."""
     return "ebnf" if "::=" in text else "lark"
-
-
-#: ``json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``, made once
-#: (``json.dumps`` with options builds an encoder per call)
-def _compact_json(value: Any) -> str:
-    return jsontext.compact(value)
 
 
 def _digest(text: str) -> str:

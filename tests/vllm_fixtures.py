@@ -175,9 +175,12 @@ def cpu_v2() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def post_update(req_states: Any, slot: int, token: int) -> None:
-    """What V2's Triton ``post_update`` kernel does for one sampled token of one slot."""
+def post_update(req_states: Any, slot: int, *tokens: int) -> None:
+    """What V2's Triton ``post_update`` kernel does for the tokens one slot commits in a step
+    (one sampled token; with drafts, the accepted ones and the bonus token): the new length
+    is stored first, then the tokens, as the kernel does."""
     n = int(req_states.total_len.gpu[slot])
-    req_states.all_token_ids.gpu[slot, n] = token
-    req_states.total_len.gpu[slot] = n + 1
-    req_states.last_sampled_tokens[slot, 0] = token
+    req_states.total_len.gpu[slot] = n + len(tokens)
+    for i, token in enumerate(tokens):
+        req_states.all_token_ids.gpu[slot, n + i] = token
+    req_states.last_sampled_tokens[slot, 0] = tokens[-1]

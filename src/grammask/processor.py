@@ -35,7 +35,9 @@ Row semantics (the contract the vLLM / transformers adapters are written against
   ``wait_s`` (default 0.5 s), hedged onto the other backend after ``hedge_s``. With tensor
   parallelism pass an ``agreement`` (``agreement.py``): ranks then agree on each such outcome.
 - Any mutation (add/remove/move/swap/advance/rollback) after ``step()`` and before
-  ``apply()`` discards that fill; ``apply`` then fills synchronously. ``apply`` without
+  ``apply()`` discards that fill; ``apply`` then fills synchronously. The exception: after
+  ``step(rows)``, ``add``/``remove`` of a row keep the others' fill (the V2 runner admits
+  requests while the last step's fill runs). ``apply`` without
   ``step`` works too (no overlap).
 
 All methods are to be called from one host thread; the worker thread only runs fill jobs.
@@ -162,7 +164,7 @@ class BatchProcessor:
         the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
         Raises only for host mistakes (row out of range, wrong request type)."""
         self._check_row(row)
-        self._jobs.discard()
+        self._jobs.drop(row)
         self._pop(row)
         if request is not None:
             self._rows[row] = self._new_row(request, prompt_ids, output_ids, grammar,
@@ -179,7 +181,9 @@ class BatchProcessor:
             r.fail(message, cause=cause)
 
     def remove(self, row: int) -> None:
-        self._jobs.discard()
+        """Drop the row's request. A pending fill over named rows (``step(rows)``) holds for
+        the others; one over every row is redone in ``apply``."""
+        self._jobs.drop(row)
         self._pop(row)
 
     def move(self, src: int, dst: int) -> None:

@@ -64,6 +64,10 @@ class Step:
     plan: CpuPlan | None = None
     #: some row's read stopped at a placeholder (``Row.take``): ``wait`` reads it again
     late: bool = False
+    #: the rows the host asked for (``step(rows)``); None: every row of the table
+    rows: frozenset[int] | None = None
+    #: rows replaced or removed after the job read them: their masks are not handed out
+    dropped: set[int] | None = None
 
 
 class StepJobs:
@@ -123,7 +127,8 @@ class StepJobs:
             handed = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
             if live_rows:
                 live = next((i for i in order if i in table and not table[i].owned), None)
-        step = Step(None, self.buffers.acquire(), [])
+        step = Step(None, self.buffers.acquire(), [],
+                    rows=frozenset(order) if order is not None else None)
         self._stepped_at = time.perf_counter()
         self._steps += 1
         if table:
@@ -173,6 +178,19 @@ class StepJobs:
         self.settle()
         self.pending = None
 
+    def drop(self, row: int) -> None:
+        """``row`` is removed or replaced: the pending fill holds for the other rows. A job
+        over named rows that does not name ``row`` never touches it; one that does is
+        waited for and ``row``'s mask left out. A job over every row is discarded."""
+        step = self.pending
+        if step is None:
+            return
+        if step.rows is None:
+            self.discard()
+        elif row in step.rows:
+            self.settle()
+            step.dropped = (step.dropped or set()) | {row}
+
     def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor
                        ) -> tuple[StepMasks, LogitsLayout | None]:
         """``wait``, for ``apply`` on ``logits``: also reads their layout (once: the apply
@@ -200,9 +218,13 @@ class StepJobs:
             except BaseException as exc:  # a bug in the job: contain it to this step's rows
                 indices = self._contain(step.work, step.buffer, exc)
             else:
-                if rows is None and not step.late:  # the common case: ``_job`` made them
+                if rows is None and not step.late and not step.dropped:  # the common case
                     return result
                 indices = set(result.rows)
+        dropped = step.dropped or set()
+        if dropped:  # rows the job filled for an occupant that left: not theirs now
+            indices.difference_update(dropped)
+            step.work = [w for w in step.work if w[0] not in dropped]
         late = [(index, r, r.take()) for index, r, _ in step.work if r.late] if step.late else []
         done = {index for index, _, _ in step.work}
         if rows is not None:  # rows the step skipped: read and fill them here
@@ -221,8 +243,10 @@ class StepJobs:
                     indices.discard(index)
                     if self.masks.error(step.buffer, index):
                         indices.add(index)
-        # rows filled here, after the job planned: its plan is stale
-        return StepMasks(step.buffer, sorted(indices), step.plan if not late else None)
+        # rows filled here, after the job planned: its plan is stale (and so when it
+        # covers a dropped row)
+        plan = step.plan if not late and not dropped else None
+        return StepMasks(step.buffer, sorted(indices), plan)
 
     def close(self) -> None:
         self.settle()

@@ -1,4 +1,4 @@
-"""The vLLM internals grammask relies on, in one place, for the lines it supports (0.32, 0.33).
+"""The vLLM internals grammask relies on, in one place, for the lines it supports (0.32-0.34).
 
 Three things are not public API, and each is checked here, not scattered:
 
@@ -9,7 +9,9 @@ Three things are not public API, and each is checked here, not scattered:
   ``vllm_config``.
 - **Runner interfaces**: the V1 runner builds a processor as ``(vllm_config, device,
   is_pin_memory)``, the V2 runner as ``(vllm_config, LogitsProcRequestState)``.
-  ``runner_of`` tells them apart by type, not by argument count.
+  ``runner_of`` tells them apart by type, not by argument count. vLLM 0.34 removed the V1
+  runner and its interface; ``interfaces`` imports whichever exist, and ``unsupported`` says
+  why the plugin must stand aside (a line it was not built for, or an interface missing).
 - **The drop-in's assumptions**: the version line, and exactly the
   ``StructuredOutputsParams`` fields it translates (``mismatch``).
 
@@ -26,7 +28,9 @@ from types import CodeType
 from typing import Any, Literal
 
 #: vLLM lines whose admission flow the drop-in was written against and tested on.
-SUPPORTED_VLLM = ("0.32.", "0.33.")
+SUPPORTED_VLLM = ("0.32.", "0.33.", "0.34.")
+#: The first line without the V1 model runner (and its logits-processor interface).
+V2_ONLY_FROM = (0, 34)
 #: ``StructuredOutputsParams`` fields the drop-in translates; any other field could be a
 #: constraint option grammask would ignore.
 KNOWN_FIELDS = frozenset({"json", "regex", "choice", "grammar", "json_object",
@@ -44,6 +48,47 @@ def vllm_version() -> str:
     except ImportError:  # pragma: no cover - the plugin needs vLLM to load at all
         return ""
     return str(getattr(vllm, "__version__", "?"))
+
+
+def version_tuple(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of a vLLM version string; (0, 0) when it cannot be read."""
+    found = vllm_version() if version is None else version
+    parts = found.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def interfaces() -> tuple[Any, Any]:
+    """vLLM's (V1, V2) logits-processor base classes; None for one this vLLM lacks.
+
+    Never raises: any failure to import one (a module moved, a broken install) is None."""
+    v1: Any = None
+    v2: Any = None
+    try:
+        from vllm.v1.sample.logits_processor import LogitsProcessor as v1
+    except Exception:
+        v1 = None
+    try:
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as v2
+    except Exception:
+        v2 = None
+    return v1, v2
+
+
+def unsupported() -> str:
+    """Empty when the plugin can serve on the installed vLLM; else why it stands aside."""
+    found = vllm_version()
+    if not found.startswith(SUPPORTED_VLLM):
+        return (f"vLLM {found or '(none)'} is not a line grammask supports "
+                f"({', '.join(v + 'x' for v in SUPPORTED_VLLM)})")
+    v1, v2 = interfaces()
+    if v2 is None:
+        return f"vLLM {found} has no V2 logits-processor interface where grammask expects it"
+    if v1 is None and version_tuple(found) < V2_ONLY_FROM:
+        return f"vLLM {found} has no V1 logits-processor interface where grammask expects it"
+    return ""
 
 
 def mismatch() -> str:
@@ -101,8 +146,11 @@ def admission_config() -> Any:
 
 def _speculative_on_v1(config: Any) -> bool:
     """vLLM's V1 runner drops entry-point logits processors when speculative decoding is
-    on (without a word), so a grammask request there would be served unconstrained."""
+    on (without a word), so a grammask request there would be served unconstrained. From
+    0.34 there is only the V2 runner, whose processors stay active under drafts."""
     if config is None or not getattr(config, "speculative_config", None):
+        return False
+    if version_tuple() >= V2_ONLY_FROM:
         return False
     return not bool(getattr(config, "use_v2_model_runner", False))
 

@@ -1,82 +1,101 @@
-"""The vLLM plugin: ``GrammaskLogitsProcessor``, one class for both model runners.
+"""The vLLM plugin: ``GrammaskLogitsProcessor``, the class the ``vllm.logits_processors`` entry
+point names. Importing this module never raises, on any vLLM.
 
-vLLM loads every ``vllm.logits_processors`` entry point into whichever runner it starts, so
-the class implements both interfaces and dispatches on the constructor's argument types
-(``vllm_compat.runner_of``):
-``(vllm_config, device, is_pin_memory)`` is the V1 runner (``vllm_v1_batch.V1Batch``),
-``(vllm_config, req_states)`` the V2 runner (``vllm_v2.V2Batch``). It holds no logic of its
-own: the adapters map vLLM's batch bookkeeping onto ``BatchProcessor`` rows.
+- **A supported vLLM** (``vllm_compat.SUPPORTED_VLLM``): the class subclasses every
+  logits-processor interface that vLLM has (0.32/0.33: V1 and V2; 0.34: V2 only, the V1
+  runner is gone) and dispatches on the constructor's argument types
+  (``vllm_compat.runner_of``): ``(vllm_config, device, is_pin_memory)`` is the V1 runner
+  (``vllm_v1_batch.V1Batch``), ``(vllm_config, req_states)`` the V2 runner
+  (``vllm_v2.V2Batch``). It holds no logic of its own.
+- **Any other vLLM** (a newer line, a moved module, a broken import of grammask's own): the
+  class is ``StandAside``, built on whichever interfaces vLLM has so that its loader accepts
+  it. It masks nothing, leaves vLLM's structured outputs to vLLM's engine, refuses requests
+  that carry grammask's own keys with a 400 (they would otherwise run unconstrained without
+  a word), and logs one line at start-up saying why.
 """
 
 from __future__ import annotations
 
+import logging
+import types
 from typing import Any
 
-import torch
-from vllm.v1.sample.logits_processor import BatchUpdate
-from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
-from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
-from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
+from .vllm_compat import interfaces, unsupported, vllm_version
 
-from .vllm_common import FQCN, PluginCore, validate_sampling_params
-from .vllm_compat import runner_of
-from .vllm_v1_batch import V1Batch
-from .vllm_v2 import V2Batch
+__all__ = ["FQCN", "STAND_ASIDE_REASON", "GrammaskLogitsProcessor", "StandAside"]
 
-__all__ = ["FQCN", "GrammaskLogitsProcessor"]
+log = logging.getLogger("grammask")
+
+#: The class vLLM loads (entry point and ``--logits-processors``).
+FQCN = "grammask.integrations.vllm_plugin:GrammaskLogitsProcessor"
+
+_V1, _V2 = interfaces()
 
 
-class GrammaskLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
-    """Grammar masks for requests whose ``extra_args`` carry a ``grammask`` constraint.
+def _bases() -> tuple[type, ...]:
+    """vLLM's interfaces this vLLM has: its loader checks ``issubclass`` against them."""
+    found = tuple(b for b in (_V1, _V2) if isinstance(b, type))
+    return found or (object,)
 
-    Register it once: installed, it is an entry point (both runners load it); on the V1
-    runner with async scheduling also pass ``--logits-processors`` with ``FQCN`` (the second
-    instance this makes stays inert). Requests without grammask keys are untouched.
-    """
 
-    def __init__(self, vllm_config: Any, *args: Any) -> None:
-        self._v1: V1Batch | None = None
-        self._v2: V2Batch | None = None
-        if runner_of(args) == "v1":  # (device, is_pin_memory)
-            self._v1 = V1Batch(vllm_config)
-        else:  # (LogitsProcRequestState,)
-            self._v2 = V2Batch(vllm_config, args[0])
+class _StandAsideMixin:
+    """Masks nothing; grammask's own keys get a 400; vLLM's structured outputs stay vLLM's."""
+
+    reason = ""
+
+    def __init__(self, vllm_config: Any = None, *args: Any) -> None:
+        pass
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
-        validate_sampling_params(sampling_params)
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        if any(isinstance(k, str) and k.startswith("grammask")
+               and k != "grammask_structured_outputs" for k in extra):
+            raise ValueError(f"grammask is installed but stands aside on this server: "
+                             f"{cls.reason}. Send the constraint as vLLM's structured "
+                             "outputs (response_format, structured_outputs) instead")
 
-    @property
-    def core(self) -> PluginCore:
-        batch = self._v1 if self._v1 is not None else self._v2
-        assert batch is not None
-        return batch.core
-
-    # ------------------------------------------------------------------ V1 interface
     def is_argmax_invariant(self) -> bool:
-        return False  # masks change the argmax; True would skip us for greedy batches
+        return True
 
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        assert self._v1 is not None, "update_state is a V1-runner hook"
-        self._v1.update_state(batch_update)
+    def update_state(self, batch_update: Any) -> None:
+        pass
 
-    # ------------------------------------------------------------------ V2 interface
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
-        assert self._v2 is not None, "add_request is a V2-runner hook"
-        return self._v2.add_request(req_idx, sampling_params)
+        return False
 
     def apply_staged_writes(self) -> None:
-        assert self._v2 is not None, "apply_staged_writes is a V2-runner hook"
-        self._v2.apply_staged_writes()
+        pass
 
-    # ------------------------------------------------------------------------- both
-    def apply(self, logits: torch.Tensor, ctx: LogitsContext | None = None) -> torch.Tensor:
-        if ctx is None:
-            assert self._v1 is not None, "the V2 runner passes a LogitsContext"
-            return self._v1.apply(logits)
-        assert self._v2 is not None, "the V1 runner passes no LogitsContext"
-        return self._v2.apply(logits, ctx)
+    def apply(self, logits: Any, ctx: Any = None) -> Any:
+        return logits
 
     def close(self) -> None:
-        """Stop the fill thread (vLLM never calls this; tests and embedders may)."""
-        self.core.close()
+        pass
+
+
+StandAside: type = types.new_class(
+    "StandAside", (_StandAsideMixin, *_bases()),
+    exec_body=lambda ns: ns.update(__doc__=_StandAsideMixin.__doc__, __module__=__name__))
+
+
+def _real_class() -> type:
+    """The serving class (imports grammask's engine; may raise on a broken install)."""
+    from .vllm_served import served_class
+
+    return served_class(_V1, _V2)
+
+
+STAND_ASIDE_REASON = ""
+try:
+    STAND_ASIDE_REASON = unsupported()
+    GrammaskLogitsProcessor: Any = None if STAND_ASIDE_REASON else _real_class()
+except Exception as exc:  # a broken import must not stop vLLM's server from starting
+    STAND_ASIDE_REASON = f"loading grammask's plugin failed ({type(exc).__name__}: {exc})"
+    GrammaskLogitsProcessor = None
+if GrammaskLogitsProcessor is None:
+    StandAside.reason = STAND_ASIDE_REASON  # type: ignore[attr-defined]
+    GrammaskLogitsProcessor = StandAside
+    log.warning("grammask stands aside on vLLM %s: %s. vLLM's own engine serves structured "
+                "outputs; requests with grammask's own keys are refused (400).",
+                vllm_version() or "(none)", STAND_ASIDE_REASON)

@@ -3,35 +3,43 @@
 V2 hands a processor per-*slot* state (slots are recycled with no removal hook) and a
 ``LogitsContext`` per step whose rows are in batch order. Committed tokens live on the
 device (``req_states.all_token_ids`` up to ``total_len``), so getting them to the CPU
-matchers is the adapter's job, done without stalling the GPU:
+matchers is the adapter's job, done without stalling the GPU. vLLM 0.34 calls
+``apply_staged_writes`` only on steps that admit requests, so the only hook of every step is
+``apply``; the adapter therefore works from ``apply`` to ``apply``:
 
-1. ``add_request(slot, params)``: reset the slot, parse, start the compile; True for ours.
-2. ``apply_staged_writes()`` (before the forward, after the runner's post-update of the
-   previous step was enqueued): gather each tracked slot's ``total_len`` and the token after
-   the last one we read, plus a new slot's prompt / resumed output, into pinned host
-   buffers with non-blocking copies and record a CUDA event. A helper thread waits for the
-   event, appends the tokens to the slots' live lists and starts the processor's fill, so
-   the copy and the fill both overlap the forward. (On CPU the copies are plain copies.)
-3. ``apply(logits, ctx)``: join the helper; the processor waits for the fill and masks the
-   logits rows of the sampling slots (it maps slots to batch rows: ``apply_mapped``). Rows
-   of unconstrained slots and chunked-prefill rows
-   (their sample is discarded) are left alone.
+1. ``add_request(slot, params)``: parse, start the compile, note the slot; True for ours
+   (0.34: ``may_mask_logits``). The processor is not touched: the previous step's token
+   watch may be running, and the slot's old occupant leaves the processor in ``apply``.
+2. ``apply_staged_writes()`` (admission steps, before the forward): start non-blocking
+   copies of a new slot's prompt / resumed output to the host.
+3. ``apply(logits, ctx)``: join the token watch, admit the new slots, mask the logits rows
+   of the sampling slots (the processor maps slots to batch rows: ``apply_mapped``), then
+   start the *token watch* for the slots that sample now: a helper thread polls the device's
+   ``total_len`` of those slots until the runner's ``post_update`` has appended this step's
+   tokens, reads them (a second read, after the first saw the new lengths: ``post_update``
+   stores the length before the tokens), appends them to the slots' live lists and starts
+   the processor's fill. So the read and the fill overlap the next forward. A watch that
+   cannot finish (no next step yet, a failure) is redone in the next ``apply``, reading with
+   stream order (after every queued kernel), which is always right, only not overlapped.
 
-Which rows are filled: the helper's fill covers the slots that sampled in the previous step
-(decode rows); a row sampling for the first time (its final prefill chunk) or one the guess
-missed is filled in ``apply`` once the context says it samples. So a finished request's slot
-is filled at most once more, a long compile never stalls a chunked prefill, and the set of
-rows whose first mask is decided is the same on every tensor-parallel rank.
+Rows of unconstrained slots and chunked-prefill rows (their sample is discarded) are left
+alone. A row sampling for the first time (its final prefill chunk) is filled in ``apply``.
 A resumed request (``prefill_len > prompt_len``) replays its earlier output.
 Speculative decoding: a request owns one logits row per draft position plus the bonus row;
-the processor fills them along the drafts (``BatchProcessor.apply_drafts``).
+the processor fills them along the drafts (``BatchProcessor.apply_drafts``); vLLM 0.34 keeps
+logits processors active under drafts, and its rejection sampler reads ``add_request``'s
+answer to keep masked vocabulary blocks.
 Nothing here raises into vLLM's step: a failure of the helper fails the slots it served.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +55,15 @@ from .vllm_common import PluginCore, host_masks
 log = logging.getLogger("grammask")
 
 
+#: The longest a token watch polls for a step's tokens (a step this long is not a decode step:
+#: the next ``apply`` reads them in stream order instead).
+WATCH_S = 5.0
+#: Pause between two polls of the device's lengths (the poll itself is a tiny gather), first
+#: and at most: it doubles while nothing lands, so a waiting watch leaves the GIL to the
+#: runner's thread.
+POLL_S = 50e-6
+POLL_MAX_S = 1e-3
+
 
 @dataclass
 class _Slot:
@@ -58,6 +75,7 @@ class _Slot:
     output: list[int] = field(default_factory=list)  # the processor's live list
     prompt: list[int] = field(default_factory=list)
     fetched: bool = False  # prompt / resumed output copied to the host
+    fetch: tuple[Any, torch.Tensor] | None = None  # (event, host copy) started before forward
     known: int = 0  # committed positions already appended to ``output`` (or placeholders)
     added: bool = False  # in the processor
     missing: tuple[int, int] | None = None  # positions left as placeholders (slow path)
@@ -66,14 +84,12 @@ class _Slot:
 
 
 @dataclass
-class _Transfer:
-    """One step's device-to-host copies; read by the helper after ``event``."""
+class _Watch:
+    """One step's token watch: the slots that sampled, and whether their tokens were read."""
 
-    event: Any
-    fetches: list[tuple[int, torch.Tensor]]
-    slots: list[int]
-    total: torch.Tensor
-    tokens: torch.Tensor
+    items: list[tuple[int, _Slot]]
+    future: Future[bool] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 class V2Batch:
@@ -92,37 +108,31 @@ class V2Batch:
         self.device: torch.device = req_states.device
         self._cuda = self.device.type == "cuda"
         self._slots: dict[int, _Slot] = {}
+        self._leaving: set[int] = set()  # slots whose old occupant leaves the processor
         self._tracked = np.zeros(n, dtype=bool)
         self._prefill = np.zeros(n, dtype=np.int64)
         self._helper: ThreadPoolExecutor | None = None
-        self._handoff: Future[None] | None = None
-        self._live: set[int] = set()  # slots that sampled last step: this step's fill
+        self._watch: _Watch | None = None
         pin = self._cuda
         with normal_tensors():
-            self._index_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-            self._known_host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
             self._total_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
             self._tokens_host = torch.zeros(n, self._window, dtype=torch.int32,
                                             pin_memory=pin)
-        self._event: Any = None
-        if not self.core.active:
-            return
-        if self._cuda:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._stream: Any = None
+        if self.core.active and self._cuda:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ runner hooks
     def add_request(self, slot: int, sampling_params: Any) -> bool:
-        """Reset the (recycled) slot; True when the request is constrained."""
+        """Reset the (recycled) slot; True when the request is constrained. Never touches
+        the processor (a token watch may be running): ``apply`` removes the old occupant."""
         core = self.core
         if not core.active:
             return False
-        self._sync()
         if slot in self._slots:
             del self._slots[slot]
             self._tracked[slot] = False
-            proc = core.proc_or_none
-            if proc is not None:
-                proc.remove(slot)
+            self._leaving.add(slot)
         prompt_len = int(self.rs.prompt_len.np[slot])
         prefill_len = int(self.rs.prefill_len.np[slot])
         # a preempted request comes back with its output to prefill again
@@ -138,38 +148,49 @@ class V2Batch:
         return True
 
     def apply_staged_writes(self) -> None:
-        """Start this step's token copies and, once they land, the fill (helper thread)."""
+        """Admission steps (every step before vLLM 0.34): start copying new slots' prompts
+        and resumed outputs to the host, so ``apply`` need not wait for them."""
         if not self.core.active:
             return
-        self._sync()
-        if not self._slots:
-            return
-        transfer = self._start_copies()
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammask-v2-tokens")
-        self._handoff = self._helper.submit(self._receive, transfer)
+        all_ids = self.rs.all_token_ids.gpu
+        for slot, st in self._slots.items():
+            if st.fetched or st.fetch is not None:
+                continue
+            lo = 0 if st.wants_prompt else st.prompt_len
+            host = torch.empty(st.prefill_len - lo, dtype=all_ids.dtype, pin_memory=self._cuda)
+            host.copy_(all_ids[slot, lo:st.prefill_len], non_blocking=self._cuda)
+            event = None
+            if self._cuda:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            st.fetch = (event, host)
 
     def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
         core = self.core
-        if not core.active or not self._slots:
+        if not core.active or not (self._slots or self._leaving):
             return logits
         self._sync()
+        if self._leaving:
+            proc = core.proc_or_none
+            if proc is not None:
+                for slot in self._leaving:  # before the new occupant joins (``_prepare``)
+                    proc.remove(slot)
+            self._leaving.clear()
         slots_np = np.asarray(ctx.idx_mapping_np)
         tracked = (slots_np >= 0) & self._tracked[np.maximum(slots_np, 0)]
         if not tracked.any():
-            self._live = set()
             return logits
         # the final prefill chunk and decode rows sample; earlier chunks' samples are dropped
         seq = np.asarray(ctx.seq_lens_upper_bound_np)
         rows = np.flatnonzero(tracked & (seq >= self._prefill[slots_np]))
-        slots = [int(s) for s in slots_np[rows]]
-        self._live = set(slots)
         if rows.size == 0:
             return logits
+        slots: list[int] = slots_np[rows].tolist()
         try:
             if logits.shape[0] == slots_np.shape[0] and not self.num_spec:
-                return self._mask(logits, rows, slots)
-            return self._mask_drafts(logits, ctx, slots)
+                self._prepare(slots).apply_mapped(logits, rows.tolist(), slots)
+            else:
+                self._mask_drafts(logits, ctx, slots)
         except Exception as exc:  # a bug of ours: these rows end, vLLM's step goes on
             log.exception("grammask: masking failed; its rows get stop-only masks")
             for slot in slots:
@@ -178,6 +199,8 @@ class V2Batch:
             _stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
                        core.compiler.vocab.stop_ids if core.compiler is not None else ())
             return logits
+        self._start_watch(slots)
+        return logits
 
     def _prepare(self, slots: list[int]) -> BatchProcessor:
         """Placeholders resolved and every sampling slot in the processor."""
@@ -191,12 +214,7 @@ class V2Batch:
                 self._join(slot, st)
         return proc
 
-    def _mask(self, logits: torch.Tensor, rows: np.ndarray, slots: list[int]) -> torch.Tensor:
-        """One logits row per request: the processor maps slots to batch rows."""
-        self._prepare(slots).apply_mapped(logits, rows.tolist(), slots)
-        return logits
-
-    def _mask_drafts(self, logits: torch.Tensor, ctx: Any, slots: list[int]) -> torch.Tensor:
+    def _mask_drafts(self, logits: torch.Tensor, ctx: Any, slots: list[int]) -> None:
         """Speculative decoding: a request owns one logits row per draft token plus the
         bonus row (``expanded_local_pos`` 0..n); row k's mask follows the first k drafts,
         which are this step's ``input_ids`` of rows 1..k (row 0's input is committed)."""
@@ -205,24 +223,109 @@ class V2Batch:
         rows = [int(s) if int(s) in sampling else -1 for s in expanded.tolist()]
         self._prepare(slots).apply_drafts(logits, rows, _host(ctx.expanded_local_pos).tolist(),
                                           _host(ctx.input_ids).tolist())
-        return logits
+
+    # ------------------------------------------------------------------ the token watch
+    def _start_watch(self, slots: list[int]) -> None:
+        """After this step's masks: read the tokens it commits as soon as they land."""
+        items = [(slot, self._slots[slot]) for slot in slots]
+        watch = _Watch(items)
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammask-v2-tokens")
+        watch.future = self._helper.submit(self._read_step, watch, True)
+        self._watch = watch
+
+    def _sync(self) -> None:
+        """The last step's tokens read and its fill started (here, in stream order, when
+        the watch could not). Never raises: a slot whose tokens cannot be read fails
+        (stop-only) instead of being masked from a wrong state."""
+        watch, self._watch = self._watch, None
+        if watch is None:
+            return
+        assert watch.future is not None
+        watch.cancel.set()  # the runner is here: whatever is queued now is in stream order
+        try:
+            done = watch.future.result()
+        except Exception:
+            log.exception("grammask: watching this step's tokens failed; reading them now")
+            done = False
+        if done:
+            return
+        try:
+            self._read_step(watch, False)
+        except Exception as exc:
+            log.exception("grammask: reading this step's tokens failed")
+            for slot, _ in watch.items:
+                self._fail_slot(slot, f"reading tokens failed: {type(exc).__name__}: {exc}")
+
+    def _read_step(self, watch: _Watch, poll: bool) -> bool:
+        """Append the step's committed tokens to the watched slots' lists and start the
+        fill. ``poll`` (helper thread): wait, off stream order, until every slot's length
+        grew, then read again; False when that did not happen within ``WATCH_S``. Without
+        ``poll`` (the host thread): one read ordered after every kernel queued so far."""
+        items = [(slot, st) for slot, st in watch.items if st.failed is None]
+        if not items:
+            return True
+        n = len(items)
+        known = [st.known for _, st in items]
+        index = torch.tensor([slot for slot, _ in items], dtype=torch.int64)
+        start = torch.tensor(known, dtype=torch.int64)
+        stream = self._stream
+        if stream is not None:
+            if not poll:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                index = index.pin_memory().to(self.device, non_blocking=True)
+                start = start.pin_memory().to(self.device, non_blocking=True)
+        if poll:  # off stream order: the lengths grow before the tokens land
+            deadline = time.monotonic() + WATCH_S
+            seen: tuple[list[int], list[list[int]]] | None = None
+            pause = POLL_S
+            while True:
+                read = self._gather(index, start, n)
+                if seen == read:  # two reads alike after every length grew: settled
+                    break
+                grown = all(t > k for t, k in zip(read[0], known, strict=True))
+                seen = read if grown else None
+                if watch.cancel.is_set() or time.monotonic() > deadline:
+                    return False
+                time.sleep(POLL_S if grown else pause)
+                pause = min(2 * pause, POLL_MAX_S)
+            totals, tokens = read
+        else:
+            totals, tokens = self._gather(index, start, n)
+        for i, (_, st) in enumerate(items):
+            new = totals[i] - st.known
+            if new <= 0:
+                continue
+            take = min(new, self._window)
+            st.output.extend(tokens[i][:take])
+            if new > take:  # more than a step's worth: placeholders, read in apply()
+                st.output.extend([-1] * (new - take))
+                lo = st.known + take if st.missing is None else st.missing[0]
+                st.missing = (lo, st.known + new)
+            st.known += new
+        self.core.processor().step([slot for slot, _ in items])
+        return True
+
+    def _gather(self, index: torch.Tensor, start: torch.Tensor, n: int
+                ) -> tuple[list[int], list[list[int]]]:
+        """(lengths, the ``window`` tokens from ``start``) of the slots ``index``, on the
+        host (on the watch's own stream on CUDA, so the forward's stream is not held)."""
+        all_ids = self.rs.all_token_ids.gpu
+        total_len = self.rs.total_len.gpu
+        stream = self._stream
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            columns = (start.unsqueeze(1) + torch.arange(self._window, device=start.device)
+                       ).clamp_(max=all_ids.shape[1] - 1)
+            self._total_host[:n].copy_(total_len.index_select(0, index),
+                                       non_blocking=self._cuda)
+            self._tokens_host[:n].copy_(all_ids[index.unsqueeze(1), columns],
+                                        non_blocking=self._cuda)
+            if stream is not None:
+                stream.synchronize()
+        return self._total_host[:n].tolist(), self._tokens_host[:n].tolist()
 
     # ------------------------------------------------------------------ internals
-    def _sync(self) -> None:
-        """Join the helper's job: the processor is the host thread's again.
-
-        Never raises: a failed helper leaves the slots' token lists unknown, so each slot
-        it served fails (stop-only) instead of being masked from a wrong state."""
-        if self._handoff is not None:
-            handoff, self._handoff = self._handoff, None
-            try:
-                handoff.result()
-            except Exception as exc:
-                log.exception("grammask: reading this step's tokens failed")
-                for slot in list(self._slots):
-                    self._fail_slot(slot, f"reading tokens failed: {type(exc).__name__}: "
-                                          f"{exc}")
-
     def _fail_slot(self, slot: int, message: str) -> None:
         st = self._slots.get(slot)
         if st is None or st.failed is not None:
@@ -232,76 +335,10 @@ class V2Batch:
         if st.added and proc is not None:
             proc.fail(slot, message)
 
-    def _start_copies(self) -> _Transfer:
-        """Enqueue this step's gathers and device-to-host copies (no host wait on CUDA)."""
-        all_ids = self.rs.all_token_ids.gpu
-        max_len = all_ids.shape[1]
-        fetches: list[tuple[int, torch.Tensor]] = []
-        for slot, st in self._slots.items():
-            if not st.fetched:
-                lo = 0 if st.wants_prompt else st.prompt_len
-                host = torch.empty(st.prefill_len - lo, dtype=all_ids.dtype,
-                                   pin_memory=self._cuda)
-                host.copy_(all_ids[slot, lo:st.prefill_len], non_blocking=self._cuda)
-                fetches.append((slot, host))
-        slots = [s for s, st in self._slots.items() if st.fetched]
-        n = len(slots)
-        if n:
-            self._index_host[:n] = torch.tensor(slots)
-            self._known_host[:n] = torch.tensor([self._slots[s].known for s in slots])
-            index = self._index_host[:n].to(self.device, non_blocking=self._cuda)
-            known = self._known_host[:n].to(self.device, non_blocking=self._cuda)
-            columns = (known.unsqueeze(1) + torch.arange(self._window, device=self.device)
-                       ).clamp_(max=max_len - 1)
-            self._total_host[:n].copy_(self.rs.total_len.gpu.index_select(0, index),
-                                       non_blocking=self._cuda)
-            self._tokens_host[:n].copy_(all_ids[index.unsqueeze(1), columns],
-                                        non_blocking=self._cuda)
-        if self._event is not None:
-            self._event.record()
-        return _Transfer(self._event, fetches, slots, self._total_host[:n],
-                         self._tokens_host[:n])
-
-    def _receive(self, transfer: _Transfer) -> None:
-        """Helper thread: wait for the copies, extend the live lists, start the fill."""
-        if transfer.event is not None:
-            transfer.event.synchronize()
-        for slot, host in transfer.fetches:
-            st = self._slots[slot]
-            ids = host.tolist()
-            if st.wants_prompt:
-                st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
-            else:
-                replay = ids
-            st.output.extend(replay)  # a resumed request's earlier output
-            st.known = st.prefill_len
-            st.fetched = True
-        totals = transfer.total.tolist()
-        tokens = transfer.tokens.tolist()
-        for i, slot in enumerate(transfer.slots):
-            st = self._slots[slot]
-            new = int(totals[i]) - st.known
-            if new <= 0:
-                continue
-            take = min(new, self._window)
-            st.output.extend(int(t) for t in tokens[i][:take])
-            if new > take:  # more than a step's worth: placeholders, read in apply()
-                st.output.extend([-1] * (new - take))
-                lo = st.known + take if st.missing is None else st.missing[0]
-                st.missing = (lo, st.known + new)
-            st.known += new
-        proc = self.core.processor()
-        for slot, st in self._slots.items():
-            if not st.added and st.fetched:
-                self._join(slot, st)
-        live = [slot for slot in self._live if slot in self._slots]
-        if live:
-            proc.step(live)
-
     def _join(self, slot: int, st: _Slot) -> None:
         """Put the slot in the processor (its live list replays what it holds)."""
-        if not st.fetched:  # needed before any copy ran (no apply_staged_writes yet)
-            self._fetch_now(slot, st)
+        if not st.fetched:
+            self._fetch(slot, st)
         proc = self.core.processor()
         proc.add(slot, st.request, st.prompt, st.output, grammar=st.grammar,
                  host_masks=st.host_masks)
@@ -309,9 +346,18 @@ class V2Batch:
         if st.failed is not None:
             proc.fail(slot, st.failed)
 
-    def _fetch_now(self, slot: int, st: _Slot) -> None:
-        lo = 0 if st.wants_prompt else st.prompt_len
-        ids = self.rs.all_token_ids.gpu[slot, lo:st.prefill_len].tolist()
+    def _fetch(self, slot: int, st: _Slot) -> None:
+        """The prompt (thinking gate) and resumed output: from the copy started before the
+        forward, or read now."""
+        if st.fetch is not None:
+            event, host = st.fetch
+            if event is not None:
+                event.synchronize()
+            ids = host.tolist()
+            st.fetch = None
+        else:
+            lo = 0 if st.wants_prompt else st.prompt_len
+            ids = self.rs.all_token_ids.gpu[slot, lo:st.prefill_len].tolist()
         if st.wants_prompt:
             st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
         else:
@@ -328,6 +374,11 @@ class V2Batch:
         start = len(st.output) - (st.known - lo)
         st.output[start:start + len(ids)] = [int(t) for t in ids]
         st.missing = None
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _stop_only(logits: torch.Tensor, rows: list[int], stop_ids: tuple[int, ...] | list[int]

@@ -24,6 +24,7 @@ from .vllm_compat import _speculative_on_v1, admission_config
 from .vllm_compiler import use_vllm_logging
 from .vllm_dropin import OPT_OUT_KEY, DropIn, field_of, log_status, status, take_over
 from .vllm_settings import Settings, describe_settings, load_settings
+from .vllm_tools import forced_tool_tag, request_tools
 
 log = logging.getLogger("grammask")
 
@@ -121,6 +122,32 @@ def _opt_out(sampling_params: Any, so: Any) -> None:
                                   "grammask constraint", parameter=OPT_OUT_KEY)
 
 
+def _forced_tool_tag(so: Any, drop: DropIn, settings: Settings) -> str | None:
+    """A forced tool call's tag with each tool's ``parameters`` (``vllm_tools``), or None
+    (not a forced call, setting ``tool_arguments=vllm``). A bad schema: a 400 naming the
+    tool (``tools[i].function.parameters``)."""
+    tag = getattr(so, "structural_tag", None)
+    if not drop.tool_parameters or not isinstance(tag, str) or '"json_schema": true' not in tag:
+        return None
+    tools = request_tools(tag)
+    if not tools:
+        return None
+    from vllm.exceptions import VLLMValidationError
+
+    def check(text: str) -> None:
+        obj: dict[str, Any] = {"structural_tag": text}
+        if drop.backend is not None:
+            obj["backend"] = drop.backend
+        _checked(json.dumps({EXTRA_ARGS_KEY: json.dumps(obj, ensure_ascii=False)}),
+                 settings.backend, settings.prefer)
+
+    try:
+        return forced_tool_tag(tag, tools, check)
+    except GrammarError as exc:
+        raise VLLMValidationError(f"grammask: {exc.message}",
+                                  parameter=exc.where or "tools") from None
+
+
 _DROPIN: dict[tuple[int, Settings], tuple[Any, DropIn]] = {}
 _DROPIN_LOCK = threading.Lock()
 
@@ -151,9 +178,10 @@ def validate_sampling_params(sampling_params: Any) -> None:
         drop = dropin_for(config, settings)
         if not drop.on:
             return  # vLLM's engine serves it; the start-up log said why
+        tag = _forced_tool_tag(so, drop, settings)
         kind = "structured_outputs"
         try:
-            kind = field_of(take_over(sampling_params, drop))
+            kind = field_of(take_over(sampling_params, drop, tag))
             _checked(_request_key(sampling_params.extra_args) or "", settings.backend,
                      settings.prefer)
         except GrammarError as exc:

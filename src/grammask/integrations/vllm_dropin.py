@@ -55,6 +55,7 @@ class DropIn:
     thinking: bool = False  # a reasoning parser gates the masks (and not enable_in_reasoning)
     think_end: str | None = None  # the parser's end-of-reasoning text (``</think>``)
     compact_json: bool = True
+    tool_parameters: bool = True  # forced tool calls follow each tool's parameters
 
 
 def status(vllm_config: Any, settings: Settings) -> DropIn:
@@ -92,9 +93,12 @@ def status(vllm_config: Any, settings: Settings) -> DropIn:
     gate = (f"masks after {think_end!r}, where reasoning parser {parser} ends reasoning"
             if thinking else "masks from the first token")
     spaces = "compact" if compact else "any"
-    how = f"backend {backend or 'auto'}, {gate}, JSON whitespace {spaces}"
+    tools = settings.tool_arguments == "parameters"
+    how = (f"backend {backend or 'auto'}, {gate}, JSON whitespace {spaces}, forced tool "
+           f"calls' arguments {'follow parameters' if tools else 'as vLLM builds them'}")
     return DropIn(True, f"grammask serves vLLM's structured outputs ({how})", backend=backend,
-                  thinking=thinking, think_end=think_end, compact_json=compact)
+                  thinking=thinking, think_end=think_end, compact_json=compact,
+                  tool_parameters=tools)
 
 
 def reasoning_end(vllm_config: Any, parser: str) -> tuple[str | None, str]:
@@ -112,14 +116,15 @@ def reasoning_end(vllm_config: Any, parser: str) -> tuple[str | None, str]:
     return end, ""
 
 
-def translate(so: Any, drop: DropIn) -> dict[str, Any]:
-    """The grammask object (a vLLM ``structured_outputs`` dict) for one request."""
+def translate(so: Any, drop: DropIn, tag: str | None = None) -> dict[str, Any]:
+    """The grammask object (a vLLM ``structured_outputs`` dict) for one request; ``tag``
+    replaces its structural tag (``vllm_tools.forced_tool_tag``)."""
     given = [k for k in KINDS if getattr(so, k, None) not in (None, False)]
     if len(given) != 1:
         raise GrammarError(f"structured outputs need exactly one of {', '.join(KINDS)}, "
                            f"got {given or 'none'}", where="structured_outputs")
     kind = given[0]
-    value = getattr(so, kind)
+    value = tag if kind == "structural_tag" and tag is not None else getattr(so, kind)
     if kind == "json" and isinstance(value, str):
         try:
             value = json.loads(value)
@@ -176,11 +181,11 @@ def bounded_whitespace(tag: Any) -> Any:
     return json.dumps(bounded, ensure_ascii=False) if isinstance(tag, str) else bounded
 
 
-def take_over(sampling_params: Any, drop: DropIn) -> str:
+def take_over(sampling_params: Any, drop: DropIn, tag: str | None = None) -> str:
     """Move the request's structured outputs under ``extra_args`` (vLLM's engine skips it);
     returns the kind. Raises ``GrammarError`` naming the field for a malformed one."""
     so = sampling_params.structured_outputs
-    obj = translate(so, drop)
+    obj = translate(so, drop, tag)
     kind = next(iter(obj))
     extra = dict(sampling_params.extra_args or {})
     extra[EXTRA_ARGS_KEY] = json.dumps(obj, ensure_ascii=False)

@@ -25,6 +25,7 @@ class Settings:
     enabled: bool = True
     structured_outputs: str = "grammask"
     json_whitespace: str = "compact"
+    tool_arguments: str = "parameters"
     backend: str = "auto"
     prefer: str = "auto"
     cache_mb: int = 512
@@ -140,6 +141,10 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "json_whitespace": (_word("compact", "any"), "JSON whitespace of those requests when "
                         "they set no whitespace option: compact (no whitespace between "
                         "tokens, so a weak model cannot run to max_tokens on it) or any"),
+    "tool_arguments": (_word("parameters", "vllm"), "arguments of forced tool calls "
+                       "(tool_choice required or named): parameters (each tool's parameters "
+                       "schema, strict or not, and at most 16 calls) or vllm (vLLM's tag: "
+                       "any JSON unless the tool is strict)"),
     "backend": (_backend, "backend for requests that do not name one (auto: per-request "
                 "routing; else a registered backend: `grammask backends`)"),
     "prefer": (_backend, "tie-break when several backends enforce a schema"),

@@ -1,12 +1,17 @@
-"""Stress benchmark of the compile service: latency under bad and slow specs, and memory.
+"""Stress benchmark of the compile service: deadlines, latency under bad and slow specs, and memory.
 
-Two measurements (``python -m bench.stress``; ``--quick`` for a short run):
+Three measurements (``python -m bench.stress``; ``--quick`` for a short run):
 
-1. **latency**: ``--threads`` threads (200) send a mix of good, bad (invalid) and slow
+1. **deadlines**: each spec of a hostile set (huge choices and enums, deep nesting, 10,000
+   properties, nested oneOf, pathological regexes, a huge Lark grammar; some forced onto one
+   backend) compiled by a fresh ``Compiler(timeout_s=--deadline)`` in a process of its own,
+   on each path (``compile``, ``compile_async``, warm-up): how long the caller was held
+   against its budget (the bound: 1.1x), and the outcome.
+2. **latency**: ``--threads`` threads (200) send a mix of good, bad (invalid) and slow
    (pathological for xgrammar) specs to one ``Compiler``; the good requests' p50/p99 latency is
    compared with a run that sends only the good ones (ratio printed). Slow specs must not
    starve good requests, and no request may outlive ``timeout_s`` by much.
-2. **memory**: ``--schemas`` corpus schemas (3,000) compiled through a Compiler with a
+3. **memory**: ``--schemas`` corpus schemas (3,000) compiled through a Compiler with a
    ``--cache-mib`` limit (64): RSS against the cache's byte count as it fills and evicts, and
    after ``clear()``. Before it, a calibration: per backend, RSS growth per cached grammar
    against ``Grammar.memory_bytes`` (the estimate the cache is bounded by).
@@ -25,17 +30,35 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.paths import DEFAULT_CORPUS, REPO_ROOT
 from bench.stats import dist, fmt_ms, machine_info, render_table, write_json
-from grammask import Compiler, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
-from grammask.compiler import trim_heap
+from grammask import (
+    Compiler,
+    GrammarError,
+    GrammarSpec,
+    ServerFault,
+    Vocabulary,
+    load_vocabulary,
+)
+from grammask.compiler import running_compiles, trim_heap
+from grammask.warmup import warm
 
 MIB = 1024 * 1024
+#: RSS growth that does not scale with ``cache_bytes`` (qwen2.5, this machine: growth at a
+#: 16 and a 64 MiB limit fits 0.99 x limit + 39-46 MiB): both backends' state after their
+#: first compiles (~4 MiB), allocator pages freed but not returnable (fragmentation, per-thread
+#: arenas: ~20 MiB after ``clear``), and the abandoned compiles still running (at most
+#: ``max_abandoned`` per backend; an xgrammar runaway holds 5-35 MiB until it ends).
+FIXED_OVERHEAD_MIB = 48
+#: The bound on RSS growth while compiling distinct schemas: 1.25 x the cache limit + fixed.
+CACHE_RSS_SCALE = 1.25
 
 
 def rss() -> int:
@@ -63,6 +86,134 @@ def nested_one_of(depth: int, width: int, tag: str) -> dict[str, Any]:
             f"{tag}{d}_{i}": node, "e": {"type": "string", "format": "email"}},
             "required": [f"{tag}{d}_{i}"]} for i in range(width)]}
     return node
+
+
+# ------------------------------------------------------------------------- deadlines
+def _deep_arrays(depth: int) -> dict[str, Any]:
+    node: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        node = {"type": "array", "items": node, "maxItems": 3}
+    return node
+
+
+def _deep_objects(depth: int) -> dict[str, Any]:
+    node: dict[str, Any] = {"type": "integer"}
+    for d in range(depth):
+        node = {"type": "object", "properties": {f"k{d}": node, "s": {"type": "string"}},
+                "required": [f"k{d}"]}
+    return node
+
+
+def _huge_lark(rules: int) -> str:
+    lines = ["start: " + " | ".join(f"r{i}" for i in range(rules))]
+    lines += [f'r{i}: "w{i}" /[a-z]{{1,{1 + i % 30}}}/' for i in range(rules)]
+    return "\n".join(lines)
+
+
+def _props(n: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+#: name -> a hostile spec (built in the probe's process; not timed: a caller builds it first)
+HOSTILE: dict[str, Callable[[], GrammarSpec]] = {
+    "choice_100k": lambda: GrammarSpec.choice([f"option number {i}" for i in range(100_000)]),
+    "choice_100k_guidance": lambda: GrammarSpec.choice(
+        [f"option number {i}" for i in range(100_000)], backend="guidance"),
+    "choice_100k_xgrammar": lambda: GrammarSpec.choice(
+        [f"option number {i}" for i in range(100_000)], backend="xgrammar"),
+    "enum_100k": lambda: GrammarSpec.json_schema({"enum": [f"v{i}" for i in range(100_000)]}),
+    "props_10k": lambda: GrammarSpec.json_schema(_props(10_000)),
+    "props_10k_guidance": lambda: GrammarSpec.json_schema(_props(10_000), backend="guidance"),
+    "anyof_5k": lambda: GrammarSpec.json_schema({"anyOf": [
+        {"type": "object", "properties": {f"a{i}": {"type": "string", "pattern": "[a-z]+"}},
+         "required": [f"a{i}"]} for i in range(5000)]}),
+    "deep_arrays_95": lambda: GrammarSpec.json_schema(_deep_arrays(95)),
+    "deep_objects_45": lambda: GrammarSpec.json_schema(_deep_objects(45)),
+    "nested_oneof_4x4": lambda: GrammarSpec.json_schema(nested_one_of(4, 4, "h")),
+    "nested_oneof_4x4_xgrammar": lambda: GrammarSpec.json_schema(nested_one_of(4, 4, "h"),
+                                                                 backend="xgrammar"),
+    "regex_repeats": lambda: GrammarSpec.regex("[a-z]{1,300}(,[a-z]{1,300}){1,300}"),
+    "regex_nested_repeats": lambda: GrammarSpec.regex("((a{1,20}){1,20}){1,20}"),
+    "regex_dot_repeats": lambda: GrammarSpec.regex("(.{0,100}x){50}"),
+    "regex_email_repeats": lambda: GrammarSpec.regex(
+        r"([a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9.-]{1,255}\.[a-zA-Z]{2,63}){1,20}"),
+    "regex_hex_5000": lambda: GrammarSpec.regex("[0-9a-f]{5000}"),
+    "lark_20k_rules": lambda: GrammarSpec.grammar(_huge_lark(20_000), syntax="lark"),
+}
+PATHS = ("compile", "async", "warmup")
+
+
+def probe(vocab: Vocabulary, name: str, path: str, deadline_s: float) -> dict[str, Any]:
+    """One hostile spec on one path through a fresh compiler: seconds the caller was held."""
+    spec = HOSTILE[name]()
+    compiler = Compiler(vocab, timeout_s=deadline_s)
+    outcome = "ok"
+    backend = None
+    t0 = time.perf_counter()
+    try:
+        if path == "compile":
+            backend = compiler.compile(spec).backend
+        elif path == "async":
+            backend = compiler.compile_async(spec).result().backend
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                _spec_file(spec, Path(tmp))
+                t0 = time.perf_counter()
+                result = warm(compiler, tmp)[0]
+                if result.error is not None:
+                    outcome = result.error[:120]
+                backend = result.backend
+    except (GrammarError, ServerFault) as exc:
+        outcome = f"{type(exc).__name__}: {str(exc)[:120]}"
+    held = time.perf_counter() - t0
+    return {"spec": name, "path": path, "kind": spec.kind, "chars": len(spec.source),
+            "deadline_s": deadline_s, "held_s": round(held, 3),
+            "held_over_deadline": round(held / deadline_s, 3), "backend": backend,
+            "outcome": outcome}
+
+
+def _spec_file(spec: GrammarSpec, directory: Path) -> None:
+    """Write a spec as warm-up reads it (``grammask.warmup.spec_of_file``)."""
+    if spec.kind == "choice":
+        (directory / "spec.choice.json").write_text(spec.source)
+    elif spec.kind == "json_schema":
+        (directory / "spec.json").write_text(spec.source)
+    elif spec.kind == "regex":
+        (directory / "spec.regex").write_text(spec.source)
+    else:
+        (directory / "spec.lark").write_text(spec.source)
+
+
+def _probe_in_child(name: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A probe in a process of its own (a runaway it abandons must not slow the next one);
+    the child leaves with ``os._exit`` rather than wait for its runaways."""
+    cmd = [sys.executable, "-m", "bench.stress", "--probe", name, "--probe-path", path,
+           "--deadline", str(args.deadline), "--tokenizer", args.tokenizer]
+    try:
+        out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=args.deadline * 10 + 120)
+        result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as exc:
+        result = {"spec": name, "path": path, "deadline_s": args.deadline, "held_s": None,
+                  "held_over_deadline": None, "outcome": f"probe failed: {exc!r}"[:200]}
+    return result
+
+
+def deadline_run(args: argparse.Namespace) -> dict[str, Any]:
+    names = [n for n in HOSTILE if not args.hostile or n in args.hostile.split(",")]
+    paths = args.paths.split(",")
+    rows = []
+    for name in names:
+        for path in paths:
+            row = _probe_in_child(name, path, args)
+            rows.append(row)
+            print(f"  {name:28} {path:8} held {row['held_s']} s "
+                  f"({row['held_over_deadline']}x) {row.get('backend')} {row['outcome'][:70]}",
+                  flush=True)
+    held = [r["held_over_deadline"] for r in rows if r["held_over_deadline"] is not None]
+    worst = max(held, default=0.0)
+    return {"deadline_s": args.deadline, "bound": 1.1, "worst_over_deadline": worst,
+            "within_bound": worst <= 1.1 and len(held) == len(rows), "probes": rows}
 
 
 # --------------------------------------------------------------------------- latency
@@ -189,7 +340,7 @@ def _routes_to(compiler: Compiler, schema: Any, backend: str) -> bool:
 
 
 def memory_run(vocab: Vocabulary, schemas: list[Any], cache_mib: int,
-               every: int) -> dict[str, Any]:
+               every: int, runaway_wait_s: float = 180.0) -> dict[str, Any]:
     compiler = Compiler(vocab, max_workers=2, timeout_s=2, cache_bytes=cache_mib * MIB)
     trim_heap()
     base = rss()
@@ -210,15 +361,31 @@ def memory_run(vocab: Vocabulary, schemas: list[Any], cache_mib: int,
     wall = time.perf_counter() - t0
     peak = max(s["rss_growth_mib"] for s in samples)
     before_clear = rss()
+    held = compiler.cache_info()["bytes"]
     compiler.clear()
     after_clear = rss()
+    runaways = running_compiles()
+    # the abandoned compiles still running hold their scratch until they end: once they
+    # have (bounded wait), what clear() left behind is the fixed part alone
+    deadline = time.monotonic() + runaway_wait_s
+    while running_compiles() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    compiler.clear()
+    settled = rss()
     stats = compiler.stats
     compiler.close()
+    bound = CACHE_RSS_SCALE * cache_mib + FIXED_OVERHEAD_MIB
     return {"schemas": len(schemas), "cache_limit_mib": cache_mib, "errors": errors,
             "wall_s": round(wall, 1), "base_rss_mib": round(base / MIB, 1),
             "peak_growth_mib": peak, "final_growth_mib": samples[-1]["rss_growth_mib"],
+            "bound_mib": bound, "fixed_overhead_mib": FIXED_OVERHEAD_MIB,
+            "within_bound": peak <= bound,
+            "cache_held_mib": round(held / MIB, 1),
             "after_clear_growth_mib": round((after_clear - base) / MIB, 1),
             "clear_returned_mib": round((before_clear - after_clear) / MIB, 1),
+            "runaways_at_clear": runaways, "runaways_after_wait": running_compiles(),
+            "after_runaways_growth_mib": round((settled - base) / MIB, 1),
+            "clear_within_fixed": (after_clear - base) / MIB <= FIXED_OVERHEAD_MIB,
             "evictions": stats.evictions, "trims": stats.trims, "samples": samples}
 
 
@@ -236,14 +403,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=10, help="requests per thread")
     ap.add_argument("--timeout", type=float, default=2.0, help="Compiler timeout_s")
     ap.add_argument("--workers", type=int, default=2, help="Compiler max_workers")
-    ap.add_argument("--skip", choices=["latency", "memory"], action="append", default=[])
-    ap.add_argument("--quick", action="store_true", help="300 schemas, 50 threads")
+    ap.add_argument("--skip", choices=["deadlines", "latency", "memory"], action="append",
+                    default=[])
+    ap.add_argument("--deadline", type=float, default=10.0,
+                    help="Compiler timeout_s of the hostile-spec probes")
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help="comma-separated paths the hostile specs take (compile,async,warmup)")
+    ap.add_argument("--hostile", default="", help="comma-separated hostile specs (default: all)")
+    ap.add_argument("--quick", action="store_true",
+                    help="300 schemas, 50 threads, hostile specs with a 2 s deadline, 2 paths")
+    ap.add_argument("--probe", choices=list(HOSTILE), help=argparse.SUPPRESS)
+    ap.add_argument("--probe-path", choices=PATHS, default="compile", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_out", default=str(REPO_ROOT / "out" / "bench" /
                                                          "stress.json"))
     ap.add_argument("--calibrate-only", choices=["guidance", "xgrammar"],
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.probe:
+        vocab = load_vocabulary(args.tokenizer)
+        print(json.dumps(probe(vocab, args.probe, args.probe_path, args.deadline)), flush=True)
+        os._exit(0)  # abandoned runaways are not waited for
     if args.calibrate_only:
         vocab = load_vocabulary(args.tokenizer)
         _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
@@ -252,10 +432,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.schemas, args.threads, args.calibrate = 300, 50, 100
-    vocab = load_vocabulary(args.tokenizer)
-    _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
+        args.deadline, args.paths = 2.0, "compile,async"
     payload: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
                                "machine": machine_info()}
+    if "deadlines" not in args.skip:
+        print(f"hostile specs, deadline {args.deadline} s, each in its own process:")
+        dl = deadline_run(args)
+        payload["deadlines"] = dl
+        print(f"\nworst: held {dl['worst_over_deadline']}x the deadline (bound 1.1x: "
+              f"{'met' if dl['within_bound'] else 'NOT met'})\n")
+        write_json(args.json_out, payload)
+    if "memory" in args.skip and "latency" in args.skip:
+        print(f"wrote {args.json_out}")
+        return 0
+    vocab = load_vocabulary(args.tokenizer)
+    _ = vocab.xgrammar_info, vocab.llguidance_tokenizer
     if "memory" not in args.skip:
         schemas = corpus_schemas(args.corpus, max(args.schemas, args.calibrate), args.seed)
         if args.calibrate:
@@ -275,9 +466,13 @@ def main(argv: list[str] | None = None) -> int:
                            [[s["compiled"], s["rss_mib"], s["rss_growth_mib"], s["cache_mib"],
                              s["entries"]] for s in mem["samples"]]))
         print(f"\ncache limit {mem['cache_limit_mib']} MiB; peak RSS growth "
-              f"{mem['peak_growth_mib']} MiB; after clear() {mem['after_clear_growth_mib']} MiB "
-              f"above the start ({mem['clear_returned_mib']} MiB returned); "
-              f"{mem['evictions']} evictions, {mem['trims']} trims, {mem['wall_s']} s")
+              f"{mem['peak_growth_mib']} MiB (bound {CACHE_RSS_SCALE} x limit + "
+              f"{FIXED_OVERHEAD_MIB} = {mem['bound_mib']} MiB: "
+              f"{'met' if mem['within_bound'] else 'NOT met'}); after clear() "
+              f"{mem['after_clear_growth_mib']} MiB above the start ({mem['clear_returned_mib']} "
+              f"MiB returned of {mem['cache_held_mib']} MiB held; {mem['runaways_at_clear']} "
+              f"abandoned compiles running; {mem['after_runaways_growth_mib']} MiB once they "
+              f"ended); {mem['evictions']} evictions, {mem['trims']} trims, {mem['wall_s']} s")
     if "latency" not in args.skip:
         runs = {}
         for mixed in (False, True):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from . import metrics
 from .backends import BackendGrammar, DiskBackend, disk_backend, get_backend, registry
-from .compile_slots import Job, Runners, join_abandoned
+from .compile_slots import Job, Runners, join_abandoned, may_run_here
 from .diskcache import DiskCache
 from .errors import (
     CompileFailure,
@@ -132,7 +132,10 @@ class PlanRunner:
         try:
             if running is not None:  # an earlier request's compile of it is still going
                 backend_grammar: BackendGrammar = join_abandoned(running, deadline, backend)
-            elif registry.info(backend).bounded_compile:  # nothing to abandon: no hand-off
+            elif registry.info(backend).bounded_compile and may_run_here(
+                    len(spec.source), deadline - time.monotonic()):
+                # bounded and small: sure to end well within the deadline, so no hand-off (a
+                # large bounded compile may still take seconds: a worker's, abandonable)
                 backend_grammar = self._runners[backend].run_here(
                     lambda: impl.compile(spec, self.vocab, lenient=step.lenient),
                     deadline, backend, can_fall_back=skip_busy, slot_deadline=slot_deadline)

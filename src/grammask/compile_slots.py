@@ -1,8 +1,9 @@
 """Where native compiles run: bounded slots per backend, deadlines, and runaways.
 
 A backend whose compiles are bounded by its own limits (``BackendInfo.bounded_compile``)
-compiles on the calling thread, within the same slots (``Runner.run_here``). Any other
-backend's native compile runs on a worker. A runaway native compile cannot be killed, so it
+compiles a small spec on the calling thread, within the same slots (``Runner.run_here``;
+``may_run_here``: bounded is not short, so only a spec sure to end within a tenth of the time
+left). Any other native compile runs on a worker. A runaway native compile cannot be killed, so it
 is *abandoned*: its slot is handed back (up to ``max_abandoned`` at once per backend; beyond
 that it keeps the slot, so the CPU spent on runaways stays bounded) and its threads drop to
 the lowest CPU priority. At exit, compiles
@@ -46,6 +47,31 @@ def trim_heap() -> bool:
         return False
     _libc.malloc_trim(0)
     return True
+
+
+#: A bounded backend's compile runs on the calling thread only for a spec at most this long
+#: (``GrammarSpec.source``, in characters; 91% of the corpus): a longer one goes to a worker,
+#: where a deadline can abandon it. Bounded is not short: llguidance's limits let a
+#: 100,000-string choice compile for 18 s and 10,000 properties for 17 s.
+HERE_MAX_CHARS = 8192
+#: The share of the time left that a compile on the calling thread may be expected to take
+#: at worst (``here_cost_s``): the caller then overshoots its deadline by at most this much.
+HERE_SHARE = 0.1
+
+
+def here_cost_s(chars: int) -> float:
+    """A pessimistic compile time for a spec of ``chars`` characters (llguidance, measured:
+    the corpus' worst is 7 us a character; properties grow quadratically, 10 us a character
+    at 100 KB)."""
+    return chars * 8e-6 + chars * chars * 1e-10
+
+
+def may_run_here(chars: int, left_s: float) -> bool:
+    """Whether a bounded compile of a spec this long may run on the calling thread with
+    ``left_s`` seconds to its deadline: small, and sure to end within ``HERE_SHARE`` of it.
+    Past that it goes to a worker (one thread hop each way: 60-250 us, 1-5% of such a
+    compile)."""
+    return chars <= HERE_MAX_CHARS and here_cost_s(chars) <= HERE_SHARE * left_s
 
 
 class Job:

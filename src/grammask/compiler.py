@@ -9,15 +9,21 @@ an LRU and one deadline per request.
 - ``compile_async`` returns at once; the compile starts immediately so it overlaps the prefill.
   Each caller gets a future of its own: cancelling it drops only that caller.
 - N concurrent requests for one key share one compile (single-flight).
-- Results live in an LRU bounded by (calibrated) bytes; evictions hand memory back to the OS.
+- Results live in an LRU bounded by (calibrated) bytes; evictions, ``clear`` and a long
+  compile's freed scratch hand memory back to the OS (``compile_cache``). RSS growth over
+  many distinct schemas stays within 1.25x ``cache_bytes`` plus a fixed ~48 MiB (allocator
+  pages that cannot be returned, the backends' first-compile state, abandoned compiles still
+  running): ``python -m bench.stress`` measures both.
   Failures live in a bounded negative cache that expires; only user errors go there.
 - Every request has one deadline (``timeout_s`` from submission) covering slot waits, the
   routed backend and its fallbacks; a reaper resolves any request still pending at its deadline.
-- A backend whose own limits bound its compiles (llguidance's parser limits) compiles on
-  the thread that builds the request, within its slots. An unbounded backend's (xgrammar's)
-  runs on a compile worker: a runaway native compile cannot be killed, so it is
-  *abandoned*: its slot is handed back (up to ``max_abandoned`` at once per backend; beyond
-  that it keeps the slot, so the CPU spent on runaways stays bounded; ``compile_slots``).
+- A backend whose own limits bound its compiles (llguidance's parser limits) compiles a
+  small spec on the thread that builds the request, within its slots (``compile_slots.
+  may_run_here``: sure to end within a tenth of the time left). Any other compile (a large
+  spec, or an unbounded backend's: xgrammar's) runs on a compile worker: a runaway native
+  compile cannot be killed, so it is *abandoned*: its slot is handed back (up to
+  ``max_abandoned`` at once per backend; beyond that it keeps the slot, so the CPU and
+  memory spent on runaways stay bounded; ``compile_slots``).
   Each backend has its own slots, so one backend's runaways never hold up another's
   compiles (fallbacks included). A spec that timed out on a backend is not retried there
   until ``negative_ttl_s`` passes, and a runaway that finishes late fills the cache.
@@ -44,7 +50,7 @@ from . import metrics
 from .attempts import PlanRunner
 from .backends import get_backend, registry
 from .compile_cache import CompileCache
-from .compile_slots import Runners, running_compiles, trim_heap
+from .compile_slots import HERE_MAX_CHARS, Runners, running_compiles, trim_heap
 from .diskcache import DEFAULT_MAX_BYTES, DiskCache
 from .errors import (
     CompileFailure,
@@ -213,11 +219,16 @@ class Compiler:
         """Blocking compile. A hit returns at once (no future, no thread); a miss waits at most
         ``timeout`` s (default ``timeout_s``), then raises ``CompileTimeoutError`` while the
         compile goes on for whoever else waits (its result is cached). A caller that waits out
-        the whole deadline builds on its own thread: only an unbounded backend's native compile
-        goes to a compile worker (what a deadline can abandon), one thread hop instead of two
-        each way; a bounded backend's (``BackendInfo.bounded_compile``) needs none."""
+        the whole deadline builds a small spec on its own thread: only a compile that may run
+        long goes to a compile worker (what a deadline can abandon), one thread hop instead of
+        two each way; a small spec's bounded compile (``BackendInfo.bounded_compile``) needs
+        none. A large spec (``compile_slots.HERE_MAX_CHARS``) builds on the pool, so nothing
+        of it (the plan's walk, a disk load) holds this caller past its deadline."""
         spec = self._effective(spec)
-        here = self._disk is None and (timeout is None or timeout >= self.timeout_s)
+        # a large spec builds on the pool (its plan's walk, its compile): this caller then
+        # waits at most its deadline whatever runs
+        here = (self._disk is None and (timeout is None or timeout >= self.timeout_s)
+                and len(spec.source) <= HERE_MAX_CHARS)
         found, fut, flight = self._lookup(spec, here)
         if isinstance(found, Grammar):
             return found

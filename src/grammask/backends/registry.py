@@ -65,11 +65,11 @@ class BackendInfo:
     #: its matchers offer ``batch_fill`` (one parallel fill per step for all its rows)
     batch_fill: bool = False
     #: its compiles are bounded by its own limits (llguidance: lexer fuel, grammar size), so
-    #: none can run away: they run on the compiling thread itself, with no hand-off to a
-    #: compile worker (the hand-off is what lets a deadline abandon an unbounded compile;
-    #: it cost a cold llguidance compile 60-250 us here). Waiters still hear of a timeout at
-    #: the deadline (the flight's reaper); a blocking caller compiling on its own thread
-    #: hears of it when the bounded compile ends, and the grammar is cached.
+    #: none can run away: a small spec's runs on the compiling thread itself, with no
+    #: hand-off to a compile worker (the hand-off is what lets a deadline abandon a compile;
+    #: it cost a cold llguidance compile 60-250 us here). Bounded is not short (a 100,000
+    #: string choice: 18 s), so a large spec's goes to a worker all the same
+    #: (``compile_slots.may_run_here``).
     bounded_compile: bool = False
     #: its compiled grammars can be stored in grammask's disk cache
     disk: bool = False

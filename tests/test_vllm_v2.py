@@ -33,6 +33,7 @@ from .vllm_fixtures import (
     FQCN,
     IM_END,
     IM_START,
+    STAGED_EVERY_STEP,
     THINK,
     VOCAB,
     allowed,
@@ -115,10 +116,11 @@ class Runner:
     def step(self, order: list[str], *, chunk: int = 10_000,
              base: torch.Tensor | None = None) -> torch.Tensor:
         """Staged writes, then the sampler's processor stage for rows in ``order``."""
-        if self.new:
-            self.rs.apply_staged_writes()
+        if self.new or STAGED_EVERY_STEP:
+            if self.new:
+                self.rs.apply_staged_writes()
+            self.sampler.apply_staged_writes()
             self.new = False
-        self.sampler.apply_staged_writes()
         seq_lens = []
         for rid in order:
             req = self.reqs[rid]

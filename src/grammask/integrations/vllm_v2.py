@@ -37,9 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,11 +83,24 @@ class _Slot:
 
 @dataclass
 class _Watch:
-    """One step's token watch: the slots that sampled, and whether their tokens were read."""
+    """One step's token watch: the slots that sampled (device index, known lengths), the
+    snapshot of their next positions, and whether their tokens were read."""
 
     items: list[tuple[int, _Slot]]
+    index: torch.Tensor
+    start: torch.Tensor
+    snapshot: tuple[Any, torch.Tensor, torch.Tensor]  # (event, lengths, windows)
     future: Future[bool] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def _landed(new: int, tokens: list[int], before: list[int], window: int) -> bool:
+    """Whether a slot's step has landed: its length grew and each new token in the window
+    differs from what the snapshot saw there (the tokens are stored after the length)."""
+    if new <= 0:
+        return False
+    take = min(new, window)
+    return all(tokens[i] != before[i] for i in range(take))
 
 
 class V2Batch:
@@ -226,9 +237,34 @@ class V2Batch:
 
     # ------------------------------------------------------------------ the token watch
     def _start_watch(self, slots: list[int]) -> None:
-        """After this step's masks: read the tokens it commits as soon as they land."""
+        """After this step's masks: read the tokens it commits as soon as they land.
+
+        The watch first takes a *snapshot* of the positions those tokens will fill, in
+        stream order before this step's sampler (on CUDA a copy queued now; on CPU a read
+        now): the runner's ``post_update`` stores the new length before the tokens, so a
+        grown length alone does not mean the tokens are there, but a token that differs
+        from the snapshot does. A token that happens to equal its snapshot keeps the watch
+        waiting; the next ``apply`` then reads in stream order (right, only not overlapped)."""
         items = [(slot, self._slots[slot]) for slot in slots]
-        watch = _Watch(items)
+        items = [(slot, st) for slot, st in items if st.failed is None]
+        if not items:
+            return
+        n = len(items)
+        index = torch.tensor([slot for slot, _ in items], dtype=torch.int64)
+        start = torch.tensor([st.known for _, st in items], dtype=torch.int64)
+        if self._cuda:
+            index = index.pin_memory().to(self.device, non_blocking=True)
+            start = start.pin_memory().to(self.device, non_blocking=True)
+        with normal_tensors():
+            snap_total = torch.empty(n, dtype=torch.int32, pin_memory=self._cuda)
+            snap_tokens = torch.empty(n, self._window, dtype=torch.int32,
+                                      pin_memory=self._cuda)
+        self._gather_into(index, start, snap_total, snap_tokens)
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        watch = _Watch(items, index, start, (event, snap_total, snap_tokens))
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammask-v2-tokens")
         watch.future = self._helper.submit(self._read_step, watch, True)
@@ -260,39 +296,30 @@ class V2Batch:
     def _read_step(self, watch: _Watch, poll: bool) -> bool:
         """Append the step's committed tokens to the watched slots' lists and start the
         fill. ``poll`` (helper thread): wait, off stream order, until every slot's length
-        grew, then read again; False when that did not happen within ``WATCH_S``. Without
-        ``poll`` (the host thread): one read ordered after every kernel queued so far."""
-        items = [(slot, st) for slot, st in watch.items if st.failed is None]
-        if not items:
-            return True
+        grew and its new tokens differ from the snapshot; False when that did not happen
+        before ``apply`` came back (or within ``WATCH_S``). Without ``poll`` (the host
+        thread): one read ordered after every kernel queued so far."""
+        items = watch.items
         n = len(items)
         known = [st.known for _, st in items]
-        index = torch.tensor([slot for slot, _ in items], dtype=torch.int64)
-        start = torch.tensor(known, dtype=torch.int64)
-        stream = self._stream
-        if stream is not None:
-            if not poll:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                index = index.pin_memory().to(self.device, non_blocking=True)
-                start = start.pin_memory().to(self.device, non_blocking=True)
-        if poll:  # off stream order: the lengths grow before the tokens land
+        if poll:
+            event, _, snap_tokens = watch.snapshot
+            if event is not None:
+                event.synchronize()
+            before = snap_tokens.tolist()
             deadline = time.monotonic() + WATCH_S
-            seen: tuple[list[int], list[list[int]]] | None = None
             pause = POLL_S
             while True:
-                read = self._gather(index, start, n)
-                if seen == read:  # two reads alike after every length grew: settled
+                totals, tokens = self._gather(watch.index, watch.start, n, ordered=False)
+                if all(_landed(t - k, row, old, self._window) for t, k, row, old
+                       in zip(totals, known, tokens, before, strict=True)):
                     break
-                grown = all(t > k for t, k in zip(read[0], known, strict=True))
-                seen = read if grown else None
                 if watch.cancel.is_set() or time.monotonic() > deadline:
                     return False
-                time.sleep(POLL_S if grown else pause)
+                time.sleep(pause)
                 pause = min(2 * pause, POLL_MAX_S)
-            totals, tokens = read
         else:
-            totals, tokens = self._gather(index, start, n)
+            totals, tokens = self._gather(watch.index, watch.start, n, ordered=True)
         for i, (_, st) in enumerate(items):
             new = totals[i] - st.known
             if new <= 0:
@@ -307,23 +334,31 @@ class V2Batch:
         self.core.processor().step([slot for slot, _ in items])
         return True
 
-    def _gather(self, index: torch.Tensor, start: torch.Tensor, n: int
+    def _gather(self, index: torch.Tensor, start: torch.Tensor, n: int, *, ordered: bool
                 ) -> tuple[list[int], list[list[int]]]:
         """(lengths, the ``window`` tokens from ``start``) of the slots ``index``, on the
-        host (on the watch's own stream on CUDA, so the forward's stream is not held)."""
-        all_ids = self.rs.all_token_ids.gpu
-        total_len = self.rs.total_len.gpu
+        host: on CUDA on the watch's own stream, so the forward's stream is not held;
+        ``ordered``: after every kernel queued on the runner's stream."""
         stream = self._stream
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
-            columns = (start.unsqueeze(1) + torch.arange(self._window, device=start.device)
-                       ).clamp_(max=all_ids.shape[1] - 1)
-            self._total_host[:n].copy_(total_len.index_select(0, index),
-                                       non_blocking=self._cuda)
-            self._tokens_host[:n].copy_(all_ids[index.unsqueeze(1), columns],
-                                        non_blocking=self._cuda)
-            if stream is not None:
-                stream.synchronize()
+        if stream is None:
+            self._gather_into(index, start, self._total_host, self._tokens_host)
+        else:
+            if ordered:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._gather_into(index, start, self._total_host, self._tokens_host)
+            stream.synchronize()
         return self._total_host[:n].tolist(), self._tokens_host[:n].tolist()
+
+    def _gather_into(self, index: torch.Tensor, start: torch.Tensor, total: torch.Tensor,
+                     tokens: torch.Tensor) -> None:
+        """Queue the gather of lengths and windows into host buffers (current stream)."""
+        n = index.shape[0]
+        all_ids = self.rs.all_token_ids.gpu
+        columns = (start.unsqueeze(1) + torch.arange(self._window, device=start.device)
+                   ).clamp_(max=all_ids.shape[1] - 1)
+        total[:n].copy_(self.rs.total_len.gpu.index_select(0, index), non_blocking=self._cuda)
+        tokens[:n].copy_(all_ids[index.unsqueeze(1), columns], non_blocking=self._cuda)
 
     # ------------------------------------------------------------------ internals
     def _fail_slot(self, slot: int, message: str) -> None:
@@ -374,11 +409,6 @@ class V2Batch:
         start = len(st.output) - (st.known - lo)
         st.output[start:start + len(ids)] = [int(t) for t in ids]
         st.missing = None
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _stop_only(logits: torch.Tensor, rows: list[int], stop_ids: tuple[int, ...] | list[int]

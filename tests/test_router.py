@@ -23,6 +23,7 @@ from grammask import (
     Vocabulary,
     route,
 )
+from grammask.normalize import combinator_gap, overlapping_pattern_all_of
 
 from .helpers import accepts_complete
 
@@ -41,10 +42,15 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
     ("minProperties-optional", {**OBJ_AB, "minProperties": 1}, "xgrammar", "", {"a": 1}, {}),
     ("unevaluatedProperties", {**OBJ_AB, "unevaluatedProperties": False}, "xgrammar", "",
      {"a": 1}, {"a": 1, "c": 2}),
-    ("allOf-several", {"allOf": [
+    # branches xgrammar gets merged into one node (normalize.merged_node)
+    ("allOf-merged", {"allOf": [
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
         {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
-     "guidance", "", {"a": 1, "b": 2}, {"a": 1}),
+     "xgrammar", "", {"a": 1, "b": 2}, {"a": 1}),
+    # a reference cannot be merged: xgrammar would read the node as any value
+    ("allOf-several", {"allOf": [{"$ref": "#/$defs/a"}, {"maximum": 10}],
+                       "$defs": {"a": {"type": "integer", "minimum": 1}}},
+     "guidance", "", 5, 11),
     ("multipleOf-fraction", {"type": "number", "multipleOf": 0.5}, "guidance", "", 1.5, 1.3),
     ("multipleOf-integer", {"type": "integer", "multipleOf": 3}, "xgrammar", "", 9, 10),
     ("oneOf-disjoint", {"oneOf": [{"type": "integer"}, {"type": "string"}]}, "guidance", "",
@@ -571,9 +577,10 @@ def _features_as_written_before(node: dict[str, Any]) -> list[str]:
     mult = node.get("multipleOf")
     if isinstance(mult, float) and not mult.is_integer():
         out.append("multipleOf (non-integer)")
-    all_of = node.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
+    if "allOf" in node and combinator_gap(node):
         out.append("allOf (several branches)")
+    if ("anyOf" in node or "oneOf" in node) and "allOf" not in node and combinator_gap(node):
+        out.append("anyOf/oneOf beside other keywords")
     ref = node.get("$ref")
     if isinstance(ref, str):
         if not ref.startswith("#"):
@@ -609,6 +616,9 @@ def _features_as_written_before(node: dict[str, Any]) -> list[str]:
             out.append("required (undeclared names)")
     if "patternProperties" in node and "additionalProperties" not in node:
         out.append("patternProperties")
+    if ("patternProperties" in node and "properties" in node
+            and "allOf (several branches)" not in out and overlapping_pattern_all_of(node)):
+        out.append("allOf (several branches)")
     fmt = node.get("format")
     if isinstance(fmt, str) and node.get("type") in ("string", None):
         if fmt == "date":

@@ -8,6 +8,18 @@ exact rewrite.
   llguidance follows JSON Schema (undeclared keys allowed), so for it we add
   ``additionalProperties: false`` where the schema leaves it open. Objects combined through
   ``allOf`` are left open: closing one branch would reject the keys of the others.
+- a ``patternProperties`` pattern that matches a declared property name also constrains that
+  property (JSON Schema applies both); both backends apply only ``properties`` to a declared
+  name, and offer the pattern's other keys. The pattern's schema is folded into the
+  property's (``fold_pattern_properties``), and a pattern whose keys are all declared names
+  (``^score$``) is dropped: llguidance otherwise offers a ``,`` for a key language it has
+  emptied (every word is declared) and dead-ends after it, and xgrammar offers the declared
+  key a second time.
+- xgrammar reads a node with ``allOf`` as any value, and a node with ``anyOf``/``oneOf`` as
+  its branches alone (the node's other keywords dropped). For it (``merge_combinators``)
+  ``allOf`` branches are merged into their node, and a node's other keywords into each
+  ``anyOf``/``oneOf`` branch, where the merge is exact (``merged_node``); the router
+  declares the rest (``combinator_gap``).
 """
 
 from __future__ import annotations
@@ -46,7 +58,8 @@ def search_pattern(pattern: str) -> str:
 
 
 def normalize_schema(schema: Any, *, close_objects: bool, explicit_free: bool = False,
-                     search_patterns: bool = True, escape_nul: bool = False) -> Any:
+                     search_patterns: bool = True, escape_nul: bool = False,
+                     merge_combinators: bool = False) -> Any:
     """A rewritten copy; the input is never modified.
 
     ``search_patterns=False`` leaves ``pattern`` / ``patternProperties`` as written: for
@@ -58,7 +71,12 @@ def normalize_schema(schema: Any, *, close_objects: bool, explicit_free: bool = 
 
     ``escape_nul`` (xgrammar): a NUL in a pattern (``[^\u0000]`` in the schema's JSON) is
     legal, but xgrammar refuses "null characters" in a regex; the ``\\x00`` escape it reads.
+
+    ``merge_combinators`` (xgrammar): ``allOf`` merged into its node, a node's keywords into
+    its ``anyOf``/``oneOf`` branches, where exact (see the module docstring).
     """
+    if merge_combinators:
+        schema = _merge_walk(schema, 0)
     if escape_nul:
         schema = _walk(schema, False, in_all_of=False, free=False, search=False, nul=True)
     return _walk(schema, close_objects, in_all_of=False, free=explicit_free,
@@ -95,6 +113,8 @@ def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool, search: bool =
     the keys a node has through one table."""
     if not isinstance(node, dict):
         return node
+    if "patternProperties" in node and "properties" in node:
+        node = fold_pattern_properties(node)
     out: dict[str, Any] = {}
     rewrite_patterns = nul or search
     for key, value in node.items():
@@ -123,6 +143,269 @@ def _walk(node: Any, close: bool, *, in_all_of: bool, free: bool, search: bool =
     if free and not in_all_of:
         _spell_out_free_members(out)
     return out
+
+
+def fold_pattern_properties(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with each ``patternProperties`` schema conjoined into the declared properties
+    whose name its pattern matches (a search, as JSON Schema reads it), and the patterns that
+    match declared names only dropped (the key left out once none is left). The same node
+    when nothing overlaps; a pattern Python's ``re`` cannot read is left as it is."""
+    props, pats = node.get("properties"), node.get("patternProperties")
+    if not isinstance(props, dict) or not isinstance(pats, dict) or not pats or not props:
+        return node
+    folded = dict(props)
+    kept: dict[str, Any] = {}
+    changed = False
+    for pattern, sub in pats.items():
+        matched = _matching_names(pattern, props) if isinstance(pattern, str) else None
+        if not matched:
+            kept[pattern] = sub
+            continue
+        changed = True
+        for name in matched:
+            folded[name] = conjoin(folded[name], sub)
+        words = literal_words(pattern)
+        if words is None or not words <= props.keys():
+            kept[pattern] = sub
+    if not changed:
+        return node
+    out = {k: v for k, v in node.items() if k != "patternProperties"}
+    out["properties"] = folded
+    if kept:
+        out["patternProperties"] = kept
+    return out
+
+
+def _matching_names(pattern: str, names: dict[str, Any]) -> list[str] | None:
+    try:
+        compiled = re.compile(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return None
+    return [name for name in names if compiled.search(name)]
+
+
+def overlapping_pattern_all_of(node: dict[str, Any]) -> bool:
+    """Whether folding the node's ``patternProperties`` into its ``properties`` needs an
+    ``allOf`` (the schemas could not be merged into one): the router's feature for it."""
+    folded = fold_pattern_properties(node)
+    if folded is node:
+        return False
+    before = node.get("properties")
+    assert isinstance(before, dict)
+    return any(isinstance(v, dict) and "allOf" in v and not (
+        isinstance(before[k], dict) and "allOf" in before[k])
+        for k, v in folded["properties"].items())
+
+
+_LITERAL_META = frozenset(".^$*+?{}[]|()")
+
+
+def literal_words(pattern: str) -> frozenset[str] | None:
+    """The finite set of keys an anchored alternation of literals matches (``^a$``,
+    ``^(a|b)$``, ``^(?:a|b)$``); None for any other pattern."""
+    if not pattern.startswith("^") or not ends_with_anchor(pattern):
+        return None
+    body = pattern[1:-1]
+    for opener in ("(?:", "("):
+        if body.startswith(opener) and body.endswith(")"):
+            inner = body[len(opener):-1]
+            if not any(ch in "()" for ch, _ in structural_chars(inner)):
+                body = inner
+            break
+    words: set[str] = set()
+    for alt in body.split("|"):
+        word: list[str] = []
+        escaped = False
+        for ch in alt:
+            if escaped:
+                if ch.isalnum():
+                    return None  # \d, \w, \b ...: a class or an anchor, not a literal
+                word.append(ch)
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch in _LITERAL_META:
+                return None
+            else:
+                word.append(ch)
+        if escaped:
+            return None
+        words.add("".join(word))
+    return frozenset(words)
+
+
+#: Keywords that assert on the instance alone (no interplay with other keywords): two
+#: schemas made only of them (and annotations) conjoin into one by a union of keys.
+_LEAF_KEYS = frozenset({
+    "type", "enum", "const", "multipleOf", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
+    "uniqueItems", "minProperties", "maxProperties", "required", "title", "description",
+    "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"})
+#: Two schemas of these keys merge by naming each property's schemas together.
+_OBJECT_KEYS = _LEAF_KEYS | {"properties"}
+_LOWER = frozenset({"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"})
+_UPPER = frozenset({"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"})
+_NOTES = frozenset({"title", "description", "default", "examples", "$comment"})
+
+
+def conjoin(a: Any, b: Any) -> Any:
+    """A schema an instance satisfies exactly when it satisfies both: one merged schema when
+    the keywords allow it (one side structural at most, shared keywords reconciled), else
+    ``{"allOf": [a, b]}``."""
+    if b is True or b == {}:
+        return a
+    if a is True or a == {}:
+        return b
+    if a is False or b is False:
+        return False
+    if (not isinstance(a, dict) or not isinstance(b, dict)
+            or not _UNMERGEABLE.isdisjoint(a) or not _UNMERGEABLE.isdisjoint(b)):
+        return {"allOf": [a, b]}  # beside a $ref, drafts disagree (draft 7 ignores them)
+    if not (a.keys() <= _LEAF_KEYS or b.keys() <= _LEAF_KEYS
+            or (a.keys() <= _OBJECT_KEYS and b.keys() <= _OBJECT_KEYS)):
+        return {"allOf": [a, b]}
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out or out[key] == value or key in _NOTES:
+            out.setdefault(key, value)
+            continue
+        mine = out[key]
+        if key == "properties" and isinstance(mine, dict) and isinstance(value, dict):
+            # neither side has additionalProperties / patternProperties (_OBJECT_KEYS): each
+            # name is held to the schemas that name it
+            out[key] = {**mine, **{k: conjoin(mine[k], v) if k in mine else v
+                                   for k, v in value.items()}}
+            continue
+        if key in _LOWER | _UPPER and _number(mine) and _number(value):
+            out[key] = max(mine, value) if key in _LOWER else min(mine, value)
+        elif key == "required" and isinstance(mine, list) and isinstance(value, list):
+            out[key] = list(dict.fromkeys([*mine, *value]))
+        elif key == "type":
+            both = _type_meet(mine, value)
+            if both is None:
+                return {"allOf": [a, b]}
+            out[key] = both
+        else:
+            return {"allOf": [a, b]}
+    return out
+
+
+def _merge(a: Any, b: Any) -> Any:
+    """``conjoin`` without the ``allOf`` fallback: None when no single schema is exact."""
+    out = conjoin(a, b)
+    if isinstance(out, dict) and "allOf" in out and not (
+            isinstance(a, dict) and out.get("allOf") is a.get("allOf")) and not (
+            isinstance(b, dict) and out.get("allOf") is b.get("allOf")):
+        return None
+    return out
+
+
+#: Keys a combinator merge leaves on the node as they are (they constrain nothing there).
+_STAY = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$comment",
+                   "title", "description", "default", "examples", "deprecated", "readOnly",
+                   "writeOnly"})
+
+
+def merged_node(node: dict[str, Any]) -> dict[str, Any] | None:
+    """``node`` with its ``allOf`` merged into it, or its other keywords merged into each
+    ``anyOf``/``oneOf`` branch (``oneOf(A & R, B & R)`` is ``R & oneOf(A, B)``): the same
+    node when there is nothing to merge, None when a merge would not be exact (a ``$ref``,
+    keywords that depend on each other on both sides)."""
+    all_of = node.get("allOf")
+    if isinstance(all_of, list):
+        if not all_of:
+            return None
+        stay = {k: v for k, v in node.items() if k in _STAY}
+        merged: Any = {k: v for k, v in node.items() if k not in _STAY and k != "allOf"}
+        for branch in all_of:
+            if isinstance(branch, dict) and not branch.keys().isdisjoint(_UNMERGEABLE):
+                return None
+            merged = _merge(merged, branch)
+            if merged is None or not isinstance(merged, dict):
+                return None
+        if "allOf" in merged:
+            return None
+        return {**stay, **merged}
+    keys = [k for k in ("anyOf", "oneOf") if isinstance(node.get(k), list)]
+    if len(keys) != 1:
+        return node if not keys else None
+    key = keys[0]
+    rest = {k: v for k, v in node.items() if k not in _STAY and k != key}
+    if not rest:
+        return node
+    if not rest.keys().isdisjoint(_UNMERGEABLE):
+        return None
+    branches = []
+    for branch in node[key]:
+        if isinstance(branch, dict) and not branch.keys().isdisjoint(_UNMERGEABLE):
+            return None
+        one = _merge(rest, branch)
+        if one is None:
+            return None
+        branches.append(one)
+    return {**{k: v for k, v in node.items() if k in _STAY}, key: branches}
+
+
+#: Keys that stop a combinator merge: a reference (its target is not at hand), and the
+#: keywords whose meaning depends on where their node's other keywords are.
+_UNMERGEABLE = frozenset({"$ref", "$dynamicRef", "unevaluatedProperties", "unevaluatedItems"})
+
+
+def combinator_gap(node: dict[str, Any]) -> bool:
+    """Whether the node has an ``allOf``, or an ``anyOf``/``oneOf`` beside other keywords,
+    that ``merged_node`` cannot merge away (xgrammar then serves the node wrongly)."""
+    if "allOf" not in node and "anyOf" not in node and "oneOf" not in node:
+        return False
+    all_of = node.get("allOf")
+    if (isinstance(all_of, list) and len(all_of) == 1 and len(node) == 1
+            and isinstance(all_of[0], dict) and "$ref" in all_of[0]):
+        return False  # a lone allOf of one reference: xgrammar follows it
+    return merged_node(node) is None
+
+
+def _merge_walk(node: Any, depth: int) -> Any:
+    """Bottom-up: children first, then the node merged (again while it changes)."""
+    if not isinstance(node, dict) or depth > 200:
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        role = _ROLE.get(key)
+        if role is None:
+            out[key] = value
+        elif role == _MAP:
+            out[key] = {k: _merge_walk(v, depth + 1) for k, v in value.items()} \
+                if isinstance(value, dict) else value
+        elif isinstance(value, list) and role != _SINGLE:
+            out[key] = [_merge_walk(v, depth + 1) for v in value]
+        else:
+            out[key] = _merge_walk(value, depth + 1)
+    for _ in range(4):
+        merged = merged_node(out)
+        if merged is None or merged is out:
+            break
+        out = merged
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _type_meet(one: Any, other: Any) -> Any:
+    """The types both allow (``integer`` within ``number``); None when unknown or empty."""
+    names = []
+    for typ in (one, other):
+        listed = typ if isinstance(typ, list) else [typ]
+        if not all(isinstance(t, str) for t in listed):
+            return None
+        names.append(set(listed))
+    first, second = names
+    meet = (first & second) | {"integer" for x, y in ((first, second), (second, first))
+                               if "integer" in x and "number" in y}
+    if not meet:
+        return None
+    ordered = sorted(meet)
+    return ordered[0] if len(ordered) == 1 else ordered
 
 
 def _pattern(pattern: str, search: bool, nul: bool) -> str:

@@ -26,6 +26,7 @@ the schema; the compiler carries it out and never asks again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,14 @@ from .normalize import _CHILD_KEYS as _WALK_KEYS
 from .normalize import _CHILD_LIST_KEYS as _WALK_LISTS
 from .normalize import _CHILD_MAP_KEYS as _WALK_MAPS
 from .normalize import _CHILD_ORDER as _WALK_ORDER
-from .normalize import ends_with_anchor, escape_key, structural_chars, subschemas
+from .normalize import (
+    combinator_gap,
+    ends_with_anchor,
+    escape_key,
+    overlapping_pattern_all_of,
+    structural_chars,
+    subschemas,
+)
 from .spec import (
     _MISSING,
     BackendName,
@@ -180,9 +188,11 @@ def _plan(spec: GrammarSpec, features: dict[str, str], work: tuple[Workload, str
             rest.append(Attempt(decision.fallback, after=after))
         if hedge is not None and decision.fallback == hedge.backend:
             rest[-1] = replace(hedge, after=after)
-        if registry.info(decision.backend).lenient and not decision.lenient and work[0] in _JSON:
-            rest.append(Attempt(decision.backend, lenient=True, unenforced=decision.unenforced,
-                                after=after))
+        chosen = registry.info(decision.backend)
+        if chosen.lenient and not decision.lenient and work[0] in _JSON:
+            rest.append(Attempt(decision.backend, lenient=True, unenforced=(
+                *_lenient_gaps(chosen, features, decision.unenforced), *decision.unenforced),
+                after=after))
         if hedge is not None and all(a.backend != hedge.backend for a in rest):
             rest.append(replace(hedge, after=after))
     timed = bool(rest) and not rank_invariant
@@ -260,7 +270,15 @@ def _on_backend(backend: BackendInfo, features: dict[str, str]) -> tuple[tuple[s
     gaps = _gaps(features, backend)
     lenient = backend.lenient and (bool(gaps) or any(
         n in backend.lenient_exact for n in features))
-    return (*gaps, *_common(features)), lenient
+    extra = _lenient_gaps(backend, features, gaps) if lenient else []
+    return (*gaps, *extra, *_common(features)), lenient
+
+
+def _lenient_gaps(backend: BackendInfo, features: dict[str, str],
+                  listed: tuple[str, ...] | list[str]) -> list[str]:
+    """The features a backend's lenient mode serves unenforced (``lenient_gaps``), those
+    not already ``listed``."""
+    return [n for n in features if n in backend.lenient_gaps and n not in listed]
 
 
 def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
@@ -309,10 +327,13 @@ def _refuse(spec: GrammarSpec, features: dict[str, str], *, checked: bool) -> No
             raise UnsupportedError(
                 f"the schema's language is empty: nothing can be generated ($ref at {empty} "
                 "leads back to itself without a value)", where=empty)
-        if spec.extra_properties:  # closed objects keep llguidance's own disjointness proof
+        if "oneOf" in features:
             overlap = overlapping_one_of(spec.schema)
-            if overlap is not None:
+            if overlap is not None and spec.extra_properties:
                 features.setdefault("oneOf (overlapping branches)", overlap)
+            elif overlap is not None:  # closed objects keep llguidance's own disjointness
+                # proof (a gap of its lenient mode only: it serves such a oneOf as anyOf)
+                features.setdefault("oneOf (may overlap)", overlap)
     if spec.whitespace_pattern is not None:
         features["whitespace_pattern"] = "options"
 
@@ -346,8 +367,10 @@ def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference,
         elif spec.kind == "json_schema":
             everyone = "both backends" if len(serving) == 2 else "every backend"
             why = f"{everyone} enforce every keyword; {why}"
-        return Route(chosen.name, why, unenforced=_common(features),
-                     lenient=chosen.lenient and any(n in chosen.lenient_exact for n in features),
+        lenient = chosen.lenient and any(n in chosen.lenient_exact for n in features)
+        extra = _lenient_gaps(chosen, features, ()) if lenient else []
+        return Route(chosen.name, why, unenforced=(*extra, *_common(features)),
+                     lenient=lenient,
                      fallback=None if runner_up is None else runner_up.name, features=features)
     if spec.strict:
         lacks = "; ".join(f"{b.title} lacks {_names(gaps[b.name])}" for b in serving)
@@ -361,7 +384,9 @@ def _decide(spec: GrammarSpec, features: dict[str, str], prefer: Preference,
     mode = " (lenient)" if chosen.lenient else ""
     return Route(chosen.name, f"no backend enforces everything; {chosen.title}{mode} misses "
                  f"fewest ({_names(gaps[chosen.name])})",
-                 unenforced=(*gaps[chosen.name], *_common(features)), lenient=chosen.lenient,
+                 unenforced=(*gaps[chosen.name], *(_lenient_gaps(chosen, features, gaps[
+                     chosen.name]) if chosen.lenient else ()), *_common(features)),
+                 lenient=chosen.lenient,
                  features=features)
 
 
@@ -504,11 +529,17 @@ def _first_pointer(features: dict[str, str], names: list[str]) -> str | None:
 def schema_features(schema: Any) -> dict[str, str]:
     """Routing-relevant features of a schema, each with the JSON pointer of its first use."""
     found: dict[str, str] = {}
+    refs: list[str] = []
     for pointer, node in _subschemas(schema, ""):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and _stray(ref):
+            refs.append(ref)
         if _FEATURE_KEYS.isdisjoint(node):  # most nodes: nothing a backend lacks
             continue
         for name in _node_features(node):
             found.setdefault(name, pointer or "/")
+    with contextlib.suppress(Exception):  # a malformed pointer: the checker names it
+        _stray_features(schema, refs, found)
     return found
 
 
@@ -576,9 +607,36 @@ def _schema_walk(schema: Any, *, free: bool) -> tuple[dict[str, str], str | None
                         return None
         if not nested_ids and any(resolve_pointer(schema, r) is _MISSING for r in refs):
             return None
+        _stray_features(schema, refs, found)
     except Exception:  # whatever the checker makes of it, it says so itself
         return None
     return found, free_at
+
+
+def _stray_features(schema: Any, refs: list[str], found: dict[str, str]) -> None:
+    """The features of subschemas the walk does not reach but a ``$ref`` does: those kept
+    under a key that is no keyword (``{"$ref": "#/ddd/x", "ddd": {"x": {"not": ...}}}``),
+    followed from ref to ref."""
+    todo = [r for r in refs if _stray(r)]
+    seen: set[str] = set()
+    while todo and len(seen) < 256:
+        ref = todo.pop()
+        if ref in seen:
+            continue
+        seen.add(ref)
+        node = resolve_pointer(schema, ref)
+        for pointer, sub in _subschemas(node, ref[1:]):
+            if not _FEATURE_KEYS.isdisjoint(sub):
+                for name in _node_features(sub):
+                    found.setdefault(name, pointer or "/")
+            inner = sub.get("$ref")
+            if isinstance(inner, str) and _stray(inner):
+                todo.append(inner)
+
+
+def _stray(ref: str) -> bool:
+    """A local ``$ref`` into a part of the schema the feature walk does not visit."""
+    return ref.startswith("#/") and ref[2:].split("/", 1)[0] not in _WALK_KEYS
 
 
 def _trail_pointer(trail: list[tuple[int, str, str | int | None]], at: int) -> str:
@@ -602,7 +660,7 @@ _FEATURE_KEYS = frozenset({
     "propertyNames", "unevaluatedProperties", "unevaluatedItems", "oneOf", "if", "contains",
     "minContains", "maxContains", "multipleOf", "allOf", "$ref", "$dynamicRef",
     "$dynamicAnchor", "minLength", "maxLength", "pattern", "patternProperties", "required",
-    "format", "minProperties", "maxProperties"})
+    "format", "minProperties", "maxProperties", "anyOf"})
 
 
 #: ``_node_features``' checks by the keys that can trigger them: most nodes have only
@@ -634,9 +692,11 @@ def _node_features(node: dict[str, Any]) -> list[str]:
         mult = node.get("multipleOf")
         if isinstance(mult, float) and not mult.is_integer():
             out.append("multipleOf (non-integer)")
-        all_of = node.get("allOf")
-        if isinstance(all_of, list) and len(all_of) > 1:
-            out.append("allOf (several branches)")
+        if "allOf" in present and combinator_gap(node):
+            out.append("allOf (several branches)")  # what normalize cannot merge away
+    if ("anyOf" in present or "oneOf" in present) and "allOf" not in present and \
+            combinator_gap(node):
+        out.append("anyOf/oneOf beside other keywords")
     ref = node.get("$ref")
     if isinstance(ref, str):
         if not ref.startswith("#"):
@@ -672,6 +732,9 @@ def _node_features(node: dict[str, Any]) -> list[str]:
             out.append("required (undeclared names)")
     if "patternProperties" in present and "additionalProperties" not in node:
         out.append("patternProperties")
+    if ("patternProperties" in present and "properties" in node
+            and "allOf (several branches)" not in out and overlapping_pattern_all_of(node)):
+        out.append("allOf (several branches)")  # normalize folds the pattern in as an allOf
     fmt = node.get("format")
     if isinstance(fmt, str) and node.get("type") in ("string", None):
         if fmt == "date":

@@ -69,7 +69,7 @@ class Row:
 
     def fail(self, message: str, cause: str = "other") -> None:
         """Enter the sticky error state; ``cause`` is the metric label (compile, late,
-        rejected, gate, matcher, fill, host, ...)."""
+        rejected, dead_end, gate, matcher, fill, host, ...)."""
         if self.error is None:
             self.error = message
             metrics.ROW_ERRORS.labels(cause=cause).inc()
@@ -168,6 +168,14 @@ class Row:
                           f"constrained tokens{reason}", cause="rejected")
                 return
             self.fed += 1
+        failure = getattr(self.matcher, "failure", None)
+        if failure is not None:
+            # the backend lost the parse (an allowed token with no way on): the output ends
+            # in a stop the grammar did not give; never a quiet "stop"
+            tail = b"".join(self.vocab_tokens[t] for t in tokens[-8:]
+                            if 0 <= t < len(self.vocab_tokens))
+            self.fail(f"the grammar reached a dead end after {self.fed} constrained tokens "
+                      f"(last text {tail[-60:]!r}): {failure}", cause="dead_end")
 
     def attach(self, grammar: Grammar) -> None:
         """Make the row's matcher and feed it the tokens that arrived before it."""

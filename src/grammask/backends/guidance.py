@@ -56,6 +56,9 @@ class GuidanceMatcher(BackendMatcher):
         # the depth at which llguidance consumed a stop token: llguidance reports a complete
         # grammar (``abc`` after ``abc``) as stopped before any stop token, xgrammar does not
         self._stop_at: int | None = None
+        #: llguidance's error once it lost the parse (a dead end: a mask allowed a token
+        #: after which nothing can follow); the row reading it fails with cause dead_end
+        self.failure: str | None = None
 
     def accept(self, token_id: int) -> bool:
         tid = self._token(token_id)  # llguidance kills the matcher on ids past the vocabulary
@@ -92,10 +95,14 @@ class GuidanceMatcher(BackendMatcher):
         self._check_error()
 
     def _check_error(self) -> None:
+        if self.failure is not None or not self._m.is_error():
+            return
+        error = str(self._m.get_error())
+        self.failure = error.strip().splitlines()[0][:200] if error.strip() else "error"
         owner = self._owner
-        if owner is not None and self._m.is_error():
+        if owner is not None:
             self._owner = None  # once
-            owner.matcher_failed(str(self._m.get_error()))
+            owner.matcher_failed(error)
 
     def rollback(self, num_tokens: int) -> None:
         n = self._rollback_count(num_tokens)  # llguidance dies silently past it
@@ -120,10 +127,12 @@ class GuidanceMatcher(BackendMatcher):
         twin._extra_stops = self._extra_stops
         twin._depth = self._depth
         twin._stop_at = self._stop_at
+        twin.failure = self.failure
         return twin
 
     def reset(self) -> None:
         self._m.reset()
+        self.failure = None
         self._extra_stops = 0
         self._depth = 0
         self._stop_at = None
@@ -386,10 +395,16 @@ LENIENT_CANNOT = frozenset({"pattern (lookaround)"})
 LENIENT_EXACT = frozenset({"format (unknown)", "format (neither backend)"})
 
 
+#: What lenient mode leaves unenforced beyond ``GAPS``: llguidance's default mode refuses a
+#: oneOf it cannot prove exclusive, lenient mode (``coerce_one_of``) serves it as anyOf,
+#: silently where llguidance thinks the branches disjoint (multipleOf 3 / multipleOf 5).
+LENIENT_GAPS = {"oneOf (may overlap)": "served as anyOf in lenient mode"}
+
+
 register(BackendInfo(
     name="guidance", package="llguidance", priority=1, label="llguidance", aliases=("llguidance",),
     adapter=GuidanceBackend, gaps=GAPS, lenient=True, lenient_exact=LENIENT_EXACT,
-    lenient_cannot=LENIENT_CANNOT, batch_fill=True,
+    lenient_cannot=LENIENT_CANNOT, lenient_gaps=LENIENT_GAPS, batch_fill=True,
     # LLParserLimits' defaults bound a compile: initial lexer fuel 1,000,000 (~20 ms of regex
     # analysis), 500,000 grammar symbols; the first mask: 200,000 step fuel (~14 ms)
     bounded_compile=True,

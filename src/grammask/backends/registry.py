@@ -60,6 +60,10 @@ class BackendInfo:
     lenient_exact: frozenset[str] = frozenset()
     #: gaps even lenient mode refuses
     lenient_cannot: frozenset[str] = frozenset()
+    #: features its default mode refuses unless it proves them (llguidance: a oneOf whose
+    #: branches may overlap) and its lenient mode serves unenforced: listed as gaps of every
+    #: lenient attempt
+    lenient_gaps: Mapping[str, str] = field(default_factory=dict)
     #: the workloads it serves, with their cost; a workload absent here is not served
     costs: Mapping[Workload, Cost] = field(default_factory=dict)
     #: its matchers offer ``batch_fill`` (one parallel fill per step for all its rows)

@@ -224,7 +224,8 @@ def json_options(spec: GrammarSpec) -> dict[str, Any]:
 
 def _schema_text(spec: GrammarSpec) -> str:
     return jsontext.for_parser(normalize_schema(spec.schema, close_objects=False,
-                                                explicit_free=True, escape_nul=True))
+                                                explicit_free=True, escape_nul=True,
+                                                merge_combinators=True))
 
 
 def _compile(comp: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -314,7 +315,10 @@ GAPS: dict[str, str] = {
     "if/then/else": "ignored",
     "not": "ignored",
     "multipleOf (non-integer)": "ignored",
-    "allOf (several branches)": "ignored",
+    "allOf (several branches)": "the node matches any value (an allOf normalize cannot "
+                                "merge into its node)",
+    "anyOf/oneOf beside other keywords": "the node's other keywords are ignored (where "
+                                         "normalize cannot merge them into the branches)",
     "oneOf": "treated as anyOf",
     "$ref (remote)": "matches anything",
     "$ref with siblings": "siblings ignored",

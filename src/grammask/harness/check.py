@@ -49,7 +49,17 @@ from .oracles import (
     Verdict,
     local_registry,
 )
-from .walk import AuditReport, MaskReader, PrefixOracle, TokenTable, feed, random_walk, token_table
+from .walk import (
+    AuditReport,
+    MaskReader,
+    PrefixOracle,
+    ProbeReport,
+    TokenTable,
+    feed,
+    probe_walk,
+    random_walk,
+    token_table,
+)
 
 MAX_ROW_EXAMPLES = 5
 Emit = Callable[[str, dict[str, Any]], None]
@@ -80,6 +90,11 @@ class CheckConfig:
     seed: int = 0
     remotes: str | None = None
     reuse_auto: bool = True
+    #: the dead-end probe (``walk.probe_walk``): states per walk, allowed tokens per state
+    #: (one per distinct first byte), tokens per finishing walk; 0 states: off
+    probe_states: int = 2
+    probe_tokens: int = 8
+    probe_depth: int = 160
 
 
 @dataclass
@@ -130,6 +145,11 @@ class Row:
     samples_unfinished: int = 0
     samples_unchecked: int = 0
     samples_truncated: int = 0  # ended by stepping back to where the grammar could end
+    probe_states: int = 0  # states the dead-end probe looked at
+    probe_tokens: int = 0  # allowed tokens it took there
+    dead_ends: int = 0  # ... after which no finishing walk ended
+    invalid_ends: int = 0  # ... after which the ending failed the oracle outside the gaps
+    probe_unfinished: int = 0  # ... after which no try ended within its tokens (no finding)
     instances_ms: float = 0.0
     samples_ms: float = 0.0
     audit: dict[str, Any] = field(default_factory=dict)
@@ -379,33 +399,52 @@ class Checker:
     def _samples(self, row: Row, item: Item, grammar: Grammar, oracle: ItemOracle,
                  audit: AuditReport) -> None:
         cfg = self.cfg
-        for w in range(cfg.walks):
-            rng = seed_for(cfg, item.id, row.backend, w)
-            free, steps = _walk_plan(rng, cfg)
-            walk = random_walk(grammar.matcher(), self.table, self.reader, rng,
-                               max_tokens=cfg.max_tokens, free_steps=free, audit_steps=steps,
-                               audit_tokens=cfg.audit_tokens, oracle=oracle.prefix,
-                               report=audit, budget_s=cfg.walk_budget_s)
-            row.samples_truncated += walk.truncated
-            if not walk.finished:
-                row.samples_unfinished += 1
-                continue
-            row.samples_total += 1
-            if oracle.judge is None:
-                row.samples_unchecked += 1
-                continue
-            verdict = oracle.judge(walk.data, tuple(grammar.unenforced))
-            if verdict is None or verdict.reason == "oracle-error":
-                row.samples_unchecked += 1
-            elif verdict.valid:
-                row.samples_valid += 1
-            elif verdict.known_gap:
-                row.samples_known_gap += 1
-            else:
-                row.samples_invalid += 1
-                row.example(what="sampled output invalid", reason=verdict.reason,
-                            detail=verdict.detail,
-                            output=walk.data[:300].decode("utf-8", "backslashreplace"))
+        probe = ProbeReport()
+        try:
+            for w in range(cfg.walks):
+                self._sample(row, grammar, oracle, audit, probe, w)
+        finally:
+            row.probe_states, row.probe_tokens = probe.states, probe.tokens
+            row.dead_ends, row.invalid_ends = probe.dead_ends, probe.invalid_ends
+            row.probe_unfinished = probe.unfinished
+            for ex in probe.examples:
+                row.example(what=f"dead-end probe: {ex.pop('kind')}", **ex)
+
+    def _sample(self, row: Row, grammar: Grammar, oracle: ItemOracle, audit: AuditReport,
+                probe: ProbeReport, w: int) -> None:
+        """One sampled walk, judged, and the dead-end probe along it."""
+        cfg = self.cfg
+        rng = seed_for(cfg, row.id, row.backend, w)
+        free, steps = _walk_plan(rng, cfg)
+        walk = random_walk(grammar.matcher(), self.table, self.reader, rng,
+                           max_tokens=cfg.max_tokens, free_steps=free, audit_steps=steps,
+                           audit_tokens=cfg.audit_tokens, oracle=oracle.prefix,
+                           report=audit, budget_s=cfg.walk_budget_s)
+        if cfg.probe_states > 0:
+            probe_walk(grammar.matcher, self.table, self.reader, walk,
+                       seed_for(cfg, row.id, row.backend, w, "probe"), oracle.judge,
+                       tuple(grammar.unenforced), probe, states=cfg.probe_states,
+                       tokens=cfg.probe_tokens, depth=cfg.probe_depth)
+        row.samples_truncated += walk.truncated
+        if not walk.finished:
+            row.samples_unfinished += 1
+            return
+        row.samples_total += 1
+        if oracle.judge is None:
+            row.samples_unchecked += 1
+            return
+        verdict = oracle.judge(walk.data, tuple(grammar.unenforced))
+        if verdict is None or verdict.reason == "oracle-error":
+            row.samples_unchecked += 1
+        elif verdict.valid:
+            row.samples_valid += 1
+        elif verdict.known_gap:
+            row.samples_known_gap += 1
+        else:
+            row.samples_invalid += 1
+            row.example(what="sampled output invalid", reason=verdict.reason,
+                        detail=verdict.detail,
+                        output=walk.data[:300].decode("utf-8", "backslashreplace"))
 
     def differential(self, item: Item, one: Grammar, other: Grammar, oracle: ItemOracle
                      ) -> dict[str, Any]:

@@ -7,7 +7,8 @@
 
 On SIGTERM (``timeout``) the run stops and reports the items finished so far.
 Exit status: 0 when no mask audit mismatch, no oracle under-constraint at the mask level and
-no sampled output failing its oracle (outside declared gaps) was found; 1 otherwise; 2 on
+no sampled output failing its oracle (outside declared gaps) and no dead end (the probe: an
+allowed token after which nothing ends, or only an invalid output) was found; 1 otherwise; 2 on
 usage errors and without the ``check`` extra (``pip install 'grammask[check]'``: regex, lark).
 """
 
@@ -66,6 +67,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="allowed (and forbidden) tokens offered per audited step")
     p.add_argument("--walk-budget", type=float, default=15.0,
                    help="seconds per sampled walk before it steps back to an end")
+    p.add_argument("--probe-states", type=int, default=2,
+                   help="states per walk the dead-end probe looks at (0: no probe)")
+    p.add_argument("--probe-tokens", type=int, default=8,
+                   help="allowed tokens the probe takes per state (one per first byte)")
     p.add_argument("--diff-budget", type=float, default=20.0,
                    help="seconds per item for the differential")
     p.add_argument("--compact-only", action="store_true",
@@ -96,6 +101,7 @@ def config_of(ns: argparse.Namespace, remotes: Path | None) -> CheckConfig:
         any_whitespace=not ns.compact_only, extra_properties=ns.open_objects,
         diff=not ns.no_diff, seed=ns.seed, walk_budget_s=ns.walk_budget,
         diff_budget_s=ns.diff_budget, reuse_auto=not ns.recheck_auto,
+        probe_states=ns.probe_states, probe_tokens=ns.probe_tokens,
         remotes=str(remotes) if remotes is not None and remotes.is_dir() else None)
 
 
@@ -197,7 +203,8 @@ def _run(items: list[Item], backends: tuple[str, ...], cfg: CheckConfig,
 def _found_bugs(report: dict[str, Any]) -> bool:
     for s in report["summary"].values():
         a = s["audit"]
-        if a["mismatches"] or a["oracle_under"] or s["samples_invalid"]:
+        if (a["mismatches"] or a["oracle_under"] or s["samples_invalid"]
+                or s.get("dead_ends") or s.get("invalid_ends")):
             return True
     return False
 

@@ -319,10 +319,15 @@ class JsonOracle:
         except (ValueError, RecursionError) as exc:
             return Verdict(False, "json", detail=str(exc)[:200])
         verdict = self.check_value(value, unenforced)
-        if dupes and verdict.valid:
+        if dupes and (verdict.valid or set(verdict.keywords) <= _COUNTING):
             # JSON Schema leaves duplicate keys undefined and neither backend prevents them
+            # (a repeated key also counts once: minProperties may then fail)
             return Verdict(False, "duplicate-key", ("duplicate-key",), True, dupes[0])
         return verdict
+
+
+#: Keywords a repeated key can fail alone (it counts once once parsed).
+_COUNTING = frozenset({"minProperties"})
 
 
 def _no_dupes(pairs: list[tuple[str, Any]], dupes: list[str]) -> dict[str, Any]:
@@ -381,8 +386,26 @@ def explained_by_gap(err: ValidationError, unenforced: Iterable[str]) -> bool:
         if any(w in words for w in _GAP_WORDS.get(kw, (kw,))):
             return True
     if err.validator == "format":
-        return "format" in words and str(err.validator_value) in words
-    return False
+        # "format (llguidance unknown)": the formats llguidance calls unknown, by that name
+        return "format" in words and (str(err.validator_value) in words or "unknown" in words)
+    return _node_gap(err, unenforced)
+
+
+#: Gaps under which a backend serves the whole node that holds the keyword wrongly (xgrammar
+#: reads a node with an allOf it cannot merge as any value, and drops the keywords beside an
+#: anyOf/oneOf): any failure of that node's keywords is explained, with the keys it needs.
+_NODE_GAPS: dict[str, tuple[str, ...]] = {
+    "allOf (several branches)": ("allOf",),
+    "anyOf/oneOf beside other keywords": ("anyOf", "oneOf"),
+}
+
+
+def _node_gap(err: ValidationError, unenforced: Iterable[str]) -> bool:
+    node = err.schema
+    if not isinstance(node, dict):
+        return False
+    return any(entry.startswith(gap) and any(k in node for k in keys)
+               for entry in unenforced for gap, keys in _NODE_GAPS.items())
 
 
 # ----------------------------------------------------------------------------- Lark

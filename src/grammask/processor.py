@@ -272,8 +272,8 @@ class BatchProcessor:
         """Like ``apply``, for a host whose logits rows are not the processor's rows (vLLM's
         V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
         gets row ``rows[i]``'s mask. Other logits rows are left alone."""
-        bitmask, masked = self.wait_masks(rows)
-        self._logits.apply_mapped(self._rows, logits, bitmask, masked, logits_rows, rows)
+        masks, layout = self._jobs.wait_for_apply(self._rows, logits, rows)
+        self._logits.apply_mapped(self._rows, logits, masks, logits_rows, rows, layout)
 
     def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
                      positions: Sequence[int], inputs: Sequence[int]) -> None:

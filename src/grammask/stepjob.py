@@ -191,13 +191,16 @@ class StepJobs:
             self.settle()
             step.dropped = (step.dropped or set()) | {row}
 
-    def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor
+    def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor,
+                       rows: Collection[int] | None = None
                        ) -> tuple[StepMasks, LogitsLayout | None]:
-        """``wait``, for ``apply`` on ``logits``: also reads their layout (once: the apply
+        """``wait``, for an apply on ``logits``: also reads their layout (once: the apply
         takes it too), which the next job plans the CPU apply for when the last job found
-        that planning fits (``_plan_fits``, decided by the job: not on the critical path)."""
+        that planning fits (``_plan_fits``, decided by the job: not on the critical path).
+        The plan is made for the job's rows; an apply at other logits rows moves it there
+        (``apply.apply_pairs``)."""
         self._window_ms = (time.perf_counter() - self._stepped_at) * 1000
-        masks = self.wait(table, None)
+        masks = self.wait(table, rows)
         layout = cpu_layout(logits)
         self.cpu_layout = layout if self._plan_next else None
         return masks, layout
@@ -218,7 +221,8 @@ class StepJobs:
             except BaseException as exc:  # a bug in the job: contain it to this step's rows
                 indices = self._contain(step.work, step.buffer, exc)
             else:
-                if rows is None and not step.late and not step.dropped:  # the common case
+                if not step.late and not step.dropped and (  # the common cases: as made
+                        rows is None or (step.rows is not None and step.rows.issuperset(rows))):
                     return result
                 indices = set(result.rows)
         dropped = step.dropped or set()

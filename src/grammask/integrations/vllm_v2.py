@@ -120,6 +120,8 @@ class V2Batch:
         self._cuda = self.device.type == "cuda"
         self._slots: dict[int, _Slot] = {}
         self._leaving: set[int] = set()  # slots whose old occupant leaves the processor
+        self._unjoined: set[int] = set()  # constrained slots not in the processor yet
+        self._missing: set[int] = set()  # slots with placeholders to read before masking
         self._tracked = np.zeros(n, dtype=bool)
         self._prefill = np.zeros(n, dtype=np.int64)
         self._helper: ThreadPoolExecutor | None = None
@@ -144,6 +146,7 @@ class V2Batch:
             del self._slots[slot]
             self._tracked[slot] = False
             self._leaving.add(slot)
+            self._unjoined.discard(slot)
         prompt_len = int(self.rs.prompt_len.np[slot])
         prefill_len = int(self.rs.prefill_len.np[slot])
         # a preempted request comes back with its output to prefill again
@@ -156,6 +159,7 @@ class V2Batch:
                                   host_masks=host_masks(sampling_params))
         self._tracked[slot] = True
         self._prefill[slot] = prefill_len
+        self._unjoined.add(slot)
         return True
 
     def apply_staged_writes(self) -> None:
@@ -214,15 +218,19 @@ class V2Batch:
         return logits
 
     def _prepare(self, slots: list[int]) -> BatchProcessor:
-        """Placeholders resolved and every sampling slot in the processor."""
+        """Placeholders resolved and every sampling slot in the processor (the common step
+        does neither: two set checks, no work per row)."""
         proc = self.core.processor()
-        for slot, st in self._slots.items():  # rare: resolve placeholders before masking
-            if st.missing is not None:
-                self._fill_missing(st, slot)
-        for slot in slots:
-            st = self._slots[slot]
-            if not st.added:
-                self._join(slot, st)
+        if self._missing:  # rare: resolve placeholders before masking
+            for slot in sorted(self._missing):
+                st = self._slots.get(slot)
+                if st is not None and st.missing is not None:
+                    self._fill_missing(st, slot)
+            self._missing.clear()
+        if self._unjoined:
+            for slot in self._unjoined.intersection(slots):
+                self._join(slot, self._slots[slot])
+                self._unjoined.discard(slot)
         return proc
 
     def _mask_drafts(self, logits: torch.Tensor, ctx: Any, slots: list[int]) -> None:
@@ -320,7 +328,7 @@ class V2Batch:
                 pause = min(2 * pause, POLL_MAX_S)
         else:
             totals, tokens = self._gather(watch.index, watch.start, n, ordered=True)
-        for i, (_, st) in enumerate(items):
+        for i, (slot, st) in enumerate(items):
             new = totals[i] - st.known
             if new <= 0:
                 continue
@@ -330,6 +338,7 @@ class V2Batch:
                 st.output.extend([-1] * (new - take))
                 lo = st.known + take if st.missing is None else st.missing[0]
                 st.missing = (lo, st.known + new)
+                self._missing.add(slot)
             st.known += new
         self.core.processor().step([slot for slot, _ in items])
         return True

@@ -144,3 +144,29 @@ def test_speculative_decoding_is_served_on_034(monkeypatch: pytest.MonkeyPatch) 
 
 def _unused(_: Any) -> None:  # pragma: no cover - keeps the fixture import visible
     pass
+
+
+def test_a_parser_that_names_its_end_by_token_id_only_still_gates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.34's parsers can name the end of reasoning by token id (``reasoning_end_token_ids``)
+    instead of text: the drop-in masks after that token's text."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
+
+    from grammask.integrations.vllm_dropin import reasoning_end
+
+    from .vllm_fixtures import END_THINK
+
+    class ByToken(DeepSeekR1ReasoningParser):
+        @property
+        def reasoning_end_str(self) -> str | None:  # type: ignore[override]
+            return None
+
+        @property
+        def reasoning_end_token_ids(self) -> frozenset[int]:
+            return frozenset({END_THINK})
+
+    monkeypatch.setitem(ReasoningParserManager.reasoning_parsers, "grammask_test_by_token",
+                        ByToken)
+    end, why = reasoning_end(vllm_config(), "grammask_test_by_token")
+    assert end == "</think>", why

@@ -305,6 +305,10 @@ def test_a_parser_without_an_end_text_keeps_vllms_engine(model_config: Any,
         def reasoning_end_str(self) -> str | None:  # type: ignore[override]
             return None
 
+        @property
+        def reasoning_end_token_ids(self) -> frozenset[int]:  # vLLM 0.34's other way
+            return frozenset()
+
     monkeypatch.setitem(ReasoningParserManager.reasoning_parsers, "grammask_test_endless",
                         Endless)
     drop = status(stand_in(model_config=model_config, reasoning_parser="grammask_test_endless"),

@@ -108,7 +108,13 @@ def reasoning_end(vllm_config: Any, parser: str) -> tuple[str | None, str]:
         from vllm.tokenizers import cached_tokenizer_from_config
 
         cls = ReasoningParserManager.get_reasoning_parser(parser)
-        end = cls(cached_tokenizer_from_config(vllm_config.model_config)).reasoning_end_str
+        tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
+        built = cls(tokenizer)
+        end = built.reasoning_end_str
+        if not end:  # vLLM 0.34: a parser may name its end by token id only
+            ids: frozenset[int] = frozenset(getattr(built, "reasoning_end_token_ids", ()))
+            if len(ids) == 1:
+                end = tokenizer.decode(list(ids))
     except Exception as exc:  # a parser that cannot be built here
         return None, f"the parser could not be built ({type(exc).__name__}: {exc})"
     if not isinstance(end, str) or not end:

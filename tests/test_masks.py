@@ -447,3 +447,31 @@ def test_the_fill_thread_runs_on_the_cpus_it_was_given() -> None:
                 assert f.read().strip() == "grammask-fill"  # top -H and py-spy show it
         finally:
             worker.close()
+
+
+def test_guidance_lanes_keep_every_row_exact(compiler: Compiler, qwen25: Vocabulary) -> None:
+    """A batch fill on 3 threads spreads one grammar's rows over one template per thread
+    (rows moved by replaying their tokens): every mask equals a serial twin's, before and
+    after more tokens and a rollback, and new matchers are made on the new lanes."""
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA, backend="guidance"))
+    tokens = qwen25.encode(INSTANCE)
+    rows = [grammar.matcher() for _ in range(12)]
+    twins = [grammar.matcher() for _ in range(12)]
+    for i, (m, t) in enumerate(zip(rows, twins, strict=True)):
+        assert all(m.accept(x) and t.accept(x) for x in tokens[:i])
+    filler = Filler(parallel_min=1, threads=3)
+    for rollback in (0, 0, 2):
+        got = allocate_bitmask(12, qwen25.vocab_size)
+        want = allocate_bitmask(12, qwen25.vocab_size)
+        filler.fill([(m, i) for i, m in enumerate(rows)], got)
+        for i, t in enumerate(twins):
+            t.fill(want, i)
+        assert torch.equal(got, want)
+        for i, (m, t) in enumerate(zip(rows, twins, strict=True)):
+            if rollback and m.accepted() >= rollback:  # type: ignore[attr-defined]
+                m.rollback(rollback)
+                t.rollback(rollback)
+            elif i + 1 < len(tokens):
+                assert m.accept(tokens[i + 1]) == t.accept(tokens[i + 1])
+    assert sorted({m.lane for m in rows}) == [0, 1, 2]  # type: ignore[attr-defined]
+    assert {grammar.matcher().lane for _ in range(3)} == {0, 1, 2}  # type: ignore[attr-defined]

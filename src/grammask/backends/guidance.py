@@ -8,11 +8,13 @@ first request takes the copy the compile computed the start state's mask with).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
@@ -48,10 +50,16 @@ log = logging.getLogger("grammask")
 class GuidanceMatcher(BackendMatcher):
     def __init__(self, inner: llg.LLMatcher, stop_ids: tuple[int, ...], vocab_size: int,
                  first_mask: FirstMask | None = None,
-                 owner: GuidanceCompiled | None = None) -> None:
+                 owner: GuidanceCompiled | None = None, lane: int = 0) -> None:
         super().__init__(stop_ids, vocab_size)
         self._m = inner
         self._owner = owner  # told when this matcher breaks (its lexer is shared: see there)
+        #: the owner's template this matcher was copied from (its lexer's lock): a batch fill
+        #: fills the rows of one lane on one thread, so copies never wait on each other
+        self.lane = lane
+        #: the tokens llguidance consumed, so a batch fill can move the row to another lane
+        #: (a copy of that lane's template, the tokens replayed)
+        self._history: list[int] = []
         self._first_mask = first_mask  # the start state's mask, computed once per grammar
         # the depth at which llguidance consumed a stop token: llguidance reports a complete
         # grammar (``abc`` after ``abc``) as stopped before any stop token, xgrammar does not
@@ -77,6 +85,7 @@ class GuidanceMatcher(BackendMatcher):
             return False
         if not self._m.consume_token(tid):
             return False
+        self._history.append(tid)
         self._depth += 1
         if tid in self._stop_ids:
             self._stop_at = self._depth
@@ -111,6 +120,7 @@ class GuidanceMatcher(BackendMatcher):
         if n - undo_extra:
             self._m.rollback(n - undo_extra)
             self._depth -= n - undo_extra
+            del self._history[self._depth:]
             if self._stop_at is not None and self._stop_at > self._depth:
                 self._stop_at = None
 
@@ -123,7 +133,8 @@ class GuidanceMatcher(BackendMatcher):
 
     def fork(self) -> Matcher:
         twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids, self._vocab_size,
-                               self._first_mask, self._owner)
+                               self._first_mask, self._owner, self.lane)
+        twin._history = self._history.copy()
         twin._extra_stops = self._extra_stops
         twin._depth = self._depth
         twin._stop_at = self._stop_at
@@ -132,6 +143,7 @@ class GuidanceMatcher(BackendMatcher):
 
     def reset(self) -> None:
         self._m.reset()
+        self._history.clear()
         self.failure = None
         self._extra_stops = 0
         self._depth = 0
@@ -147,16 +159,130 @@ class GuidanceMatcher(BackendMatcher):
         adapter's counters stale)."""
         return self._m
 
+    def _move(self, lane: int) -> bool:
+        """Become a copy of the owner's template ``lane`` in the same state (the consumed
+        tokens replayed); False, unchanged, when that cannot be done exactly."""
+        owner = self._owner
+        if owner is None or self.failure is not None:
+            return False
+        template = owner.lane_template(lane)
+        if lane and template is owner.lane_template(0):  # no template of its own
+            return False
+        twin = template.deep_copy()
+        if self._history and not twin.consume_tokens(self._history):
+            return False
+        if twin.is_error() or twin.is_stopped() != self._m.is_stopped():
+            return False
+        self._m = twin
+        self.lane = lane
+        return True
+
     @classmethod
     def batch_fill(cls, rows: Sequence[tuple[GuidanceMatcher, int]], bitmask: torch.Tensor,
                    threads: int | None, state: dict[str, Any]) -> None:
-        """Fill many rows with llguidance's ``LLExecutor`` (its own thread pool)."""
+        """Fill many rows on ``threads`` fill threads (None: 80% of the cores, at most 8).
+
+        Copies of one llguidance template share its lexer behind one lock, held through
+        each mask: two threads filling copies of one template take turns (two threads were
+        slower than one). So each thread has its lanes: a row is filled on the thread of
+        the template it was copied from, and a grammar with more rows than a thread's share
+        gets one template per thread, its rows moved there once (their tokens replayed on
+        a copy: same state, same masks). Each thread fills its rows in one native call
+        (the GIL released throughout); the calling thread takes the first share."""
         check_batch(rows, bitmask)
-        executor = state.get("guidance")
-        if executor is None:
-            executor = state["guidance"] = llg.LLExecutor(threads)
-        executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in rows], bitmask.data_ptr(),
-                                         bitmask.shape[1] * 4, bitmask.shape[0])
+        n = threads if threads is not None else _default_threads()
+        if n <= 1 or len(rows) < 2:
+            _fill_rows(state, 0, rows, bitmask)
+            return
+        shares = _place(rows, n)
+        pool = state.get(f"guidance_pool{n}")
+        if pool is None:
+            pool = state[f"guidance_pool{n}"] = ThreadPoolExecutor(
+                n - 1, thread_name_prefix="grammask-fill")
+        futures: list[Future[None]] = [pool.submit(_fill_share, state, k, share, bitmask)
+                                       for k, share in enumerate(shares) if k and share]
+        try:
+            _fill_share(state, 0, shares[0], bitmask)
+        finally:
+            for f in futures:
+                f.result()
+
+
+def _default_threads() -> int:
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores * 4 // 5))
+
+
+def _place(rows: Sequence[tuple[GuidanceMatcher, int]], n: int
+           ) -> list[list[tuple[GuidanceMatcher, int, int]]]:
+    """Rows by fill thread: ``(matcher, row, lane)`` for each of ``n`` threads.
+
+    The rows of one lane (one template: one lexer lock) go to one thread; lanes go to the
+    least loaded thread, largest first. A grammar with more rows than a thread's share is
+    spread over ``n`` lanes: a row keeps its lane while that lane is under its share of the
+    grammar's rows, the others move (once: they stay on their new lane)."""
+    share = -(-len(rows) // n)
+    by_owner: dict[int, list[tuple[GuidanceMatcher, int]]] = {}
+    for m, r in rows:
+        by_owner.setdefault(id(m._owner), []).append((m, r))
+    units: dict[tuple[int, int], list[tuple[GuidanceMatcher, int, int]]] = {}
+    for key, group in by_owner.items():
+        if len(group) <= share or group[0][0]._owner is None:
+            for m, r in group:
+                units.setdefault((key, m.lane), []).append((m, r, m.lane))
+            continue
+        cap = -(-len(group) // n)
+        count = [0] * n
+        surplus: list[tuple[GuidanceMatcher, int]] = []
+        for m, r in group:
+            if m.lane < n and count[m.lane] < cap:
+                count[m.lane] += 1
+                units.setdefault((key, m.lane), []).append((m, r, m.lane))
+            else:
+                surplus.append((m, r))
+        lane = 0
+        for m, r in surplus:
+            while count[lane] >= cap:
+                lane += 1
+            count[lane] += 1
+            units.setdefault((key, lane), []).append((m, r, lane))
+    out: list[list[tuple[GuidanceMatcher, int, int]]] = [[] for _ in range(n)]
+    load = [0] * n
+    for unit in sorted(units.values(), key=len, reverse=True):
+        k = load.index(min(load))
+        out[k].extend(unit)
+        load[k] += len(unit)
+    return out
+
+
+def _fill_share(state: dict[str, Any], thread: int,
+                share: list[tuple[GuidanceMatcher, int, int]], bitmask: torch.Tensor) -> None:
+    """One fill thread's rows: move the rows placed on a new lane, then one native fill."""
+    rows: list[tuple[GuidanceMatcher, int]] = []
+    for m, r, lane in share:
+        if m.lane != lane and not m._move(lane):
+            m.fill(bitmask, r)  # it stays where it was: filled alone, never wrongly
+            continue
+        rows.append((m, r))
+    _fill_rows(state, thread, rows, bitmask)
+
+
+def _fill_rows(state: dict[str, Any], thread: int, rows: Sequence[tuple[GuidanceMatcher, int]],
+               bitmask: torch.Tensor) -> None:
+    """``rows`` in one call of this thread's one-thread ``LLExecutor`` (GIL released)."""
+    if not rows:
+        return
+    key = f"guidance_exec{thread}"
+    executor = state.get(key)
+    if executor is None:
+        executor = state[key] = llg.LLExecutor(1)
+    executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in rows], bitmask.data_ptr(),
+                                     bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 class GuidanceCompiled:
@@ -180,6 +306,11 @@ class GuidanceCompiled:
                  tokenizer: llg.LLTokenizer | None = None,
                  spare: llg.LLMatcher | None = None) -> None:
         self._template = template
+        #: one template per fill lane beyond the first (``lane_template``), made on demand
+        self._lanes: dict[int, llg.LLMatcher] = {}
+        self._next_lane = itertools.count()
+        #: lanes new matchers are spread over (a batch fill raises it for a busy grammar)
+        self.lanes_wanted = 1
         # taken at most once: list.pop is atomic, so two threads never share the spare
         self._spare = [] if spare is None else [spare]
         self._grammar = grammar
@@ -202,11 +333,33 @@ class GuidanceCompiled:
     def matcher(self) -> GuidanceMatcher:
         if self._broken:
             self._rebuild()
-        try:
-            inner = self._spare.pop()
-        except IndexError:
-            inner = self._template.deep_copy()
-        return GuidanceMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask, self)
+        lane = next(self._next_lane) % self.lanes_wanted if self.lanes_wanted > 1 else 0
+        if lane and lane not in self._lanes:
+            lane = 0  # made by the batch fill that wants it, not on this (host's) path
+        if lane:
+            inner = self._lanes[lane].deep_copy()
+        else:
+            try:
+                inner = self._spare.pop()
+            except IndexError:
+                inner = self._template.deep_copy()
+        return GuidanceMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask, self,
+                               lane)
+
+    def lane_template(self, lane: int) -> llg.LLMatcher:
+        """The template of fill lane ``lane`` (0: the compile's); a lane's own is built from
+        the grammar text on first use (a compile: it has its own lexer and lock)."""
+        if lane == 0 or self._tokenizer is None:
+            return self._template
+        template = self._lanes.get(lane)
+        if template is None:
+            template = llg.LLMatcher(self._tokenizer, self._grammar, log_level=0)
+            if template.is_error():
+                return self._template
+            with self._lock:
+                template = self._lanes.setdefault(lane, template)
+                self.lanes_wanted = max(self.lanes_wanted, lane + 1)
+        return template
 
     def matcher_failed(self, error: str) -> None:
         """A matcher made here entered llguidance's error state: the shared lexer may be
@@ -223,6 +376,7 @@ class GuidanceCompiled:
             fresh = llg.LLMatcher(self._tokenizer, self._grammar, log_level=0)
             if not fresh.is_error():
                 self._spare.clear()  # a copy of the broken template shares its lexer
+                self._lanes = {}
                 self._template = fresh
                 self.rebuilds += 1
             self._broken = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, load_vocabulary
 from grammask.spec import BackendName
@@ -60,3 +61,38 @@ def test_specials_and_padding_never_allowed_in_json_strings(
         assert not bit(row, tid), f"padding id {tid} allowed"
     for tid in vocab.special_ids:
         assert not m.fork().accept(tid)
+
+
+def test_a_hugging_face_vocabulary_gives_llguidance_a_native_tokenizer() -> None:
+    """From a fast tokenizer llguidance tokenizes natively (vLLM's way: no Python callback,
+    so no GIL, inside a fill). Along a free-text walk its masks equal the callback's, but
+    for the added tokens (``<think>``, ``<tool_call>``: non-special in Qwen3), which the
+    native tokenizer never allows inside text (stricter, as in vLLM)."""
+    from .vllm_fixtures import model_dir
+
+    vocab = load_vocabulary(str(model_dir()))
+    native = vocab.llguidance_tokenizer
+    assert vocab._native_llguidance() is not None
+    callback = Vocabulary(vocab.tokens, special_ids=vocab.special_ids, stop_ids=vocab.stop_ids,
+                          vocab_size=vocab.vocab_size, encode=vocab.encode)
+    assert callback._native_llguidance() is None
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+              "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name"]}
+    text = '{"name": "Zoë, in \\"quotes\\"", "tags": ["a b", "c"]}'
+    walks = []
+    for v in (vocab, callback):
+        compiler = Compiler(v, backend="guidance")
+        try:
+            m = compiler.compile(GrammarSpec.json_schema(schema)).matcher()
+            masks = []
+            for t in v.encode(text):
+                masks.append(mask_of(m, v))
+                assert m.accept(t)
+            walks.append(masks)
+        finally:
+            compiler.close()
+    assert native is vocab.llguidance_tokenizer
+    added = 151_643  # Qwen's added tokens start here
+    for a, b in zip(*walks, strict=True):
+        assert torch.equal(a[:added // 32], b[:added // 32])
+        assert torch.equal(a & b, a)  # the native mask is a subset

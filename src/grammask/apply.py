@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -235,15 +236,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
             _apply_cpu(logits, bitmask, covered, rows)
         else:
             _apply_torch(logits, bitmask, covered, rows)
-    else:  # GPU path: untested here (no CUDA device on the development machine)
+    else:  # CUDA: the copy of the (pinned) bitmask, then xgrammar's kernel
         device_mask = (buffers.to_device(bitmask, max(rows) + 1, logits.device)
                        if buffers is not None else
                        bitmask[:max(rows) + 1].to(logits.device, non_blocking=True))
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=covered,
-                                        indices=None if indices is None else rows,
-                                        backend="triton" if _has_triton() else "torch_native")
+        _apply_cuda(logits, device_mask, covered, rows)
     if width > covered:
         index = torch.tensor(rows, device=logits.device)
         logits[index, covered:] = float("-inf")
@@ -448,7 +445,35 @@ def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
     logits[index, :covered] = block
 
 
-def _has_triton() -> bool:
-    import importlib.util
+def _apply_cuda(logits: torch.Tensor, device_mask: torch.Tensor, covered: int,
+                rows: list[int]) -> None:
+    """xgrammar's Triton kernel called directly (its generic entry point checks and picks a
+    backend on every call); rows as a pinned index copied without blocking, or none when
+    they are every row of the logits (the common case: no index at all)."""
+    kernel = _triton_kernel()
+    n = len(rows)
+    every = n == logits.shape[0] and rows[0] == 0 and rows[-1] == n - 1
+    if kernel is None:
+        import xgrammar as xgr
 
-    return importlib.util.find_spec("triton") is not None
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=covered,
+                                        indices=None if every else rows,
+                                        backend="torch_native")
+        return
+    index = None
+    if not every:
+        host = torch.from_numpy(np.asarray(rows, dtype=np.int32)).pin_memory()
+        index = host.to(logits.device, non_blocking=True)
+    kernel(logits, device_mask, covered, index)
+
+
+@cache
+def _triton_kernel() -> Any:
+    """xgrammar's Triton apply kernel, or None without Triton."""
+    try:
+        from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+            apply_token_bitmask_inplace_triton,
+        )
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace_triton

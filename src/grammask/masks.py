@@ -49,6 +49,8 @@ class MaskBuffers:
                          for _ in range(count)]
         # GPU only (untested here): the copy of buffer i to the device, recorded by apply().
         self._copy_done: list[Any | None] = [None] * count
+        self._events: list[Any | None] = [None] * count  # made once, recorded per copy
+        self._device: torch.Tensor | None = None  # the device copy's buffer
         self._next = 0
 
     @property
@@ -66,13 +68,22 @@ class MaskBuffers:
         return self._buffers[index]
 
     def to_device(self, bitmask: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-        """Copy the first ``rows`` rows to ``device`` without blocking the host.
-
-        GPU path, untested here (no CUDA on the development machine)."""
-        copy = bitmask[:rows].to(device, non_blocking=True)
+        """Copy the first ``rows`` rows to ``device`` without blocking the host, into a device
+        buffer kept across steps (stream order keeps it safe), and mark the host buffer busy
+        until the copy ran (one event per buffer, made once: no event made per step)."""
+        dev = self._device
+        if (dev is None or dev.device != device or dev.shape[0] < rows
+                or dev.shape[1] != bitmask.shape[1]):
+            dev = self._device = torch.empty(max(rows, self.max_batch), bitmask.shape[1],
+                                             dtype=torch.int32, device=device)
+        copy = dev[:rows]
+        copy.copy_(bitmask[:rows], non_blocking=True)
+        pointer = bitmask.data_ptr()
         for i, buf in enumerate(self._buffers):
-            if buf.data_ptr() == bitmask.data_ptr():
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            if buf.data_ptr() == pointer:
+                event = self._events[i]
+                if event is None:
+                    event = self._events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record()
                 self._copy_done[i] = event
         return copy

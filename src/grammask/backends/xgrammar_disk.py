@@ -91,29 +91,28 @@ _MASK_ENTRY = re.compile(r'\{"store_type":[^{}]*\}')
 _CHILD_CODE = "from grammask.backends.xgrammar import disk_child_main; disk_child_main()"
 
 #: Sources whose changes can change a compiled grammar: part of the key.
-_RECIPE_FILES = ("backends/xgrammar.py", "normalize.py", "spec.py", "vocab.py")
+#: Bump whenever a change to how grammask shapes an xgrammar compile (``backends/xgrammar.py``,
+#: ``normalize.py``, ``spec.py``, ``vocab.py``) would make a stored grammar differ: entries
+#: under an older recipe are then never read. A constant, not a digest of those sources, so
+#: an unrelated edit (or a parent and a writer child reading files mid-edit) keeps the cache.
+RECIPE_VERSION = 2
 
 _recipe: str | None = None
 
 
 def recipe_digest() -> str:
-    """grammask's version and a digest of the sources that shape an xgrammar compile."""
+    """grammask's version, ``RECIPE_VERSION`` and xgrammar's version, as one key part."""
     global _recipe
     if _recipe is None:
         from importlib.metadata import PackageNotFoundError, version
 
         h = hashlib.sha256()
-        try:
-            h.update(version("grammask").encode())
-        except PackageNotFoundError:
-            h.update(b"unknown")
-        root = Path(__file__).resolve().parents[1]  # the grammask package
-        for rel in _RECIPE_FILES:
-            h.update(rel.encode())
+        for package in ("grammask", "xgrammar"):
             try:
-                h.update((root / rel).read_bytes())
-            except OSError:
-                h.update(b"missing")
+                h.update(f"{package}={version(package)};".encode())
+            except PackageNotFoundError:
+                h.update(f"{package}=unknown;".encode())
+        h.update(f"recipe={RECIPE_VERSION}".encode())
         _recipe = h.hexdigest()[:32]
     return _recipe
 

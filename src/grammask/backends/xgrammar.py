@@ -148,7 +148,7 @@ class XGrammarBackend:
 
     def prepare(self, vocab: Vocabulary) -> None:
         _ = vocab.xgrammar_info
-        xgrammar_disk.recipe_digest()  # reads sources: now, not in a request's first load
+        xgrammar_disk.recipe_digest()  # reads package metadata: now, not in a first load
 
     # the disk capability (``BackendInfo.disk``): ``xgrammar_disk`` is the codec
     def load_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,

@@ -221,6 +221,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError(f"expected 2-D logits and a 2-D int32 bitmask, got {tuple(logits.shape)}"
                          f" and {tuple(bitmask.shape)} {bitmask.dtype}")
+    if not logits.is_cpu:
+        _apply_device(logits, bitmask, vocab_size, indices, buffers)
+        return
     rows = list(range(logits.shape[0])) if indices is None else list(indices)
     if not rows:
         return
@@ -229,18 +232,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
                          f"{tuple(logits.shape)} / bitmask {tuple(bitmask.shape)}")
     width = logits.shape[1]
     covered = min(width, vocab_size, bitmask.shape[1] * 32)
-    if logits.is_cpu:
-        if logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1:
-            # no plan made ahead (or not for these logits): planning here would cost more
-            # than it saves
-            _apply_cpu(logits, bitmask, covered, rows)
-        else:
-            _apply_torch(logits, bitmask, covered, rows)
-    else:  # CUDA: the copy of the (pinned) bitmask, then xgrammar's kernel
-        device_mask = (buffers.to_device(bitmask, max(rows) + 1, logits.device)
-                       if buffers is not None else
-                       bitmask[:max(rows) + 1].to(logits.device, non_blocking=True))
-        _apply_cuda(logits, device_mask, covered, rows)
+    if logits.dtype in _KERNEL_DTYPES and logits.stride(1) == 1:
+        # no plan made ahead (or not for these logits): planning here would cost more than
+        # it saves
+        _apply_cpu(logits, bitmask, covered, rows)
+    else:
+        _apply_torch(logits, bitmask, covered, rows)
     if width > covered:
         index = torch.tensor(rows, device=logits.device)
         logits[index, covered:] = float("-inf")
@@ -445,26 +442,49 @@ def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
     logits[index, :covered] = block
 
 
-def _apply_cuda(logits: torch.Tensor, device_mask: torch.Tensor, covered: int,
-                rows: list[int]) -> None:
-    """xgrammar's Triton kernel called directly (its generic entry point checks and picks a
-    backend on every call); rows as a pinned index copied without blocking, or none when
-    they are every row of the logits (the common case: no index at all)."""
+def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
+                  indices: Sequence[int] | None, buffers: MaskBuffers | None) -> None:
+    """CUDA logits: the (pinned) bitmask copied without blocking, then xgrammar's Triton
+    kernel called directly (its generic entry point checks and picks a backend on every
+    call). Rows are checked in numpy (no Python work per row); no index at all when they are
+    every row of the logits in order (the common case), else a pinned index copied without
+    blocking."""
+    n = logits.shape[0]
+    if indices is None:
+        index_np = None
+        bound = n
+    else:
+        index_np = np.asarray(indices, dtype=np.int32)
+        if index_np.size == 0:
+            return
+        lo, bound = int(index_np.min()), int(index_np.max()) + 1
+        if lo < 0 or bound > min(n, bitmask.shape[0]):
+            raise ValueError(f"row indices {lo}..{bound - 1} outside logits "
+                             f"{tuple(logits.shape)} / bitmask {tuple(bitmask.shape)}")
+        if index_np.size == n and lo == 0 and bound == n and (
+                n == 1 or bool((index_np[1:] > index_np[:-1]).all())):
+            index_np = None  # 0..n-1 in order: every row
+    width = logits.shape[1]
+    covered = min(width, vocab_size, bitmask.shape[1] * 32)
+    device_mask = (buffers.to_device(bitmask, bound, logits.device) if buffers is not None
+                   else bitmask[:bound].to(logits.device, non_blocking=True))
+    index = None
+    if index_np is not None:
+        index = torch.from_numpy(index_np).pin_memory().to(logits.device, non_blocking=True)
     kernel = _triton_kernel()
-    n = len(rows)
-    every = n == logits.shape[0] and rows[0] == 0 and rows[-1] == n - 1
-    if kernel is None:
+    if kernel is not None:
+        kernel(logits, device_mask, covered, index)
+    else:
         import xgrammar as xgr
 
         xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=covered,
-                                        indices=None if every else rows,
+                                        indices=None if index is None else index.tolist(),
                                         backend="torch_native")
-        return
-    index = None
-    if not every:
-        host = torch.from_numpy(np.asarray(rows, dtype=np.int32)).pin_memory()
-        index = host.to(logits.device, non_blocking=True)
-    kernel(logits, device_mask, covered, index)
+    if width > covered:  # model padding past the mask
+        if index is None:
+            logits[:, covered:] = float("-inf")
+        else:
+            logits[index.long(), covered:] = float("-inf")
 
 
 @cache

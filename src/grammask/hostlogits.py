@@ -48,8 +48,11 @@ class HostLogits:
             if self.digests is not None:
                 self._record(table, bitmask, rows)
                 plan = None if self.digests.fault else plan
-            apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=rows,
-                          buffers=self.buffers, plan=plan, layout=layout)
+            # every row of the logits, in order (``rows`` is sorted and distinct): no index
+            every = layout is None and len(rows) == logits.shape[0]
+            apply_bitmask(logits, bitmask, vocab_size=self.vocab_size,
+                          indices=None if every else rows, buffers=self.buffers, plan=plan,
+                          layout=layout)
             if self.risky:
                 self._restore(table, logits, bitmask, [(i, i) for i in rows])
 

@@ -309,8 +309,10 @@ def _apply_plan_moved(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout,
                            logits.storage_offset()).view(int_dtype).numpy()
     keep = moved(plan.keep) if plan.keep.size else None
     saved = view[keep] if keep is not None else None
-    if plan.wiped is not None and plan.wiped.size:
-        logits[torch.from_numpy(at_of[plan.wiped])] = float("-inf")
+    if plan.wiped is not None and plan.wiped.size:  # a row fill per wiped row, in numpy
+        rows2d = np.lib.stride_tricks.as_strided(
+            view, (layout.rows, layout.width), (stride * view.itemsize, view.itemsize))
+        rows2d[at_of[plan.wiped]] = minus_inf
     if saved is not None:
         view[keep] = saved
     if plan.kill.size:

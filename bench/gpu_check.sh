@@ -26,7 +26,7 @@ assert torch.cuda.is_available(), "no CUDA device"
 print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
 status=0
-"$PY" -m pytest -q -s -p no:cacheprovider tests/test_devices.py tests/test_v2_watch_cuda.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
+"$PY" -m pytest -q -s -p no:cacheprovider tests/test_devices.py tests/test_v2_watch_cuda.py tests/test_apply_pairs.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
     || status=1
 "$PY" -m bench.gpu --json "$OUT/gpu.json" || status=1
 echo "gpu_check: tests and benchmarks done (status $status); results in $OUT"

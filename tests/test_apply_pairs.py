@@ -60,3 +60,25 @@ def test_a_plan_for_other_rows_is_not_used() -> None:
     at, rows = np.array([1, 0]), np.array([3, 1])
     apply_pairs(logits, bitmask, at, rows, vocab_size=VOCAB, plan=stale)
     assert torch.isfinite(logits).sum(dim=1).tolist() == [1, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pairs_on_cuda_match_the_reference(dtype: torch.dtype) -> None:
+    """The V2 runner's apply on CUDA logits: the device-side gather into batch order."""
+    from grammask.masks import MaskBuffers
+
+    rng = np.random.default_rng(11)
+    buffers = MaskBuffers(16, VOCAB)
+    for trial in range(10):
+        bitmask = buffers.acquire()
+        bitmask.copy_(torch.from_numpy(rng.integers(-2**31, 2**31, (16, 32), dtype=np.int64)
+                                       .astype(np.int32)))
+        k = int(rng.integers(1, 9))
+        rows = np.sort(rng.choice(16, k, replace=False)).astype(np.intp)
+        at = rng.choice(8, k, replace=False).astype(np.intp)
+        logits = torch.randn(8, WIDTH).to(dtype)
+        expected = _reference(logits, bitmask, at, rows)
+        on_device = logits.cuda()
+        apply_pairs(on_device, bitmask, at, rows, vocab_size=VOCAB, buffers=buffers)
+        assert torch.equal(on_device.cpu(), expected), trial

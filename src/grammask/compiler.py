@@ -37,8 +37,10 @@ an LRU and one deadline per request.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
+import logging
 import os
 import threading
 import time
@@ -46,7 +48,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from . import metrics
+from . import fillcost, metrics
 from .attempts import PlanRunner
 from .backends import get_backend, registry
 from .compile_cache import CompileCache
@@ -70,6 +72,8 @@ __all__ = ["Compiler", "Grammar", "Stats", "running_compiles", "trim_heap"]
 #: bound once: ``labels()`` takes a lock and checks its arguments, a cost on every hit
 _MEMORY_HITS = metrics.cache_requests("memory", "hit")
 _MEMORY_MISSES = metrics.cache_requests("memory", "miss")
+_FILL_TUNED = metrics.FILL_TUNED
+log = logging.getLogger("grammask")
 
 
 class _Flight:
@@ -179,10 +183,16 @@ class Compiler:
         disk_cache_dir: str | os.PathLike[str] | None = None,
         disk_cache_bytes: int = DEFAULT_MAX_BYTES,
         rank_invariant: bool = False,
+        tune_fill: bool = True,
     ) -> None:
         """``rank_invariant``: one of several tensor-parallel ranks, which must all end with
         the same grammar for a spec: no fallback is taken on timing (a slow or busy backend),
-        only on a refusal or an internal error, which every rank sees alike."""
+        only on a refusal or an internal error, which every rank sees alike.
+
+        ``tune_fill``: when another backend enforces every keyword of a JSON schema too, it
+        is compiled in the background and both fill a probe walk; the cheaper on this
+        machine serves the spec's later requests (``grammask.fillcost``). Off with
+        ``rank_invariant``, a forced backend or a ``prefer``ence."""
         self.default_backend = backend_name(backend)
         if timeout_s <= 0 or max_workers < 1 or cache_bytes < 0 or max_negative < 0:
             raise InvalidSpecError("timeout_s and max_workers must be positive")
@@ -193,6 +203,8 @@ class Compiler:
         self.max_negative = max_negative
         self.prefer: Preference = registry.resolve(prefer, "prefer") or "auto"
         self.rank_invariant = rank_invariant
+        self.tune_fill = tune_fill and not rank_invariant and self.prefer == "auto"
+        self._structure: dict[str, int] | None = None  # probe walks' structural tokens
         self.stats = Stats()
         # one pool of compile slots per backend: one backend's runaways never starve another's
         self._runners = Runners(max_workers, max_abandoned)
@@ -455,12 +467,66 @@ class Compiler:
             if not self._closed:
                 self._memory.insert(spec.key, grammar)
         settled = self._resolve(flight, grammar=grammar)
+        self._tune_later(spec, grammar)
         if not here:
             self._trim()
         elif self._trim_due():
             with contextlib.suppress(RuntimeError):  # the pool shut down: no trim needed
                 self._pool.submit(self._trim)
         return grammar if settled or flight.error is None else flight.error
+
+    def _tune_later(self, spec: GrammarSpec, grammar: Grammar) -> None:
+        """Start ``_tune`` when another backend enforces every keyword of this JSON schema
+        (the route's fallback: set only then) and nothing forced the choice."""
+        if (not self.tune_fill or spec.backend is not None or spec.kind != "json_schema"
+                or grammar.fallback_from is not None or grammar.from_disk):
+            return
+        route = self.plan(spec).route
+        other = route.fallback
+        if other is None or route.backend != grammar.backend or route.lenient:
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to tune
+            self._pool.submit(self._tune, spec, grammar, other)
+
+    def _tune(self, spec: GrammarSpec, grammar: Grammar, other: BackendName) -> None:
+        """Compile ``other`` (the normal path: its own key, deadline and cache), compare the
+        fills on a probe walk, and serve the cheaper for ``spec`` from now on."""
+        try:
+            rival = self.compile(spec.with_backend(other))
+            if rival.unenforced != grammar.unenforced:
+                return
+            walk = fillcost.probe(grammar, self._structure_tokens(), self.vocab.vocab_size,
+                                  seed=int(spec.key[:8], 16))
+            result = fillcost.compare(grammar, rival, walk, self.vocab.vocab_size)
+        except Exception as exc:  # never the request's concern: it is served already
+            log.debug("grammask: fill tuning of %s skipped: %s", spec.describe(), exc)
+            return
+        moved = result.b_cheaper()
+        _FILL_TUNED.labels(routed=grammar.backend,
+                           served=other if moved else grammar.backend).inc()
+        with self._lock:
+            self.stats.fill_tuned += 1
+            if not moved or self._closed or self._memory.peek(spec.key) is not grammar:
+                return
+            self.stats.fill_moved += 1
+            title = registry.info(other).title
+            served = dataclasses.replace(
+                rival, spec=grammar.spec, fallback_from=None,
+                reason=f"{grammar.reason}; {title} then measured cheaper to fill here: "
+                       f"{result.b_us:.1f} µs a token against {result.a_us:.1f} "
+                       f"(a probe walk of {result.tokens} tokens)")
+            self._memory.insert(spec.key, served)
+
+    def _structure_tokens(self) -> dict[str, int]:
+        """The probe walks' structural tokens of this vocabulary (texts that are one token)."""
+        if self._structure is None:
+            found = {}
+            for text in fillcost.STRUCTURE:
+                ids = self.vocab.encode(text)
+                if len(ids) == 1:
+                    found[text] = ids[0]
+            self._structure = found
+        return self._structure
 
     def _trim_due(self) -> bool:
         with self._lock:

@@ -59,6 +59,10 @@ class Stats:
     disk_hits: int = 0
     disk_misses: int = 0
     disk_writes: int = 0
+    #: JSON schemas whose fill two backends compared (``Compiler(tune_fill=True)``), and
+    #: those the other backend then served
+    fill_tuned: int = 0
+    fill_moved: int = 0
 
 
 def fresh_error(error: BaseException) -> BaseException:

@@ -72,6 +72,9 @@ ROW_ERRORS = _counter(
 FIRST_MASK_WAIT = _histogram(
     "grammask_first_mask_wait_seconds",
     "How long a row's first mask waited for its grammar (the batch waits too)", ("outcome",))
+FILL_TUNED = _counter(
+    "grammask_fill_tuned", "JSON schemas whose fill cost two backends compared on this "
+    "machine: the routed backend and the one now serving the spec", ("routed", "served"))
 HEDGES = _counter(
     "grammask_hedges", "First masks that started the other backend's compile", ("served_by",))
 HOST_CONFLICTS = _counter(

@@ -70,9 +70,9 @@ def walk_costs(grammars: dict[str, Any], tokens: list[int], vocab_size: int,
 def run(sample: int, seed: int, corpus: Path, tune: bool = True) -> dict[str, Any]:
     vocab = load_vocabulary("qwen2.5")
     auto = Compiler(vocab, timeout_s=30, tune_fill=tune)
-    forced = {name: Compiler(vocab, backend=name, timeout_s=30)  # type: ignore[arg-type]
+    forced = {name: Compiler(vocab, backend=name, timeout_s=30)
               for name in registry.names()}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for case in load_maskbench(corpus, sample, seed, need_instances=True):
         spec = GrammarSpec.json_schema(case.source)
         try:
@@ -99,7 +99,7 @@ def run(sample: int, seed: int, corpus: Path, tune: bool = True) -> dict[str, An
                      "reason": chosen.reason})
     for c in (auto, *forced.values()):
         c.close()
-    ratios = [r["ratio"] for r in rows]
+    ratios: list[float] = [float(r["ratio"]) for r in rows]
     summary = {
         "schemas": len(rows),
         "geomean": math.exp(statistics.mean(math.log(x) for x in ratios)) if ratios else None,

@@ -83,7 +83,7 @@ def measure(vocab: Vocabulary, backend: str, rows: int, steps: int, threads: Seq
             ) -> dict[str, float]:
     compiler = Compiler(vocab, timeout_s=60)
     grammar = compiler.compile(GrammarSpec.json_schema(FREE_TEXT, any_whitespace=False,
-                                                       backend=backend))  # type: ignore[arg-type]
+                                                       backend=backend))
     walks = [vocab.encode(t) for t in instances(8)]
     bitmask = allocate_bitmask(rows, vocab.vocab_size)
     fills: dict[str, Callable[[list[tuple[Matcher, int]]], None]] = {}
@@ -95,7 +95,11 @@ def measure(vocab: Vocabulary, backend: str, rows: int, steps: int, threads: Seq
     fills["loop"] = loop
     for n in threads:
         filler = Filler(parallel_min=1, threads=n)
-        fills[f"t{n}"] = lambda e, f=filler: f.fill(e, bitmask)
+
+        def batch(e: list[tuple[Matcher, int]], f: Filler = filler) -> None:
+            f.fill(e, bitmask)
+
+        fills[f"t{n}"] = batch
         if backend == "guidance":
             ex = llg.LLExecutor(n)
 

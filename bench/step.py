@@ -1,0 +1,341 @@
+"""The decode step with masks: grammask's ``BatchProcessor`` against vLLM's way, side by side
+in one run (issue 32, item 5).
+
+    python -m bench.step [--batch-sizes 1,16,64,256,512] [--forwards wait3,wait10,busy3]
+                         [--workloads free,closed,corpus,regex,choice] [--steps 12]
+                         [--repeats 3] [--json OUT]
+
+One step, as each host runs it (the masks' apply is left out on both sides: on a GPU it is a
+kernel either way, measured by ``bench/gpu.py``):
+
+- grammask: ``proc.step(rows, tokens)`` (the sampled tokens handed over; advance and fill
+  start on the fill thread) -> the forward -> ``proc.wait_masks()``.
+- vLLM's way, with xgrammar and with llguidance (``vllm/v1/structured_output``): the engine
+  core accepts each row's token and fills its row, serially up to 128 rows, above that in
+  chunks of 16 rows on ``min(cores // 2, 8)`` threads; llguidance matchers are made from
+  the grammar per request, as vLLM does. That runs in the engine core, another process,
+  while the GPU works: its step is ``max(forward, fill)``, both measured in the same step.
+
+Forwards: ``waitN`` a GIL-free wait of N ms (a CUDA-graph replay: the host only waits);
+``busyN`` N ms of Python issuing tiny torch ops (an eager launch loop: the model runner's
+thread holds the GIL most of the time, which grammask's fill thread shares).
+
+Workloads: ``free`` (objects with free-text strings), ``closed`` (enums, integers,
+booleans), ``corpus`` (a mix of ``../shared/corpus`` maskbench schemas walking valid
+instances), ``regex``, ``choice``. Every row walks its text one token a step; a row that
+ends starts a new request. Reported per (workload, B, forward): median step ms of each
+side over ``--repeats`` runs of ``--steps`` steps, and grammask's ratio to the better of
+vLLM's ways (<= 1.0: never slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import llguidance as llg
+import llguidance.torch as llg_torch
+import torch
+
+from bench.cases import load_maskbench
+from bench.fillscale import FREE_TEXT, instances
+from bench.paths import DEFAULT_CORPUS
+from bench.stats import machine_info, render_table, write_json
+from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
+from grammask.bitmask import allocate_bitmask
+from grammask.processor import BatchProcessor
+
+VLLM_CHUNK = 16
+VLLM_SERIAL_MAX = 128
+
+CLOSED = {"type": "object", "properties": {
+    "kind": {"enum": ["cat", "dog", "bird", "fish"]}, "age": {"type": "integer"},
+    "ok": {"type": "boolean"}, "scores": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["kind", "age", "ok", "scores"]}
+REGEX = r"[A-Z][a-z]+( [a-z]+){3,30}\."
+CHOICES = ["positive", "negative", "neutral", "mixed feelings about it"]
+
+
+@dataclass
+class Walk:
+    """One spec, the grammar grammask serves for it, and a text's tokens (stop included)."""
+
+    spec: GrammarSpec
+    grammar: Grammar
+    tokens: list[int]
+    xgr: Any  # xgrammar's compiled grammar (vLLM's way)
+    llg_grammar: str  # llguidance's grammar text (vLLM makes a matcher from it per request)
+
+
+def vllm_workers() -> int:
+    return max(1, min((os.cpu_count() or 1) // 2, 8))
+
+
+def served(compiler: Compiler, spec: GrammarSpec) -> Grammar:
+    """What grammask serves for ``spec`` once warm: compiled, and the fill-cost comparison
+    (``Compiler(tune_fill)``) settled."""
+    before = compiler.stats.fill_tuned
+    cold = compiler.cached(spec) is None
+    grammar = compiler.compile(spec)
+    if cold and compiler.tune_fill and grammar.reason.startswith("both backends"):
+        deadline = time.monotonic() + 30
+        while compiler.stats.fill_tuned == before and time.monotonic() < deadline:
+            time.sleep(0.002)
+        grammar = compiler.compile(spec)
+    return grammar
+
+
+def make_walks(name: str, compiler: Compiler, raw: dict[str, Compiler], vocab: Vocabulary,
+               corpus: Path, sample: int) -> list[Walk]:
+    """The workload's walks: texts every side accepts to the end."""
+    texts: list[tuple[GrammarSpec, str]]
+    if name == "free":
+        spec = GrammarSpec.json_schema(FREE_TEXT, any_whitespace=False)
+        texts = [(spec, t) for t in instances(16)]
+    elif name == "closed":
+        spec = GrammarSpec.json_schema(CLOSED, any_whitespace=False)
+        rng = random.Random(3)
+        texts = [(spec, json.dumps({"kind": rng.choice(["cat", "dog", "bird", "fish"]),
+                                    "age": rng.randint(0, 99), "ok": rng.random() < 0.5,
+                                    "scores": [rng.randint(-999, 9999) for _ in range(4)]},
+                                   separators=(",", ":"))) for _ in range(16)]
+    elif name == "regex":
+        spec = GrammarSpec.regex(REGEX)
+        words = ["alpha", "beta", "gamma", "delta", "masks", "fill", "every", "core"]
+        rng = random.Random(4)
+        texts = [(spec, "The " + " ".join(rng.choice(words) for _ in range(12)) + ".")
+                 for _ in range(8)]
+    elif name == "choice":
+        spec = GrammarSpec.choice(CHOICES)
+        texts = [(spec, c) for c in CHOICES]
+    else:
+        texts = []
+        for case in load_maskbench(corpus, sample, 1, need_instances=True):
+            s = GrammarSpec.json_schema(case.source)
+            texts.append((s, case.instances[0]))
+    walks = []
+    for spec, text in texts:
+        try:
+            grammar = served(compiler, spec)
+            xgr = raw["xgrammar"].compile(spec.with_backend("xgrammar")).backend_grammar
+            llg_text = raw["guidance"].compile(spec.with_backend("guidance")).backend_grammar
+        except GrammarError:
+            continue
+        tokens = [*vocab.encode(text), vocab.stop_ids[0]]
+        walk = Walk(spec, grammar, tokens, xgr._compiled,  # type: ignore[attr-defined]
+                    llg_text._grammar)  # type: ignore[attr-defined]
+        if _all_accept(walk, vocab):
+            walks.append(walk)
+    if not walks:
+        raise SystemExit(f"no walk for workload {name}")
+    return walks
+
+
+def _all_accept(walk: Walk, vocab: Vocabulary) -> bool:
+    m = walk.grammar.matcher()
+    x = _xgr_matcher(walk, vocab)
+    g = llg.LLMatcher(vocab.llguidance_tokenizer, walk.llg_grammar, log_level=0)
+    return all(m.accept(t) and x.accept_token(t) and g.consume_token(t) for t in walk.tokens)
+
+
+def _xgr_matcher(walk: Walk, vocab: Vocabulary) -> Any:
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(walk.xgr, override_stop_tokens=list(vocab.stop_ids))
+
+
+def make_forward(kind: str) -> Callable[[], None]:
+    """``waitN``: sleep N ms (no GIL, no CPU). ``busyN``: N ms of Python launching tiny
+    torch ops (the GIL mostly held, as an eager model runner's launch loop)."""
+    ms = float(kind[4:]) / 1000
+    if kind.startswith("wait"):
+        return lambda: time.sleep(ms)
+    x = torch.zeros(4)
+
+    def busy() -> None:
+        end = time.perf_counter() + ms
+        while time.perf_counter() < end:
+            for _ in range(20):
+                x.add_(1)
+
+    return busy
+
+
+class Positions:
+    """Each row's walk and position; ``next`` gives the tokens sampled this step and the
+    rows that start a new request."""
+
+    def __init__(self, walks: list[Walk], batch: int) -> None:
+        self.walks = [walks[i % len(walks)] for i in range(batch)]
+        self.pos = [(i * 7) % len(self.walks[i].tokens) for i in range(batch)]
+
+    def next(self) -> tuple[list[int], list[int]]:
+        sampled, restarts = [], []
+        for i, w in enumerate(self.walks):
+            if self.pos[i] >= len(w.tokens):
+                self.pos[i] = 0
+                restarts.append(i)
+            sampled.append(w.tokens[self.pos[i]])
+            self.pos[i] += 1
+        return sampled, restarts
+
+
+def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
+                   forward: Callable[[], None], steps: int) -> list[float]:
+    proc = BatchProcessor(compiler, max_batch=batch, think_end=None)
+    at = Positions(walks, batch)
+    for row, w in enumerate(at.walks):
+        proc.add(row, w.spec, grammar=w.grammar)
+        proc.advance(row, w.tokens[:at.pos[row]])
+    every = list(range(batch))
+    proc.step()  # the first masks (not timed)
+    proc.wait_masks()
+    times = []
+    try:
+        for _ in range(steps + 2):
+            sampled, restarts = at.next()
+            for row in restarts:  # a new request in the row: its first token comes below
+                w = at.walks[row]
+                proc.add(row, w.spec, grammar=w.grammar)
+            t0 = time.perf_counter()
+            proc.step(every, sampled)
+            forward()
+            proc.wait_masks()
+            times.append((time.perf_counter() - t0) * 1000)
+    finally:
+        proc.close()
+    return times[2:]
+
+
+def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
+               forward: Callable[[], None], steps: int, pool: ThreadPoolExecutor
+               ) -> list[float]:
+    """vLLM's engine core: accept each row's token, then fill (serial, or 16-row chunks on
+    the pool above 128 rows); the step is max(forward, that)."""
+    at = Positions(walks, batch)
+    bitmask = allocate_bitmask(batch, vocab.vocab_size)
+
+    def new(w: Walk) -> Any:
+        if engine == "xgrammar":
+            return _xgr_matcher(w, vocab)
+        return llg.LLMatcher(vocab.llguidance_tokenizer, w.llg_grammar, log_level=0)
+
+    matchers = [new(w) for w in at.walks]
+    for m, w, p in zip(matchers, at.walks, at.pos, strict=True):
+        for t in w.tokens[:p]:
+            (m.accept_token if engine == "xgrammar" else m.consume_token)(t)
+
+    ended = [False] * batch  # requests that just sampled their stop token: not filled
+
+    def fill_rows(rows: range) -> None:
+        if engine == "xgrammar":
+            for i in rows:
+                if not ended[i]:
+                    matchers[i].fill_next_token_bitmask(bitmask, i)
+        else:
+            for i in rows:
+                if not ended[i]:
+                    llg_torch.fill_next_token_bitmask(matchers[i], bitmask, i)
+
+    times = []
+    for _ in range(steps + 2):
+        sampled, restarts = at.next()
+        for row in restarts:  # made at admission in vLLM: not on the step's path
+            matchers[row] = new(at.walks[row])
+        ended[:] = [p >= len(w.tokens) for p, w in zip(at.pos, at.walks, strict=True)]
+        t0 = time.perf_counter()
+        for m, tok in zip(matchers, sampled, strict=True):
+            (m.accept_token if engine == "xgrammar" else m.consume_token)(tok)
+        if batch <= VLLM_SERIAL_MAX:
+            fill_rows(range(batch))
+        else:
+            futures = [pool.submit(fill_rows, range(i, min(i + VLLM_CHUNK, batch)))
+                       for i in range(0, batch, VLLM_CHUNK)]
+            for f in futures:
+                f.result()
+        t1 = time.perf_counter()
+        forward()
+        t2 = time.perf_counter()
+        times.append(max(t1 - t0, t2 - t1) * 1000)
+    return times[2:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="1,16,64,256,512")
+    ap.add_argument("--forwards", default="wait3,wait10,busy3")
+    ap.add_argument("--workloads", default="free,closed,corpus,regex,choice")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sample", type=int, default=24, help="corpus schemas")
+    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    ap.add_argument("--json")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    logging.getLogger("grammask").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    vocab = load_vocabulary("qwen2.5")
+    compiler = Compiler(vocab, timeout_s=60)
+    raw = {name: Compiler(vocab, backend=name, timeout_s=60, tune_fill=False)
+           for name in ("xgrammar", "guidance")}
+    pool = ThreadPoolExecutor(vllm_workers())
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    forwards = args.forwards.split(",")
+    results: list[dict[str, Any]] = []
+    table = []
+    for workload in args.workloads.split(","):
+        walks = make_walks(workload, compiler, raw, vocab, args.corpus, args.sample)
+        backends = sorted({w.grammar.backend for w in walks})
+        for batch in batches:
+            for fwd in forwards:
+                forward = make_forward(fwd)
+                runs: dict[str, list[float]] = {"grammask": [], "vllm-xgrammar": [],
+                                                "vllm-llguidance": []}
+                for _ in range(args.repeats):  # sides take turns: load hits them alike
+                    runs["grammask"].append(statistics.median(
+                        grammask_steps(compiler, walks, batch, forward, args.steps)))
+                    runs["vllm-xgrammar"].append(statistics.median(
+                        vllm_steps("xgrammar", walks, vocab, batch, forward, args.steps,
+                                   pool)))
+                    runs["vllm-llguidance"].append(statistics.median(
+                        vllm_steps("guidance", walks, vocab, batch, forward, args.steps,
+                                   pool)))
+                med = {k: statistics.median(v) for k, v in runs.items()}
+                best = min(med["vllm-xgrammar"], med["vllm-llguidance"])
+                ratio = med["grammask"] / best
+                results.append({"workload": workload, "batch": batch, "forward": fwd,
+                                "grammask_backends": backends, "steps_ms": med,
+                                "runs_ms": runs, "ratio_to_better_vllm": ratio})
+                table.append([workload, batch, fwd, f"{med['grammask']:.2f}",
+                              f"{med['vllm-xgrammar']:.2f}", f"{med['vllm-llguidance']:.2f}",
+                              f"{ratio:.2f}"])
+                print(" ".join(str(c) for c in table[-1]), file=sys.stderr, flush=True)
+    pool.shutdown()
+    for c in (compiler, *raw.values()):
+        c.close()
+    print(render_table(["workload", "B", "forward", "grammask_ms", "vllm_xgr_ms",
+                        "vllm_llg_ms", "ratio"], table))
+    print("(median step ms over repeats of median steps; ratio: grammask / the better of "
+          "vLLM's ways, <= 1.00 is never slower)")
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "args": vars(args) | {
+            "corpus": str(args.corpus)}, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -449,10 +449,22 @@ def test_the_fill_thread_runs_on_the_cpus_it_was_given() -> None:
             worker.close()
 
 
-def test_guidance_lanes_keep_every_row_exact(compiler: Compiler, qwen25: Vocabulary) -> None:
+@pytest.fixture(scope="module")
+def hf_vocab() -> Vocabulary:
+    """A Hugging Face tokenizer's vocabulary: llguidance tokenizes natively."""
+    from grammask import load_vocabulary
+
+    from .vllm_fixtures import model_dir
+
+    return load_vocabulary(str(model_dir()))
+
+
+def test_guidance_lanes_keep_every_row_exact(hf_vocab: Vocabulary) -> None:
     """A batch fill on 3 threads spreads one grammar's rows over one template per thread
     (rows moved by replaying their tokens): every mask equals a serial twin's, before and
     after more tokens and a rollback, and new matchers are made on the new lanes."""
+    qwen25 = hf_vocab
+    compiler = Compiler(qwen25, tune_fill=False)
     grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA, backend="guidance"))
     tokens = qwen25.encode(INSTANCE)
     rows = [grammar.matcher() for _ in range(12)]
@@ -475,3 +487,22 @@ def test_guidance_lanes_keep_every_row_exact(compiler: Compiler, qwen25: Vocabul
                 assert m.accept(tokens[i + 1]) == t.accept(tokens[i + 1])
     assert sorted({m.lane for m in rows}) == [0, 1, 2]  # type: ignore[attr-defined]
     assert {grammar.matcher().lane for _ in range(3)} == {0, 1, 2}  # type: ignore[attr-defined]
+    compiler.close()
+
+
+def test_guidance_batch_fill_stays_on_one_thread_with_a_python_tokenizer(
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    """A tokenizer callback takes the GIL inside fills: the batch fill stays serial (no lane
+    is made) and its masks are the loop's."""
+    assert not qwen25.llguidance_native
+    grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA, backend="guidance"))
+    tokens = qwen25.encode(INSTANCE)
+    rows = [grammar.matcher() for _ in range(8)]
+    for i, m in enumerate(rows):
+        assert all(m.accept(x) for x in tokens[:i])
+    got = allocate_bitmask(8, qwen25.vocab_size)
+    want = allocate_bitmask(8, qwen25.vocab_size)
+    Filler(parallel_min=1, threads=4).fill([(m, i) for i, m in enumerate(rows)], got)
+    for i, m in enumerate(rows):
+        m.fill(want, i)
+    assert torch.equal(got, want) and {m.lane for m in rows} == {0}  # type: ignore[attr-defined]

@@ -59,6 +59,9 @@ class Vocabulary:
         self.think_end = think_end
         self._encode = encode
         self._tokenizer_json = tokenizer_json
+        #: llguidance tokenizes natively (set by ``llguidance_tokenizer``): its fills never
+        #: take the GIL, so they can run on several threads at once
+        self.llguidance_native = False
         self._lock = threading.Lock()
         if self.vocab_size < len(self.tokens):
             raise InvalidSpecError(
@@ -135,6 +138,7 @@ class Vocabulary:
 
         native = self._native_llguidance()
         if native is not None:
+            self.llguidance_native = True
             return native
         wrapper = _LLTokenizerSource(self)
         return llguidance.LLTokenizer(

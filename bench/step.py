@@ -13,7 +13,8 @@ kernel either way, measured by ``bench/gpu.py``):
 - vLLM's way, with xgrammar and with llguidance (``vllm/v1/structured_output``): the engine
   core accepts each row's token and fills its row, serially up to 128 rows, above that in
   chunks of 16 rows on ``min(cores // 2, 8)`` threads; llguidance matchers are made from
-  the grammar per request, as vLLM does. That runs in the engine core, another process,
+  the grammar per request, as vLLM does (a new request's matcher is made in the step, as
+  the engine core does when it schedules it). That runs in the engine core, another process,
   while the GPU works: its step is ``max(forward, fill)``, both measured in the same step.
 
 Forwards: ``waitN`` a GIL-free wait of N ms (a CUDA-graph replay: the host only waits);
@@ -254,10 +255,10 @@ def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
     times = []
     for _ in range(steps + 2):
         sampled, restarts = at.next()
-        for row in restarts:  # made at admission in vLLM: not on the step's path
-            matchers[row] = new(at.walks[row])
         ended[:] = [p >= len(w.tokens) for p, w in zip(at.pos, at.walks, strict=True)]
         t0 = time.perf_counter()
+        for row in restarts:  # the engine core makes a new request's matcher as it schedules
+            matchers[row] = new(at.walks[row])
         for m, tok in zip(matchers, sampled, strict=True):
             (m.accept_token if engine == "xgrammar" else m.consume_token)(tok)
         if batch <= VLLM_SERIAL_MAX:

@@ -287,7 +287,7 @@ def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any,
     ordered_dev = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32,
                              device=logits.device)
     ordered_dev.index_copy_(0, spots, device_mask.index_select(0, index))
-    apply_bitmask(logits, ordered_dev, vocab_size=vocab_size, indices=np.sort(at).tolist())
+    _apply_device(logits, ordered_dev, vocab_size, np.sort(at), None)
 
 
 def _apply_plan_moved(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout,
@@ -445,7 +445,8 @@ def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
 
 
 def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
-                  indices: Sequence[int] | None, buffers: MaskBuffers | None) -> None:
+                  indices: Sequence[int] | np.ndarray[Any, Any] | None,
+                  buffers: MaskBuffers | None) -> None:
     """CUDA logits: the (pinned) bitmask copied without blocking, then xgrammar's Triton
     kernel called directly (its generic entry point checks and picks a backend on every
     call). Rows are checked in numpy (no Python work per row); no index at all when they are

@@ -49,6 +49,8 @@ class _StandAsideMixin:
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
         extra = getattr(sampling_params, "extra_args", None) or {}
+        # the keys spelled out, not imported: this class must work when grammask's own
+        # modules do not import (``request.EXTRA_ARGS_KEY``; the opt-out leaves vLLM serving)
         if any(isinstance(k, str) and k.startswith("grammask")
                and k != "grammask_structured_outputs" for k in extra):
             raise ValueError(f"grammask is installed but stands aside on this server: "

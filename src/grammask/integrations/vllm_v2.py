@@ -89,7 +89,7 @@ class _Watch:
     items: list[tuple[int, _Slot]]
     index: torch.Tensor
     start: torch.Tensor
-    snapshot: tuple[Any, torch.Tensor, torch.Tensor]  # (event, lengths, windows)
+    snapshot: tuple[Any, torch.Tensor]  # (event, the windows' tokens before the step)
     future: Future[bool] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -168,7 +168,8 @@ class V2Batch:
         if not self.core.active:
             return
         all_ids = self.rs.all_token_ids.gpu
-        for slot, st in self._slots.items():
+        for slot in self._unjoined:  # only slots not in the processor yet can need a fetch
+            st = self._slots[slot]
             if st.fetched or st.fetch is not None:
                 continue
             lo = 0 if st.wants_prompt else st.prompt_len
@@ -264,15 +265,14 @@ class V2Batch:
             index = index.pin_memory().to(self.device, non_blocking=True)
             start = start.pin_memory().to(self.device, non_blocking=True)
         with normal_tensors():
-            snap_total = torch.empty(n, dtype=torch.int32, pin_memory=self._cuda)
             snap_tokens = torch.empty(n, self._window, dtype=torch.int32,
                                       pin_memory=self._cuda)
-        self._gather_into(index, start, snap_total, snap_tokens)
+        self._gather_into(index, start, None, snap_tokens)
         event = None
         if self._cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
-        watch = _Watch(items, index, start, (event, snap_total, snap_tokens))
+        watch = _Watch(items, index, start, (event, snap_tokens))
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammask-v2-tokens")
         watch.future = self._helper.submit(self._read_step, watch, True)
@@ -311,7 +311,7 @@ class V2Batch:
         n = len(items)
         known = [st.known for _, st in items]
         if poll:
-            event, _, snap_tokens = watch.snapshot
+            event, snap_tokens = watch.snapshot
             if event is not None:
                 event.synchronize()
             before = snap_tokens.tolist()
@@ -359,14 +359,17 @@ class V2Batch:
             stream.synchronize()
         return self._total_host[:n].tolist(), self._tokens_host[:n].tolist()
 
-    def _gather_into(self, index: torch.Tensor, start: torch.Tensor, total: torch.Tensor,
-                     tokens: torch.Tensor) -> None:
-        """Queue the gather of lengths and windows into host buffers (current stream)."""
+    def _gather_into(self, index: torch.Tensor, start: torch.Tensor,
+                     total: torch.Tensor | None, tokens: torch.Tensor) -> None:
+        """Queue the gather of lengths (unless ``total`` is None) and windows into host
+        buffers (current stream)."""
         n = index.shape[0]
         all_ids = self.rs.all_token_ids.gpu
         columns = (start.unsqueeze(1) + torch.arange(self._window, device=start.device)
                    ).clamp_(max=all_ids.shape[1] - 1)
-        total[:n].copy_(self.rs.total_len.gpu.index_select(0, index), non_blocking=self._cuda)
+        if total is not None:
+            total[:n].copy_(self.rs.total_len.gpu.index_select(0, index),
+                            non_blocking=self._cuda)
         tokens[:n].copy_(all_ids[index.unsqueeze(1), columns], non_blocking=self._cuda)
 
     # ------------------------------------------------------------------ internals

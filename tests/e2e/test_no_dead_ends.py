@@ -21,14 +21,8 @@ from tests.e2e.oracles import check_json
 from tests.e2e.server import MODEL_NAME, Server, xargs
 from tests.e2e.standard import response_format
 from tests.e2e.test_features import metric
+from tests.test_no_silent_violations import ISSUE_SCHEMA as SCHEMA  # vLLM's own test schema
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"score": {"type": "integer", "multipleOf": 5},
-                   "tags": {"type": "array", "items": {"type": "string", "minLength": 10,
-                                                       "maxLength": 20}}},
-    "required": ["score", "tags"], "additionalProperties": False,
-    "patternProperties": {"^score$": {"type": "integer"}}}
 MESSAGES = [{"role": "user", "content": "Give a score and some tags."}]
 SAMPLES = 32
 

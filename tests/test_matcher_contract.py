@@ -239,6 +239,61 @@ def test_batch_fill_still_drives_native_matchers(compiler: Compiler, qwen25: Voc
         assert torch.equal(batch[i], mask_of(m, qwen25)), i
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_accept_is_accept_row_by_row(compiler: Compiler, qwen25: Vocabulary,
+                                           backend: BackendName) -> None:
+    """``batch_accept`` answers and leaves every matcher as ``accept`` one by one does: an
+    allowed token, a refused one, a stop where the grammar may end, a stop after the end,
+    a token after the end, an id past the vocabulary (the whole batch then goes row by
+    row). Checked against twins advanced with ``accept``."""
+    a, b, c, d = (qwen25.encode(x)[0] for x in "abcd")
+    stop = qwen25.stop_ids[0]
+
+    def states() -> list[AdapterMatcher]:
+        ended = _after_ab(compiler, qwen25, backend)
+        assert ended.accept(c) and ended.accept(stop)
+        complete = _after_ab(compiler, qwen25, backend)
+        assert complete.accept(c)
+        return [_matcher(compiler, backend), _matcher(compiler, backend),
+                _after_ab(compiler, qwen25, backend), complete, ended, ended.fork()]
+
+    for tokens in ([a, b, d, stop, stop, a], [a, b, d, stop, stop, qwen25.vocab_size + 5]):
+        batched, single = states(), states()
+        cls = type(batched[0])
+        got = cls.batch_accept(batched, tokens)  # type: ignore[arg-type]
+        want = [m.accept(t) for m, t in zip(single, tokens, strict=True)]
+        assert got == want == [True, False, True, True, True, False]
+        for x, y in zip(batched, single, strict=True):
+            assert _state(x, qwen25) == _state(y, qwen25)
+
+
+def test_rows_advance_together_as_alone(compiler: Compiler, qwen25: Vocabulary) -> None:
+    """``rows.advance_all`` (batch calls per backend) leaves rows as ``Row.advance`` does:
+    the same tokens fed, the same refusals failing the same rows with the same message."""
+    from grammask.request import ConstraintRequest
+    from grammask.rows import Row, advance_all
+
+    a, b, x = (qwen25.encode(t)[0] for t in "abx")
+
+    def rows() -> list[Row]:
+        out = []
+        for backend in BACKENDS * 2:
+            spec = GrammarSpec.regex(PATTERN, backend=backend)
+            row = Row(ConstraintRequest(spec), None, [], True,  # type: ignore[arg-type]
+                      qwen25.tokens)
+            row.attach(compiler.compile(spec))
+            out.append(row)
+        return out
+
+    work = [[a], [x], [a, b], [b]]
+    together, alone = rows(), rows()
+    advance_all(list(zip(together, work, strict=True)))
+    for r, tokens in zip(alone, work, strict=True):
+        r.advance(tokens)
+    assert [(r.fed, r.error) for r in together] == [(r.fed, r.error) for r in alone]
+    assert [r.error is None for r in together] == [True, False, True, False]
+
+
 # ------------------------------------------------------------ adapters vs the raw backends
 RAW_SPECS = [
     GrammarSpec.json_schema({"type": "object", "properties": {

@@ -10,9 +10,9 @@ Where each piece runs in a decode step:
 - ``FillWorker``: one dedicated daemon thread that runs the step's fill job while the caller's
   thread runs the model forward. Both backends release the GIL inside their fill, so the forward
   (which releases it inside torch kernels) and the fill really run at once.
-- ``Filler``: fills a set of rows; above ``parallel_min`` matchers of one backend it hands them
-  to that backend's batch-parallel fill (the backends' ``batch_fill`` capability: xgrammar
-  ``BatchGrammarMatcher``, llguidance ``LLExecutor``), below it loops ``Matcher.fill``.
+- ``Filler``: fills a set of rows through the backends' batch calls (``BatchCalls``:
+  xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``), on the backend's threads from
+  ``parallel_min`` rows of one backend, on the fill thread below.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from .backends.base import Matcher
+from .backends.base import BatchCalls, Matcher, batch_calls
 from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
 T = TypeVar("T")
@@ -227,10 +227,11 @@ def _run_on(cpus: frozenset[int]) -> None:
 class Filler:
     """Fills the mask rows of many matchers, batch-parallel where that pays.
 
-    ``parallel_min``: the fewest matchers of one backend that go through its batch fill.
-    None picks by the machine: ``bench/overlap.py`` measured the plain loop as fast or faster at
-    every batch size on 2 cores (the fill thread already has the only spare core), so the batch
-    fills are used from 32 rows only where at least 4 cores are available (not measured here).
+    ``parallel_min``: the fewest matchers of one backend filled on the backend's threads;
+    fewer fill on the fill thread, in one batch call. None picks by the machine: on 2 cores
+    the fill thread already has the only spare core (``bench/overlap.py``: more threads were
+    no faster), so the backends' threads are used from 32 rows only where at least 4 cores
+    are available.
     ``threads``: worker threads of the batch fills (None: the backend's default).
     ``cpus``: the CPUs the fill thread runs on (None: where the host started it).
     """
@@ -247,26 +248,24 @@ class Filler:
     def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Write ``bitmask[row]`` for every ``(matcher, row)``; rows must be distinct.
 
-        Matchers whose class offers ``batch_fill`` (the backend protocol's capability) are
-        grouped by it; a group of at least ``parallel_min`` goes through it at once. With
-        fewer entries than that no group can get there: the loop runs without grouping (a
-        class lookup and a native ``is_terminated`` less per row, on the fill thread)."""
-        if len(entries) < self.parallel_min:
-            for matcher, row in entries:
-                matcher.fill(bitmask, row)
-            return
-        groups: dict[Any, list[tuple[Matcher, int]]] = {}
+        Matchers whose class has batch calls (``backends.base.batch_calls``) are grouped by
+        class; a group goes through its ``batch_fill``, on the backend's threads from
+        ``parallel_min`` rows, on this thread below that (one native call, the GIL
+        released, still cheaper than a Python loop: the backend keeps the per-row choice).
+        Terminated matchers and lone rows take the adapters' own ``fill``."""
+        groups: dict[type[BatchCalls], list[tuple[Matcher, int]]] = {}
         rest: list[tuple[Matcher, int]] = []
         for matcher, row in entries:
-            batch = getattr(type(matcher), "batch_fill", None)
+            calls = batch_calls(type(matcher))
             # terminated matchers take the adapters' stop-only path
-            if batch is not None and not matcher.is_terminated():
-                groups.setdefault(batch, []).append((matcher, row))
+            if calls is not None and not matcher.is_terminated():
+                groups.setdefault(calls, []).append((matcher, row))
             else:
                 rest.append((matcher, row))
-        for batch, rows in groups.items():
-            if len(rows) >= self.parallel_min:
-                batch(rows, bitmask, self.threads, self._pools)
+        for calls, rows in groups.items():
+            if len(rows) > 1:
+                threads = self.threads if len(rows) >= self.parallel_min else 1
+                calls.batch_fill(rows, bitmask, threads, self._pools)
             else:
                 rest.extend(rows)
         for matcher, row in rest:

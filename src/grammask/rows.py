@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import metrics
-from .backends.base import Matcher
+from .backends.base import BatchCalls, Matcher, batch_calls
 from .compiler import Grammar
 from .firstmask import FirstMasks, PendingGrammar
 from .reasoning import ThinkGate, ThinkMarker
@@ -157,17 +157,23 @@ class Row:
             try:
                 accepted = self.matcher.accept(tid)
             except Exception as exc:
-                accepted = False
-                reason = f": {exc}"
-            else:
-                reason = ""
+                self.refused(tid, f": {exc}")
+                return
             if not accepted:
-                vocab = self.vocab_tokens
-                text = repr(vocab[tid]) if 0 <= tid < len(vocab) else "out of the vocabulary"
-                self.fail(f"token {tid} ({text}) rejected by the grammar after {self.fed} "
-                          f"constrained tokens{reason}", cause="rejected")
+                self.refused(tid)
                 return
             self.fed += 1
+        self.check_dead_end(tokens)
+
+    def refused(self, tid: int, reason: str = "") -> None:
+        """The matcher refused ``tid``: the row fails, naming the token."""
+        vocab = self.vocab_tokens
+        text = repr(vocab[tid]) if 0 <= tid < len(vocab) else "out of the vocabulary"
+        self.fail(f"token {tid} ({text}) rejected by the grammar after {self.fed} "
+                  f"constrained tokens{reason}", cause="rejected")
+
+    def check_dead_end(self, tokens: list[int]) -> None:
+        """After accepted ``tokens``: fail the row if the backend lost the parse."""
         failure = getattr(self.matcher, "failure", None)
         if failure is not None:
             # the backend lost the parse (an allowed token with no way on): the output ends
@@ -208,6 +214,50 @@ class Row:
             unenforced=grammar.unenforced if grammar else (),
             constrained_tokens=self.fed + len(self.backlog),
             thinking_tokens=self.gate.thinking_tokens if self.gate else 0)
+
+
+def advance_all(work: Sequence[tuple[Row, list[int]]]) -> None:
+    """``Row.advance`` for each ``(row, new tokens)``; a row's failure stays its own.
+
+    Rows taking one token into a matcher past its gate go together, one ``batch_accept``
+    per matcher class (``backends.base.batch_calls``): a few native calls instead of Python
+    per row, so a model runner's busy thread, which shares the GIL, delays the fill less."""
+    groups: dict[type[BatchCalls], tuple[list[Matcher], list[int], list[Row]]] = {}
+    for r, tokens in work:
+        matcher = r.matcher
+        if len(tokens) == 1 and matcher is not None and r.error is None and (
+                r.gate is None or not r.gate.thinking):
+            calls = batch_calls(type(matcher))
+            if calls is not None:
+                group = groups.get(calls)
+                if group is None:
+                    group = groups[calls] = ([], [], [])
+                group[0].append(matcher)
+                group[1].append(tokens[0])
+                group[2].append(r)
+                continue
+        _advance_one(r, tokens)
+    for calls, (matchers, tokens, rows) in groups.items():
+        try:
+            accepted = calls.batch_accept(matchers, tokens)
+        except Exception:  # find the row: each alone, as if there were no batch call
+            for r, tid in zip(rows, tokens, strict=True):
+                _advance_one(r, [tid])
+            continue
+        for r, tid, ok in zip(rows, tokens, accepted, strict=True):
+            if not ok:
+                r.refused(tid)
+                continue
+            r.fed += 1
+            if getattr(r.matcher, "failure", None) is not None:
+                r.check_dead_end([tid])
+
+
+def _advance_one(r: Row, tokens: list[int]) -> None:
+    try:
+        r.advance(tokens)
+    except Exception as exc:  # the gate or a matcher broke: this row alone fails
+        r.fail(f"advancing failed: {type(exc).__name__}: {exc}", cause="matcher")
 
 
 class RowMaker:

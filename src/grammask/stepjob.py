@@ -23,7 +23,7 @@ from .backends.base import Matcher
 from .firstmask import FirstMasks
 from .masks import Filler, FillWorker, MaskBuffers, Ticket
 from .rowmasks import RowMasks
-from .rows import Row
+from .rows import Row, advance_all
 
 log = logging.getLogger("grammask")
 
@@ -304,11 +304,7 @@ class StepJobs:
         by its new tokens, attach grammars that are needed now, fill; returns the rows to
         mask."""
         started = time.perf_counter()
-        for _, r, tokens in work:
-            try:
-                r.advance(tokens)
-            except Exception as exc:  # the gate or a matcher broke: this row alone fails
-                r.fail(f"advancing failed: {type(exc).__name__}: {exc}", cause="matcher")
+        advance_all([(r, tokens) for _, r, tokens in work])
         # the same rows on every rank: errors and gates follow the (shared) sampled tokens
         self.first.attach_all([r for _, r, _ in work
                                if r.error is None and r.needs_mask and r.matcher is None])

@@ -25,11 +25,14 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
 - ``BackendGrammar`` is immutable and shared across threads; ``matcher()`` is cheap. A grammar
   whose language is empty (no token and no stop is allowed at the start: ``root ::= root``)
   never compiles: ``UnsupportedError`` (a row masked to all zeros would have every logit -inf).
-- Batch fill is a capability: a matcher class may offer ``batch_fill(rows, bitmask, threads,
-  state)`` (a classmethod) that fills many ``(matcher, row)`` of that class at once with the
-  backend's parallel fill (xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``), under
-  the same bitmask checks as ``fill``. ``state`` is the caller's dict for the backend's reusable
-  pool. ``masks.Filler`` groups matchers by it; it never sees a concrete class.
+- Batch calls are a capability (``BatchCalls``, found by ``batch_calls``): a matcher class
+  may offer ``batch_fill(rows, bitmask, threads, state)``, many ``(matcher, row)`` of that
+  class filled at once by the backend (xgrammar ``BatchGrammarMatcher``, llguidance
+  ``LLExecutor``) under the same bitmask checks as ``fill``, and ``batch_accept(matchers,
+  tokens)``, one token each, as ``accept`` would. Both exist so that the fill thread's work
+  is a few native calls that release the GIL, not Python per row: a model runner's busy
+  thread would otherwise starve it. ``masks.Filler`` and ``rows.advance_all`` group
+  matchers by class; they never see a concrete class.
 - ``native`` (both adapters) is the backend's own matcher, for the batch-parallel fills
   (and benchmarks) only: a caller must not advance it (the adapter's counters would go stale).
 """
@@ -37,6 +40,7 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -74,6 +78,37 @@ class Matcher(Protocol):
 
     def reset(self) -> None:
         """Back to the start state."""
+
+
+class BatchCalls(Protocol):
+    """A matcher class's batch calls (classmethods; see the module's contract)."""
+
+    @classmethod
+    def batch_fill(cls, rows: Sequence[tuple[Any, int]], bitmask: torch.Tensor,
+                   threads: int | None, state: dict[str, Any]) -> None:
+        """Write ``bitmask[row]`` for every ``(matcher, row)`` (rows distinct, matchers of this
+        class, none terminated); ``threads``: 1 fills on the calling thread, None the
+        backend's default; ``state``: the caller's dict for the backend's reusable pools.
+        ``ValueError`` (nothing written) for a bitmask or row outside ``fill``'s contract."""
+
+    @classmethod
+    def batch_accept(cls, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
+        """``[m.accept(t) for m, t in zip(matchers, tokens)]``, in fewer native calls."""
+
+
+_BATCH_CALLS: dict[type, type[BatchCalls] | None] = {}
+
+
+def batch_calls(matcher_class: type) -> type[BatchCalls] | None:
+    """``matcher_class`` when it offers both batch calls, else None (cached per class: it is
+    asked once per row per step)."""
+    try:
+        return _BATCH_CALLS[matcher_class]
+    except KeyError:
+        found = (matcher_class if callable(getattr(matcher_class, "batch_fill", None))
+                 and callable(getattr(matcher_class, "batch_accept", None)) else None)
+        _BATCH_CALLS[matcher_class] = found
+        return found
 
 
 class BackendGrammar(Protocol):
@@ -193,11 +228,11 @@ class BackendMatcher:
         """Write the start state's mask, computed once per grammar, into a checked row."""
         ctypes.memmove(self._row_ptr(bitmask, index), first.ptr, first.nbytes)
 
-    def _stop_only(self, bitmask: torch.Tensor, row: int) -> None:
-        out = bitmask[row]
-        out.zero_()
-        for tid in self._stop_ids:
-            out[tid >> 5] |= _bit(tid & 31)
+    def _stop_only(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the stop-only row into a checked row: a copy of a row made once per stop
+        set and width (terminated rows are common at large batches: three torch ops per
+        stop id cost ~10x the copy)."""
+        self._copy_first(bitmask, index, stop_only_first(self._stop_ids, self._words))
 
 
 class FirstMask:
@@ -233,13 +268,27 @@ def refuse_empty_language(first_mask: FirstMask, backend: str, where: str | None
                                where=where)
 
 
-def _bit(i: int) -> int:
-    """Bit ``i`` of an int32 word, as the signed value torch stores."""
-    value = 1 << i
-    return value - (1 << 32) if value >= 1 << 31 else value
+@functools.lru_cache(maxsize=64)
+def stop_only_first(stop_ids: tuple[int, ...], words: int) -> FirstMask:
+    """The row that allows only ``stop_ids``, made once per stop set and width (read-only)."""
+    row = np.zeros(words, dtype=np.uint32)
+    for tid in stop_ids:
+        if 0 <= tid < words * 32:
+            row[tid >> 5] |= np.uint32(1 << (tid & 31))
+    return FirstMask(row.view(np.int32))
 
 
 def check_batch(rows: Sequence[tuple[BackendMatcher, int]], bitmask: torch.Tensor) -> None:
-    """The ``fill`` checks for every row of a batch fill, before the backend writes any."""
+    """The ``fill`` checks for every row of a batch fill, before the backend writes any: the
+    tensor's once (with the first row), then each row's index and each matcher's width."""
+    if not rows:
+        return
+    first = rows[0][0]
+    height = bitmask.shape[0] if first._check_fill(bitmask, rows[0][1]) >= 0 else 0
+    words = first._words
     for matcher, row in rows:
-        matcher._check_fill(bitmask, row)
+        if type(row) is not int or not 0 <= row < height or matcher._words != words:
+            matcher._check_fill(bitmask, row)  # raises, naming what is wrong
+            if matcher._words != words:
+                raise ValueError(f"fill: a batch mixes vocabularies ({matcher._words} and "
+                                 f"{words} words a row)")

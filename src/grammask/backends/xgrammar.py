@@ -101,14 +101,35 @@ class XGrammarMatcher(BackendMatcher):
     @classmethod
     def batch_fill(cls, rows: Sequence[tuple[XGrammarMatcher, int]], bitmask: torch.Tensor,
                    threads: int | None, state: dict[str, Any]) -> None:
-        """Fill many rows with xgrammar's ``BatchGrammarMatcher`` (its own thread pool)."""
+        """Fill many rows in one call of xgrammar's ``BatchGrammarMatcher`` (its own threads;
+        one thread still beats the per-row loop: no Python per row, the GIL released)."""
         check_batch(rows, bitmask)
-        batch = state.get("xgrammar")
+        key = f"xgrammar{threads}"
+        batch = state.get(key)
         if batch is None:
-            batch = state["xgrammar"] = xgr.BatchGrammarMatcher(
-                "auto" if threads is None else threads)
+            batch = state[key] = xgr.BatchGrammarMatcher("auto" if threads is None else threads)
         batch.batch_fill_next_token_bitmask([m._m for m, _ in rows], bitmask,
                                             [r for _, r in rows])
+
+    @classmethod
+    def batch_accept(cls, matchers: Sequence[XGrammarMatcher], tokens: Sequence[int]
+                     ) -> list[bool]:
+        """One native call for every row; a refusal leaves xgrammar's state as it was, so
+        those rows (a stop after the end, a token not allowed) go through ``accept``."""
+        if not matchers:
+            return []
+        if min(tokens) < 0 or max(tokens) >= min(m._vocab_size for m in matchers):
+            return [m.accept(t) for m, t in zip(matchers, tokens, strict=True)]
+        done = xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers],
+                                                          list(tokens))
+        out = []
+        for m, t, ok in zip(matchers, tokens, done, strict=True):
+            if ok:
+                m._depth += 1
+            else:
+                ok = m.accept(t)
+            out.append(ok)
+        return out
 
 
 class XGrammarCompiled:

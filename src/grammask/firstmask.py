@@ -64,8 +64,12 @@ class PendingGrammar:
     on the host's thread."""
 
     def __init__(self, primary: Future[Grammar], hedge: Callable[[], Starter | None] | None,
-                 *, hedge_s: float, submitted: float | None = None) -> None:
+                 *, hedge_s: float, submitted: float | None = None,
+                 ready: Grammar | None = None) -> None:
         self.primary = primary
+        #: the grammar, when it was at hand from the start (``primary`` is then its done
+        #: future and there is no hedge): a row attaches it without asking the futures
+        self.ready = ready
         self.alternate: Future[Grammar] | None = None
         self._resolve = hedge
         self._starter: Starter | None = None
@@ -245,7 +249,7 @@ class FirstMasks:
             return entry[1]
         done: Future[Grammar] = Future()
         done.set_result(grammar)
-        pending = PendingGrammar(done, None, hedge_s=self.hedge_s)
+        pending = PendingGrammar(done, None, hedge_s=self.hedge_s, ready=grammar)
         if len(ready) >= READY_GRAMMARS:
             del ready[next(iter(ready))]
         ready[id(grammar)] = (grammar, pending)
@@ -261,6 +265,8 @@ class FirstMasks:
         for r in rows:
             if r.need_since is None:
                 r.need_since = now
+        if self.agreement.world_size == 1:
+            rows = _attach_ready(rows, now)
         while rows:
             now = time.monotonic()
             views: list[int] = []
@@ -307,3 +313,21 @@ class FirstMasks:
                                 not r.pending.hedged else float("inf") for r in rows))
                 wait_for_change([r.pending for r in rows], until,
                                 poll_s=None if self.agreement.world_size == 1 else 0.002)
+
+
+def _attach_ready(rows: Sequence[Waiting], now: float) -> list[Waiting]:
+    """One rank: rows whose grammar was at hand from the start attach it, as ``decide``
+    would have them (``use=0``), without views or futures (a step that starts many requests
+    pays microseconds a row for them on the fill thread); the rest are returned."""
+    waiting = []
+    observe = None
+    for r in rows:
+        grammar = r.pending.ready
+        if grammar is None:
+            waiting.append(r)
+            continue
+        if observe is None:
+            observe = metrics.FIRST_MASK_WAIT.labels(outcome="ready").observe
+        observe(now - (r.need_since or now))
+        r.attach(grammar)
+    return waiting

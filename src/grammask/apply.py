@@ -14,14 +14,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from .masks import MaskBuffers
+from .steptypes import CpuPlan, LogitsLayout
+
+__all__ = ["CpuPlan", "LogitsLayout", "apply_bitmask", "apply_pairs", "cpu_layout",
+           "plan_cpu_apply", "restore_empty_rows"]
 
 #: Dtypes of the planned CPU apply (as same-width ints: -inf's bit pattern); anything else
 #: goes through the torch fallback.
@@ -39,35 +42,6 @@ _INT_VIEW: dict[torch.dtype, tuple[torch.dtype, int]] = {
 _WIPE_DIVISOR = 32
 #: mask words the plan expands at a time (a chunk of rows; see ``plan_cpu_apply``)
 _PLAN_CHUNK_BYTES = 1 << 18
-
-
-@dataclass(frozen=True, eq=False)
-class CpuPlan:
-    """A bitmask turned into flat logit indices for one logits layout (``plan_cpu_apply``).
-
-    ``keep``: flat indices (``row * stride + token``) of the allowed logits of the *wiped*
-    rows: rows that allow few tokens, which are filled with -inf wholesale (``runs``: their
-    consecutive runs, ``[start, stop)``) after their allowed logits are saved, then restored.
-    ``kill``: flat indices of the refused logits of the other rows, model padding included.
-    Valid for ``rows`` of logits with row stride ``stride`` and width ``width`` only;
-    ``bound``: ``max(rows) + 1``, the rows the logits and the bitmask need."""
-
-    rows: tuple[int, ...]
-    stride: int
-    width: int
-    covered: int
-    keep: np.ndarray[Any, np.dtype[np.intp]]
-    kill: np.ndarray[Any, np.dtype[np.intp]]
-    runs: tuple[tuple[int, int], ...]
-    bound: int = 0
-    #: the wiped rows themselves (``runs`` as rows), for a plan applied at other rows
-    wiped: np.ndarray[Any, np.dtype[np.intp]] | None = None
-
-    def holds(self, layout: LogitsLayout, rows: tuple[int, ...], covered: int) -> bool:
-        """Whether the plan masks exactly ``rows`` of logits laid out as ``layout``."""
-        return (layout.stride == self.stride and layout.width == self.width
-                and covered == self.covered and rows == self.rows
-                and self.bound <= layout.rows)
 
 
 def _flat_bits(words: np.ndarray[Any, np.dtype[np.uint32]]
@@ -98,15 +72,6 @@ def _logit_indices(words: np.ndarray[Any, np.dtype[np.uint32]],
     flat = _flat_bits(words)
     flat += np.repeat(offsets, counts)
     return flat
-
-
-class LogitsLayout(NamedTuple):
-    """2-D CPU logits the planned apply takes: read once per apply (``cpu_layout``)."""
-
-    rows: int
-    width: int
-    stride: int  # of a row
-    dtype: torch.dtype
 
 
 def cpu_layout(logits: torch.Tensor) -> LogitsLayout | None:
@@ -243,20 +208,33 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
         logits[index, covered:] = float("-inf")
 
 
-def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any, Any],
-                rows: np.ndarray[Any, Any], *, vocab_size: int,
+def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any, Any] | None,
+                rows: np.ndarray[Any, Any] | Sequence[int], *, vocab_size: int,
                 buffers: MaskBuffers | None = None, plan: CpuPlan | None = None,
                 layout: LogitsLayout | None = None) -> None:
     """Mask logits row ``at[i]`` with bitmask row ``rows[i]``, in place: the one apply of the
-    decode path, whether logits rows are the processor's rows (``at == rows``: the V1 runner,
-    transformers) or the host's own order (vLLM's V2 runner: rows are request slots, logits
-    are in batch order). Both arrays are int, distinct, of equal length.
+    decode path, whether logits rows are the processor's rows (``at`` None: logits row
+    ``rows[i]`` takes bitmask row ``rows[i]``, ``rows`` sorted; the V1 runner, transformers,
+    a bitmask laid out in the logits' order) or the host's own order (vLLM's V2 runner: rows
+    are request slots, logits are in batch order; draft positions). Both int, distinct, of
+    equal length. ``buffers``: ``bitmask``'s owner (its device copies; CUDA only).
 
     No Python work per row: CPU logits go through ``plan`` (made for ``rows`` on the fill
     thread) with its flat indices moved to the logits rows in one numpy pass; without a
     plan that holds, through ``apply_bitmask``'s kernels on the mask rows gathered into the
     logits' order. CUDA logits: the bitmask is copied once (pinned, non-blocking), gathered
-    into the logits' order on the device, and masked by the kernel."""
+    into the logits' order on the device, and masked by the kernel. Raises ValueError for
+    rows outside the logits or the bitmask."""
+    if at is None:
+        if len(rows) == 0:
+            return
+        # every row of the logits, in order (``rows`` is sorted and distinct): no index
+        every = layout is None and len(rows) == logits.shape[0]
+        indices = None if every else rows if isinstance(rows, Sequence) else rows.tolist()
+        apply_bitmask(logits, bitmask, vocab_size=vocab_size, indices=indices,
+                      buffers=buffers, plan=plan, layout=layout)
+        return
+    rows = np.asarray(rows, dtype=np.intp)
     if at.size == 0:
         return
     if logits.is_cpu:

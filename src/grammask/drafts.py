@@ -6,18 +6,23 @@ marker-boundary guard); after a draft token the grammar refuses, every later pos
 the last valid mask (which already refuses that token, so the rejection sampler rejects it
 there and no later row is used); after a placeholder (negative id) positions are free; an
 errored row gets its error mask everywhere.
+
+``Drafts.place`` lays a batch's masks out for the apply (``hostlogits``): committed positions
+as (logits row, step bitmask row) pairs, so the step's CPU plan serves them; draft and bonus
+positions in a buffer in the host's logits order, applied row for row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .firstmask import FirstMasks
 from .rowmasks import RowMasks
 from .rows import Row
-from .stepjob import FillStats
+from .steptypes import DraftMasks, FillStats, StepMasks
 
 
 class Drafts:
@@ -27,6 +32,44 @@ class Drafts:
         self.first = first
         self.masks = masks
         self.stats = stats
+
+    def place(self, table: dict[int, Row], masks: StepMasks, out: torch.Tensor,
+              rows: Sequence[int], positions: Sequence[int], inputs: Sequence[int],
+              sampling: set[int]) -> DraftMasks:
+        """Each row's masks along its drafts (``BatchProcessor.apply_drafts``: logits row
+        ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``),
+        written to ``out`` (a bitmask in the logits' order) where the step's bitmask has
+        none; ``sampling``: the rows of ``rows`` in ``table`` (the others are left alone)."""
+        bitmask, masked, _ = masks
+        ready = set(masked)
+        placed: dict[int, list[tuple[int, int]]] = {}
+        for at, (row, pos) in enumerate(zip(rows, positions, strict=True)):
+            if int(row) in sampling:
+                placed.setdefault(int(row), []).append((int(pos), at))
+        committed: list[tuple[int, int]] = []  # (mask row, logits row)
+        drafted: list[int] = []
+        for row, spots in placed.items():
+            out_rows = [at for _, at in sorted(spots)]
+            first = out_rows[0]
+            if len(out_rows) > 1:
+                r = table[row]
+                errored = r.error is not None
+                # ``fill`` reads the committed mask here (a refused draft repeats it)
+                if row in ready:
+                    out[first].copy_(bitmask[row])
+                else:
+                    out[first].fill_(-1)
+                self.fill(r, [int(inputs[at]) for at in out_rows[1:]], out, out_rows)
+                drafted += out_rows[1:]
+                if row not in ready or (r.error is not None) != errored:
+                    drafted.append(first)  # unmasked by the step, or rewritten by ``fill``
+                    continue
+            if row in ready:
+                committed.append((row, first))
+        committed.sort()
+        return DraftMasks(np.fromiter((at for _, at in committed), np.intp, len(committed)),
+                          np.fromiter((row for row, _ in committed), np.intp, len(committed)),
+                          out, sorted(drafted))
 
     def fill(self, r: Row, drafts: Sequence[int], out: torch.Tensor,
              out_rows: Sequence[int]) -> None:

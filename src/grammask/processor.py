@@ -126,7 +126,7 @@ class BatchProcessor:
                               filler=filler or Filler(), first=self._first, masks=self._masks,
                               stats=self.stats)
         self._drafts = Drafts(self._first, self._masks, self.stats)
-        self._new_row = RowMaker(self.vocab, self._first, think_end).make
+        self._new_row = RowMaker(self.vocab, self._first.pending, think_end).make
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, digests=digests)
         self._rows: dict[int, Row] = {}

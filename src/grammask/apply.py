@@ -7,8 +7,9 @@
 - ``apply_bitmask``: masks logits in place. CPU logits go through such a plan when one is
   given and fits, else through xgrammar's CPU kernel (rows that allow few tokens memset and
   restored). CUDA logits use the Triton kernel (untested: no GPU where this was written).
-  ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile``
-  (~24 s).
+  ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile``.
+
+The measurements behind these choices are in docs/benchmarks.md (CPU apply).
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ _INT_VIEW: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float16: (torch.int16, int(np.array(-np.inf, np.float16).view(np.int16))),
     torch.bfloat16: (torch.int16, -128),  # 0xFF80
 }
-#: Cost model of the planned apply, per logit (measured on this machine, 1 thread): a row
-#: wiped by a memset costs ~1/32 of one scattered index, and a kept logit two indexed
-#: accesses (gather before the memset, scatter after).
+#: Cost model of the planned apply, per logit: a memset costs this fraction of one scattered
+#: index, a kept logit two indexed accesses (gather before the memset, scatter after).
 _WIPE_DIVISOR = 32
 #: mask words the plan expands at a time (a chunk of rows; see ``plan_cpu_apply``)
 _PLAN_CHUNK_BYTES = 1 << 18
@@ -49,8 +49,7 @@ def _flat_bits(words: np.ndarray[Any, np.dtype[np.uint32]]
     """The position (``32 * word + bit``, words in row-major order) of every set bit of a
     2-D uint32 array, ascending.
 
-    Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path:
-    ~10x faster than on uint8)."""
+    Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path)."""
     at = np.flatnonzero(words != 0)
     bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").view(np.bool_)
     found = np.flatnonzero(bits)
@@ -77,9 +76,8 @@ def _logit_indices(words: np.ndarray[Any, np.dtype[np.uint32]],
 def cpu_layout(logits: torch.Tensor) -> LogitsLayout | None:
     """The layout of logits ``apply_bitmask`` masks through a ``CpuPlan``; None for others.
 
-    Runs right after the forward, with cold caches, where each tensor attribute read costs
-    microseconds: four reads, taken once and passed on (``is_cpu`` costs a third of
-    ``device.type`` there: no ``torch.device`` object is made)."""
+    Runs right after the forward, with cold caches, where attribute reads are dear: four
+    reads, taken once and passed on (``is_cpu`` makes no ``torch.device`` object)."""
     shape = logits.shape
     if len(shape) != 2 or not logits.is_cpu:
         return None
@@ -99,8 +97,8 @@ def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: in
     wipe and restore (a memset of the row plus ``2k`` indexed accesses) or scatter -inf at
     the ``d`` refused tokens. Costs O(rows x words) numpy work; made on the fill thread, a
     few rows at a time (``_PLAN_CHUNK_BYTES`` of mask words): the temporaries then stay in
-    cache and in the allocator's free lists, where whole-batch ones (~20 MB at 256 rows)
-    came back as fresh pages, thousands of page faults per plan."""
+    cache and in the allocator's free lists, where whole-batch ones came back as fresh pages
+    (page faults on every plan)."""
     covered = min(width, vocab_size, bitmask.shape[1] * 32)
     nwords = (covered + 31) // 32
     order = tuple(rows)
@@ -343,7 +341,7 @@ def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
 def _apply_plan(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout) -> None:
     """The critical-path part of the CPU apply: gather, memset, scatter (numpy indexing on
     a same-width integer view of the logits' storage: exact for every value, NaN included;
-    numpy's indexing costs ~1 us a call where torch's costs ~10 us)."""
+    numpy's indexing calls cost a tenth of torch's)."""
     int_dtype, minus_inf = _INT_VIEW[layout.dtype]
     stride = plan.stride
     base = logits.detach() if logits.requires_grad else logits
@@ -370,7 +368,7 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
     fast for rows that allow most tokens (free text) and slow for the common structural rows
     that allow a handful. Those *sparse* rows are instead saved at their allowed ids, filled
     with -inf wholesale (a memset, the cheapest write there is) and restored. The index work
-    is done in numpy: its calls cost ~1 us where torch's cost ~10 us."""
+    is done in numpy: its calls cost a tenth of torch's."""
     nwords = (covered + 31) // 32
     words = bitmask.numpy()[rows, :nwords]
     flags = np.count_nonzero(words, axis=1) <= max(_SPARSE_WORDS, nwords // 4)

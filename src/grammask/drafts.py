@@ -28,19 +28,19 @@ from .steptypes import DraftMasks, FillStats, StepMasks
 class Drafts:
     """Fills draft positions on the host's thread (between the step's fill and the apply)."""
 
-    def __init__(self, first: FirstMasks, masks: RowMasks, stats: FillStats) -> None:
+    def __init__(self, first: FirstMasks, row_masks: RowMasks, stats: FillStats) -> None:
         self.first = first
-        self.masks = masks
+        self.row_masks = row_masks
         self.stats = stats
 
-    def place(self, table: dict[int, Row], masks: StepMasks, out: torch.Tensor,
+    def place(self, table: dict[int, Row], step: StepMasks, out: torch.Tensor,
               rows: Sequence[int], positions: Sequence[int], inputs: Sequence[int],
               sampling: set[int]) -> DraftMasks:
         """Each row's masks along its drafts (``BatchProcessor.apply_drafts``: logits row
         ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``),
         written to ``out`` (a bitmask in the logits' order) where the step's bitmask has
         none; ``sampling``: the rows of ``rows`` in ``table`` (the others are left alone)."""
-        bitmask, masked, _ = masks
+        bitmask, masked, _ = step
         ready = set(masked)
         placed: dict[int, list[tuple[int, int]]] = {}
         for at, (row, pos) in enumerate(zip(rows, positions, strict=True)):
@@ -78,11 +78,11 @@ class Drafts:
         fed = gated = 0
         prev = out_rows[0]
         refused = free = False
-        masks = self.masks
+        row_masks = self.row_masks
         try:
             for tid, target in zip(drafts, out_rows[1:], strict=True):
                 if r.error is not None:
-                    masks.error_or_free(out, target)
+                    row_masks.error_or_free(out, target)
                 elif free or tid < 0:
                     free = True
                     out[target].fill_(-1)
@@ -101,7 +101,7 @@ class Drafts:
         except Exception as exc:  # a bug of ours: this row alone ends
             r.fail(f"speculative masks failed: {type(exc).__name__}: {exc}", cause="drafts")
             for target in out_rows:
-                masks.error_or_free(out, target)
+                row_masks.error_or_free(out, target)
         finally:
             try:
                 if fed:
@@ -130,9 +130,9 @@ class Drafts:
 
     def _fill_position(self, r: Row, out: torch.Tensor, target: int) -> None:
         if r.error is not None:
-            self.masks.error_or_free(out, target)
+            self.row_masks.error_or_free(out, target)
         elif r.gate is not None and r.gate.thinking:
-            if not self.masks.guard(r.gate, out, target):
+            if not self.row_masks.guard(r.gate, out, target):
                 out[target].fill_(-1)
         elif r.matcher is not None:
             r.matcher.fill(out, target)

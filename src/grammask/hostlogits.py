@@ -40,20 +40,20 @@ class HostLogits:
         self._drafts: MaskBuffers | None = None
         self._retired: list[MaskBuffers] = []
 
-    def apply(self, table: dict[int, Row], logits: torch.Tensor, masks: StepMasks,
+    def apply(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
               layout: LogitsLayout | None = None) -> None:
         """Logits row ``i`` gets row ``i``'s mask; ``layout``: the logits'
         (``apply.cpu_layout``), when the caller has read it."""
-        bitmask, rows, plan = masks
+        bitmask, rows, plan = step
         if rows:
             self._pairs(table, logits, bitmask, None, rows, plan, layout)
 
-    def apply_mapped(self, table: dict[int, Row], logits: torch.Tensor, masks: StepMasks,
+    def apply_mapped(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
                      logits_rows: Sequence[int], rows: Sequence[int],
                      layout: LogitsLayout | None = None) -> None:
         """``logits[logits_rows[i]]`` gets row ``rows[i]``'s mask (rows the step did not
         mask are left alone): no Python work per row."""
-        bitmask, masked, plan = masks
+        bitmask, masked, plan = step
         if not masked:
             return
         at = np.asarray(logits_rows, dtype=np.intp)
@@ -69,14 +69,14 @@ class HostLogits:
         if at.size:
             self._pairs(table, logits, bitmask, at, mask_rows, plan, layout)
 
-    def apply_drafts(self, logits: torch.Tensor, masks: StepMasks, placed: DraftMasks,
+    def apply_drafts(self, logits: torch.Tensor, step: StepMasks, placed: DraftMasks,
                      layout: LogitsLayout | None = None) -> None:
         """Masks at draft positions (``drafts.Drafts.place``): committed positions from the
         step's bitmask (its plan moved to them), the others from the drafts' buffer. Neither
         digests nor the host-masks restore: they follow committed tokens only."""
         if placed.at.size:
-            apply_pairs(logits, masks.bitmask, placed.at, placed.rows,
-                        vocab_size=self.vocab_size, buffers=self.buffers, plan=masks.plan,
+            apply_pairs(logits, step.bitmask, placed.at, placed.rows,
+                        vocab_size=self.vocab_size, buffers=self.buffers, plan=step.plan,
                         layout=layout)
         if placed.drafted:
             apply_pairs(logits, placed.buffer, None, placed.drafted, vocab_size=self.vocab_size,

@@ -121,11 +121,11 @@ class BatchProcessor:
         self.stats = FillStats()
         self._first = FirstMasks(compiler, wait_s=wait_s, hedge_s=hedge_s,
                                  agreement=agreement or Solo())
-        self._masks = RowMasks(self.vocab, on_error)
+        self._row_masks = RowMasks(self.vocab, on_error)
         self._jobs = StepJobs(max_batch=max_batch, vocab_size=self.vocab_size,
-                              filler=filler or Filler(), first=self._first, masks=self._masks,
+                              filler=filler or Filler(), first=self._first, masks=self._row_masks,
                               stats=self.stats)
-        self._drafts = Drafts(self._first, self._masks, self.stats)
+        self._drafts = Drafts(self._first, self._row_masks, self.stats)
         self._new_row = RowMaker(self.vocab, self._first.pending, think_end).make
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, digests=digests)
@@ -143,7 +143,8 @@ class BatchProcessor:
         ``host_masks``: the host's own processors forbid tokens of this request before ours
         (vLLM's min_tokens, allowed_token_ids, bad_words, logit_bias): when they leave none of
         the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
-        Raises only for host mistakes (row out of range, wrong request type)."""
+        Raises only for host mistakes: IndexError (row out of range), TypeError (another
+        request type); a request's own faults (a bad grammar) error its row instead."""
         self._check_row(row)
         self._jobs.drop(row)
         self._pop(row)
@@ -155,20 +156,23 @@ class BatchProcessor:
                 self._logits.risky = True
 
     def fail(self, row: int, message: str, cause: str = "host") -> None:
-        """Put ``row`` into the error state (adapters that lose track of a row's tokens)."""
+        """Put ``row`` into the sticky error state (adapters that lose track of a row's
+        tokens); ``cause``: the metric label. An unconstrained row is left alone."""
         r = self._rows.get(row)
         if r is not None:
             self._jobs.discard()
             r.fail(message, cause=cause)
 
     def remove(self, row: int) -> None:
-        """Drop the row's request. A pending fill over named rows (``step(rows)``) holds for
-        the others; one over every row is redone in ``apply``."""
+        """Drop the row's request (none there: nothing happens). A pending fill over named
+        rows (``step(rows)``) holds for the others; one over every row is redone in
+        ``apply``."""
         self._jobs.drop(row)
         self._pop(row)
 
     def move(self, src: int, dst: int) -> None:
-        """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped."""
+        """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped. Raises
+        IndexError for a row out of range."""
         self._check_row(src)
         self._check_row(dst)
         self._jobs.discard()
@@ -178,6 +182,7 @@ class BatchProcessor:
             self._rows[dst] = moved
 
     def swap(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` trade requests. Raises IndexError for a row out of range."""
         self._check_row(a)
         self._check_row(b)
         self._jobs.discard()
@@ -188,7 +193,8 @@ class BatchProcessor:
             self._rows[a] = rb
 
     def advance(self, row: int, tokens: Sequence[int]) -> None:
-        """Append sampled tokens to a row whose output list the processor owns."""
+        """Append sampled tokens to a row whose output list the processor owns (an
+        unconstrained row ignores them). Raises ValueError for a row reading a live list."""
         r = self._rows.get(row)
         if r is None:
             return
@@ -202,7 +208,8 @@ class BatchProcessor:
         """Retract the last ``num_tokens`` tokens of the row's output.
 
         Owned lists lose them here (unread ones first); for a live list the host truncates
-        its list itself and this rewinds what was already read."""
+        its list itself and this rewinds what was already read. Never raises: a rewind the
+        matcher refuses errors the row."""
         r = self._rows.get(row)
         if r is None or num_tokens <= 0:
             return
@@ -232,8 +239,8 @@ class BatchProcessor:
         logits row ``i`` belongs to row ``i``). Rows the step did not mask are left alone.
         Never raises for a row's failure; ValueError for logits with fewer rows than a
         masked row's index."""
-        masks, layout = self._jobs.wait_for_apply(self._rows, logits)
-        self._logits.apply(self._rows, logits, masks, layout)
+        step, layout = self._jobs.wait_for_apply(self._rows, logits)
+        self._logits.apply(self._rows, logits, step, layout)
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
@@ -244,8 +251,8 @@ class BatchProcessor:
         that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
         until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
         Ends the step like ``apply``. Never raises for a row's failure."""
-        masks = self._jobs.wait(self._rows, rows)
-        return masks.bitmask, masks.rows
+        step = self._jobs.wait(self._rows, rows)
+        return step.bitmask, step.rows
 
     def apply_mapped(self, logits: torch.Tensor, logits_rows: Sequence[int],
                      rows: Sequence[int]) -> None:
@@ -253,8 +260,8 @@ class BatchProcessor:
         V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
         gets row ``rows[i]``'s mask (both distinct, of equal length). Other logits rows are
         left alone."""
-        masks, layout = self._jobs.wait_for_apply(self._rows, logits, rows)
-        self._logits.apply_mapped(self._rows, logits, masks, logits_rows, rows, layout)
+        step, layout = self._jobs.wait_for_apply(self._rows, logits, rows)
+        self._logits.apply_mapped(self._rows, logits, step, logits_rows, rows, layout)
 
     def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
                      positions: Sequence[int], inputs: Sequence[int]) -> None:
@@ -266,10 +273,10 @@ class BatchProcessor:
         (``fill_drafts``); the committed positions take the step's masks as ``apply_mapped``
         does. The three sequences have one entry per logits row."""
         sampling = {int(r) for r in rows if int(r) in self._rows}
-        masks, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
-        placed = self._drafts.place(self._rows, masks, self._logits.draft_buffer(len(rows)),
+        step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
+        placed = self._drafts.place(self._rows, step, self._logits.draft_buffer(len(rows)),
                                     rows, positions, inputs, sampling)
-        self._logits.apply_drafts(logits, masks, placed, layout)
+        self._logits.apply_drafts(logits, step, placed, layout)
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:
@@ -295,6 +302,8 @@ class BatchProcessor:
 
     # ------------------------------------------------------------------------- queries
     def info(self, row: int) -> RowInfo:
+        """A snapshot of ``row`` (status, error, backend, gaps, token counts); waits for an
+        in-flight fill, which may change them."""
         r = self._rows.get(row)
         if r is None:
             return RowInfo("unconstrained")
@@ -302,13 +311,16 @@ class BatchProcessor:
         return r.info()
 
     def status(self, row: int) -> RowStatus:
+        """``info(row).status``."""
         return self.info(row).status
 
     def error(self, row: int) -> str | None:
+        """Why ``row`` is in the error state; None when it is not."""
         return self.info(row).error
 
     @property
     def errors(self) -> dict[int, str]:
+        """Every errored row and why (waits for an in-flight fill)."""
         self._jobs.settle()
         return {i: r.error for i, r in self._rows.items() if r.error is not None}
 
@@ -319,9 +331,12 @@ class BatchProcessor:
 
     @property
     def fill_thread_id(self) -> int | None:
+        """The fill thread's ``threading`` ident (placement checks, profiles)."""
         return self._jobs.thread_id
 
     def close(self) -> None:
+        """Wait for an in-flight fill and stop the fill thread; compiles go on in the
+        compiler, which the caller owns."""
         self._jobs.close()
 
     def __enter__(self) -> BatchProcessor:

@@ -193,7 +193,7 @@ def _overlap_case(compiler: Any, spec: Any, text: list[int], weight: torch.Tenso
         return {"batch": batch, "forward_ms": round(without_ms, 3),
                 "step_with_masks_ms": round(with_ms, 3),
                 "exposed_ms": round(with_ms - without_ms, 4),
-                "fill_ms": round(proc.last_advance_ms + proc.last_fill_ms, 4),
+                "fill_ms": round(proc.stats.last_advance_ms + proc.stats.last_fill_ms, 4),
                 "errors": len(proc.errors)}
 
 

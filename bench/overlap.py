@@ -349,8 +349,8 @@ def measure_overlap(compiler: Compiler, vocab: Vocabulary, walks: list[Walk], ba
                 "apply_kernel": kernel * 1000, "wait": wait * 1000,
                 "apply_rest": (t4 - t2 - kernel - wait) * 1000,
                 "step_less_kernel": (t5 - t0 - kernel) * 1000,
-                "advance": proc.last_advance_ms, "fill": proc.last_fill_ms,
-                "plan": proc.last_plan_ms}
+                "advance": proc.stats.last_advance_ms, "fill": proc.stats.last_fill_ms,
+                "plan": proc.stats.last_plan_ms}
 
     def plain_step() -> float:
         t0 = time.perf_counter()

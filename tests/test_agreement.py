@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grammask import GrammarSpec
-from grammask.firstmask import FAILED, PENDING, READY, Decision, decide
+from grammask.pending import FAILED, PENDING, READY, Decision, decide
 
 XGR_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                                "ok": {"type": "boolean"}},

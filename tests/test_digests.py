@@ -16,8 +16,7 @@ SPECS = [GrammarSpec.regex("(ab|cd)[0-9]{1,3}", backend="guidance"),
 
 
 def _run(compiler: Compiler, vocab: Vocabulary, digests: MaskDigests) -> list[torch.Tensor]:
-    proc = BatchProcessor(compiler, max_batch=2)
-    proc.digests = digests
+    proc = BatchProcessor(compiler, max_batch=2, digests=digests)
     outputs: list[list[int]] = [[], []]
     seen = []
     try:

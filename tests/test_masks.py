@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
-from grammask.apply import apply_bitmask, cpu_layout, plan_cpu_apply
+from grammask.apply import apply_bitmask, plan_cpu_apply
 from grammask.backends import Matcher
 from grammask.masks import Filler, FillWorker, MaskBuffers, stop_only_row
 from grammask.processor import BatchProcessor
@@ -306,33 +306,51 @@ def test_worker_tickets_return_results_and_errors() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
-        compiler: Compiler, qwen25: Vocabulary, dtype: torch.dtype) -> None:
-    """From the second step the fill job plans the CPU apply for the last logits' layout;
-    the masked logits are those of an unplanned apply of the same bitmask, step by step, and
-    a layout change (wider logits) falls back to an inline plan."""
+        compiler: Compiler, qwen25: Vocabulary, dtype: torch.dtype,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the second step the fill job plans the CPU apply for the last logits' layout and
+    ``apply`` uses that plan; the masked logits are those of an unplanned apply of the same
+    masks (a second processor fed the same tokens), step by step, and a layout change (wider
+    logits) falls back to the kernels until the plan follows it."""
+    import grammask.apply as apply_module
+
+    real = apply_module._apply_plan
+    used: list[int] = []
+
+    def counted(*args: Any) -> None:
+        used.append(1)
+        real(*args)
+
+    monkeypatch.setattr(apply_module, "_apply_plan", counted)
     grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     tokens = qwen25.encode(INSTANCE)
     gen = torch.Generator().manual_seed(1)
-    with BatchProcessor(compiler, max_batch=3, think_end=None) as proc:
+    with BatchProcessor(compiler, max_batch=3, think_end=None) as proc, \
+            BatchProcessor(compiler, max_batch=3, think_end=None) as plain:
         for row in (0, 2):
             proc.add(row, grammar.spec, grammar=grammar)
+            plain.add(row, grammar.spec, grammar=grammar)
         planned = 0
         for step, tok in enumerate(tokens[:8]):
             width = qwen25.vocab_size + (64 if step == 5 else 0)
             logits = torch.randn(3, width, generator=gen).to(dtype)
             proc.step()
-            bitmask, rows, plan = proc._wait(None)
-            planned += plan is not None
+            plain.step()
+            time.sleep(0.08)  # the forward the job overlaps (planning must fit in it)
+            got = logits.clone()
+            proc.apply(got)
+            planned += proc.stats.last_plan_ms > 0
+            bitmask, rows = plain.wait_masks()
             want = logits.clone()
             apply_bitmask(want, bitmask, vocab_size=qwen25.vocab_size, indices=rows)
-            got = logits.clone()
-            apply_bitmask(got, bitmask, vocab_size=qwen25.vocab_size, indices=rows, plan=plan)
-            proc._cpu_layout = cpu_layout(got)  # as apply() records it
             assert rows == [0, 2]
-            assert torch.equal(got, want)
+            assert torch.equal(got, want), step
             for row in rows:
                 proc.advance(row, [tok])
+                plain.advance(row, [tok])
         assert planned == 7  # every step after the first
+        # not at the wider logits (step 5), nor at the next (planned for the wider ones)
+        assert len(used) == 5
         assert proc.errors == {}
 
 
@@ -361,14 +379,14 @@ def test_one_slow_plan_leaves_planning_on(compiler: Compiler, qwen25: Vocabulary
             proc.step()
             time.sleep(0.08)  # the forward the job overlaps
             proc.apply(torch.zeros(2, qwen25.vocab_size))
-            assert proc._cpu_layout is not None, step  # the next job plans
-            assert (proc.last_plan_ms > 0) == (step > 0), step
+            assert (proc.stats.last_plan_ms > 0) == (step > 0), step
             proc.advance(0, [tok])
         assert len(calls) == 8  # every step after the first
-        proc._cpu_layout = None  # as after GPU logits
+        proc.step()  # logits the planned apply does not take (as GPU logits): no plan next
+        proc.apply(torch.zeros(2, qwen25.vocab_size, dtype=torch.float64))
         proc.step()
         proc.wait_masks()
-        assert proc.last_plan_ms == 0.0 and len(calls) == 8
+        assert proc.stats.last_plan_ms == 0.0 and len(calls) == 9
         assert proc.errors == {}
 
 

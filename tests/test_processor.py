@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
@@ -671,3 +673,73 @@ def test_apply_mapped_and_apply_drafts_place_masks_in_the_hosts_row_order(
         logits = torch.zeros(1, qwen25.vocab_size)
         proc.apply_mapped(logits, [0], [3])
         assert torch.equal(allowed(logits[0]), RawReference.of(regex, qwen25).allowed())
+
+
+def test_apply_drafts_masks_committed_positions_through_the_steps_plan(
+        compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the fill job plans (CPU logits, a forward long enough), the committed positions
+    of ``apply_drafts`` take the step's plan moved to their logits rows (``apply_pairs``),
+    beside draft positions from the drafts' own buffer, with the masks of the reference."""
+    import grammask.apply as apply_module
+
+    real = apply_module._apply_plan_moved
+    moved: list[int] = []
+
+    def counted(*args: Any) -> None:
+        moved.append(1)
+        real(*args)
+
+    monkeypatch.setattr(apply_module, "_apply_plan_moved", counted)
+    regex, choice = grammars[2], grammars[3]
+    a, b = qwen25.encode("ab"), qwen25.encode("1")
+    with BatchProcessor(compiler, max_batch=4, **PATIENT) as proc:
+        proc.add(3, regex.spec, grammar=regex)
+        proc.add(1, choice.spec, grammar=choice)
+        for _ in range(3):
+            proc.step([1, 3])
+            time.sleep(0.08)  # the forward the job overlaps (planning must fit in it)
+            logits = torch.zeros(5, qwen25.vocab_size)
+            # row 1 at logits row 0 (no drafts); logits row 1: no request; row 3 at 2, 3, 4
+            proc.apply_drafts(logits, [1, -1, 3, 3, 3], [0, 0, 0, 1, 2],
+                              [0, 0, 0, a[0], b[0]])
+            assert torch.equal(allowed(logits[0]), RawReference.of(choice, qwen25).allowed())
+            assert bool(allowed(logits[1]).all())
+            for at, fed in zip((2, 3, 4), ([], a, a + b), strict=True):
+                expected = RawReference.of(regex, qwen25)
+                assert all(expected.accept(t) for t in fed)
+                assert torch.equal(allowed(logits[at]), expected.allowed()), at
+        assert len(moved) == 2  # the first job had no logits layout to plan for
+        assert proc.errors == {}
+
+
+def test_a_draft_failure_masks_the_committed_position_too(
+        compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug while filling a row's draft positions fails that row alone: every one of its
+    positions, the committed one included, gets the error mask (stop only), whatever the
+    step had filled there; the other row keeps its mask."""
+    from grammask.drafts import Drafts
+
+    regex, choice = grammars[2], grammars[3]
+    real = Drafts._fill_position
+
+    def broken(self: Drafts, r: Any, out: torch.Tensor, target: int) -> None:
+        if r.grammar is regex:
+            raise RuntimeError("injected")
+        real(self, r, out, target)
+
+    monkeypatch.setattr(Drafts, "_fill_position", broken)
+    a = qwen25.encode("ab")
+    stops = torch.zeros(qwen25.vocab_size, dtype=torch.bool)
+    stops[list(qwen25.stop_ids)] = True
+    with BatchProcessor(compiler, max_batch=4, **PATIENT) as proc:
+        proc.add(3, regex.spec, grammar=regex)
+        proc.add(1, choice.spec, grammar=choice)
+        proc.step([1, 3])
+        logits = torch.zeros(3, qwen25.vocab_size)
+        proc.apply_drafts(logits, [3, 3, 1], [0, 1, 0], [0, a[0], 0])
+        assert "injected" in (proc.error(3) or "")
+        assert torch.equal(allowed(logits[0]), stops)
+        assert torch.equal(allowed(logits[1]), stops)
+        assert torch.equal(allowed(logits[2]), RawReference.of(choice, qwen25).allowed())

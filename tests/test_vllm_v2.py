@@ -244,12 +244,12 @@ def test_finished_requests_are_not_filled(runner: Any, compiler: Compiler,
         r.step(["json", "plain"])
         r.commit({"json": tid, "plain": 5})
     proc = r.plugin.core.processor()
-    filled = proc.rows_filled
+    filled = proc.stats.rows_filled
     r.remove("json")  # finished: the runner frees the slot, no processor hook
     for _ in range(10):
         r.step(["plain"])
         r.commit({"plain": 5})
-    assert proc.rows_filled - filled <= 1
+    assert proc.stats.rows_filled - filled <= 1
 
 
 def test_listed_twice_only_one_instance_acts(runner: Any, compiler: Compiler) -> None:

@@ -4,7 +4,7 @@ With tensor parallelism every rank runs its own processor and must write identic
 row's first mask depends on *when* its grammar is ready (which backend finished first, whether
 the first-mask budget ran out), and clocks and thread schedules differ between ranks. So each
 rank shares its local view and every rank applies one pure decision function to the gathered
-views (``firstmask.decide``): the same input on every rank gives the same outcome.
+views (``pending.decide``): the same input on every rank gives the same outcome.
 
 - ``Solo``: one process, nothing to exchange.
 - ``TorchGroup``: an all-gather of small int64 vectors over a gloo process group (the

@@ -7,21 +7,25 @@
 - ``apply_bitmask``: masks logits in place. CPU logits go through such a plan when one is
   given and fits, else through xgrammar's CPU kernel (rows that allow few tokens memset and
   restored). CUDA logits use the Triton kernel (untested: no GPU where this was written).
-  ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile``
-  (~24 s).
+  ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile``.
+
+The measurements behind these choices are in docs/benchmarks.md (CPU apply).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from .masks import MaskBuffers
+from .steptypes import CpuPlan, LogitsLayout
+
+__all__ = ["CpuPlan", "LogitsLayout", "apply_bitmask", "apply_pairs", "cpu_layout",
+           "plan_cpu_apply", "restore_empty_rows"]
 
 #: Dtypes of the planned CPU apply (as same-width ints: -inf's bit pattern); anything else
 #: goes through the torch fallback.
@@ -33,41 +37,11 @@ _INT_VIEW: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float16: (torch.int16, int(np.array(-np.inf, np.float16).view(np.int16))),
     torch.bfloat16: (torch.int16, -128),  # 0xFF80
 }
-#: Cost model of the planned apply, per logit (measured on this machine, 1 thread): a row
-#: wiped by a memset costs ~1/32 of one scattered index, and a kept logit two indexed
-#: accesses (gather before the memset, scatter after).
+#: Cost model of the planned apply, per logit: a memset costs this fraction of one scattered
+#: index, a kept logit two indexed accesses (gather before the memset, scatter after).
 _WIPE_DIVISOR = 32
 #: mask words the plan expands at a time (a chunk of rows; see ``plan_cpu_apply``)
 _PLAN_CHUNK_BYTES = 1 << 18
-
-
-@dataclass(frozen=True, eq=False)
-class CpuPlan:
-    """A bitmask turned into flat logit indices for one logits layout (``plan_cpu_apply``).
-
-    ``keep``: flat indices (``row * stride + token``) of the allowed logits of the *wiped*
-    rows: rows that allow few tokens, which are filled with -inf wholesale (``runs``: their
-    consecutive runs, ``[start, stop)``) after their allowed logits are saved, then restored.
-    ``kill``: flat indices of the refused logits of the other rows, model padding included.
-    Valid for ``rows`` of logits with row stride ``stride`` and width ``width`` only;
-    ``bound``: ``max(rows) + 1``, the rows the logits and the bitmask need."""
-
-    rows: tuple[int, ...]
-    stride: int
-    width: int
-    covered: int
-    keep: np.ndarray[Any, np.dtype[np.intp]]
-    kill: np.ndarray[Any, np.dtype[np.intp]]
-    runs: tuple[tuple[int, int], ...]
-    bound: int = 0
-    #: the wiped rows themselves (``runs`` as rows), for a plan applied at other rows
-    wiped: np.ndarray[Any, np.dtype[np.intp]] | None = None
-
-    def holds(self, layout: LogitsLayout, rows: tuple[int, ...], covered: int) -> bool:
-        """Whether the plan masks exactly ``rows`` of logits laid out as ``layout``."""
-        return (layout.stride == self.stride and layout.width == self.width
-                and covered == self.covered and rows == self.rows
-                and self.bound <= layout.rows)
 
 
 def _flat_bits(words: np.ndarray[Any, np.dtype[np.uint32]]
@@ -75,8 +49,7 @@ def _flat_bits(words: np.ndarray[Any, np.dtype[np.uint32]]
     """The position (``32 * word + bit``, words in row-major order) of every set bit of a
     2-D uint32 array, ascending.
 
-    Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path:
-    ~10x faster than on uint8)."""
+    Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path)."""
     at = np.flatnonzero(words != 0)
     bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").view(np.bool_)
     found = np.flatnonzero(bits)
@@ -100,21 +73,11 @@ def _logit_indices(words: np.ndarray[Any, np.dtype[np.uint32]],
     return flat
 
 
-class LogitsLayout(NamedTuple):
-    """2-D CPU logits the planned apply takes: read once per apply (``cpu_layout``)."""
-
-    rows: int
-    width: int
-    stride: int  # of a row
-    dtype: torch.dtype
-
-
 def cpu_layout(logits: torch.Tensor) -> LogitsLayout | None:
     """The layout of logits ``apply_bitmask`` masks through a ``CpuPlan``; None for others.
 
-    Runs right after the forward, with cold caches, where each tensor attribute read costs
-    microseconds: four reads, taken once and passed on (``is_cpu`` costs a third of
-    ``device.type`` there: no ``torch.device`` object is made)."""
+    Runs right after the forward, with cold caches, where attribute reads are dear: four
+    reads, taken once and passed on (``is_cpu`` makes no ``torch.device`` object)."""
     shape = logits.shape
     if len(shape) != 2 or not logits.is_cpu:
         return None
@@ -134,8 +97,8 @@ def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: in
     wipe and restore (a memset of the row plus ``2k`` indexed accesses) or scatter -inf at
     the ``d`` refused tokens. Costs O(rows x words) numpy work; made on the fill thread, a
     few rows at a time (``_PLAN_CHUNK_BYTES`` of mask words): the temporaries then stay in
-    cache and in the allocator's free lists, where whole-batch ones (~20 MB at 256 rows)
-    came back as fresh pages, thousands of page faults per plan."""
+    cache and in the allocator's free lists, where whole-batch ones came back as fresh pages
+    (page faults on every plan)."""
     covered = min(width, vocab_size, bitmask.shape[1] * 32)
     nwords = (covered + 31) // 32
     order = tuple(rows)
@@ -243,20 +206,33 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
         logits[index, covered:] = float("-inf")
 
 
-def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any, Any],
-                rows: np.ndarray[Any, Any], *, vocab_size: int,
+def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any, Any] | None,
+                rows: np.ndarray[Any, Any] | Sequence[int], *, vocab_size: int,
                 buffers: MaskBuffers | None = None, plan: CpuPlan | None = None,
                 layout: LogitsLayout | None = None) -> None:
     """Mask logits row ``at[i]`` with bitmask row ``rows[i]``, in place: the one apply of the
-    decode path, whether logits rows are the processor's rows (``at == rows``: the V1 runner,
-    transformers) or the host's own order (vLLM's V2 runner: rows are request slots, logits
-    are in batch order). Both arrays are int, distinct, of equal length.
+    decode path, whether logits rows are the processor's rows (``at`` None: logits row
+    ``rows[i]`` takes bitmask row ``rows[i]``, ``rows`` sorted; the V1 runner, transformers,
+    a bitmask laid out in the logits' order) or the host's own order (vLLM's V2 runner: rows
+    are request slots, logits are in batch order; draft positions). Both int, distinct, of
+    equal length. ``buffers``: ``bitmask``'s owner (its device copies; CUDA only).
 
     No Python work per row: CPU logits go through ``plan`` (made for ``rows`` on the fill
     thread) with its flat indices moved to the logits rows in one numpy pass; without a
     plan that holds, through ``apply_bitmask``'s kernels on the mask rows gathered into the
     logits' order. CUDA logits: the bitmask is copied once (pinned, non-blocking), gathered
-    into the logits' order on the device, and masked by the kernel."""
+    into the logits' order on the device, and masked by the kernel. Raises ValueError for
+    rows outside the logits or the bitmask."""
+    if at is None:
+        if len(rows) == 0:
+            return
+        # every row of the logits, in order (``rows`` is sorted and distinct): no index
+        every = layout is None and len(rows) == logits.shape[0]
+        indices = None if every else rows if isinstance(rows, Sequence) else rows.tolist()
+        apply_bitmask(logits, bitmask, vocab_size=vocab_size, indices=indices,
+                      buffers=buffers, plan=plan, layout=layout)
+        return
+    rows = np.asarray(rows, dtype=np.intp)
     if at.size == 0:
         return
     if logits.is_cpu:
@@ -365,7 +341,7 @@ def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
 def _apply_plan(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout) -> None:
     """The critical-path part of the CPU apply: gather, memset, scatter (numpy indexing on
     a same-width integer view of the logits' storage: exact for every value, NaN included;
-    numpy's indexing costs ~1 us a call where torch's costs ~10 us)."""
+    numpy's indexing calls cost a tenth of torch's)."""
     int_dtype, minus_inf = _INT_VIEW[layout.dtype]
     stride = plan.stride
     base = logits.detach() if logits.requires_grad else logits
@@ -392,7 +368,7 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
     fast for rows that allow most tokens (free text) and slow for the common structural rows
     that allow a handful. Those *sparse* rows are instead saved at their allowed ids, filled
     with -inf wholesale (a memset, the cheapest write there is) and restored. The index work
-    is done in numpy: its calls cost ~1 us where torch's cost ~10 us."""
+    is done in numpy: its calls cost a tenth of torch's."""
     nwords = (covered + 31) // 32
     words = bitmask.numpy()[rows, :nwords]
     flags = np.count_nonzero(words, axis=1) <= max(_SPARSE_WORDS, nwords // 4)

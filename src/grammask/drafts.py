@@ -6,27 +6,70 @@ marker-boundary guard); after a draft token the grammar refuses, every later pos
 the last valid mask (which already refuses that token, so the rejection sampler rejects it
 there and no later row is used); after a placeholder (negative id) positions are free; an
 errored row gets its error mask everywhere.
+
+``Drafts.place`` lays a batch's masks out for the apply (``hostlogits``): committed positions
+as (logits row, step bitmask row) pairs, so the step's CPU plan serves them; draft and bonus
+positions in a buffer in the host's logits order, applied row for row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .firstmask import FirstMasks
 from .rowmasks import RowMasks
 from .rows import Row
-from .stepjob import FillStats
+from .steptypes import DraftMasks, FillStats, StepMasks
 
 
 class Drafts:
     """Fills draft positions on the host's thread (between the step's fill and the apply)."""
 
-    def __init__(self, first: FirstMasks, masks: RowMasks, stats: FillStats) -> None:
+    def __init__(self, first: FirstMasks, row_masks: RowMasks, stats: FillStats) -> None:
         self.first = first
-        self.masks = masks
+        self.row_masks = row_masks
         self.stats = stats
+
+    def place(self, table: dict[int, Row], step: StepMasks, out: torch.Tensor,
+              rows: Sequence[int], positions: Sequence[int], inputs: Sequence[int],
+              sampling: set[int]) -> DraftMasks:
+        """Each row's masks along its drafts (``BatchProcessor.apply_drafts``: logits row
+        ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``),
+        written to ``out`` (a bitmask in the logits' order) where the step's bitmask has
+        none; ``sampling``: the rows of ``rows`` in ``table`` (the others are left alone)."""
+        bitmask, masked, _ = step
+        ready = set(masked)
+        placed: dict[int, list[tuple[int, int]]] = {}
+        for at, (row, pos) in enumerate(zip(rows, positions, strict=True)):
+            if int(row) in sampling:
+                placed.setdefault(int(row), []).append((int(pos), at))
+        committed: list[tuple[int, int]] = []  # (mask row, logits row)
+        drafted: list[int] = []
+        for row, spots in placed.items():
+            out_rows = [at for _, at in sorted(spots)]
+            first = out_rows[0]
+            if len(out_rows) > 1:
+                r = table[row]
+                errored = r.error is not None
+                # ``fill`` reads the committed mask here (a refused draft repeats it)
+                if row in ready:
+                    out[first].copy_(bitmask[row])
+                else:
+                    out[first].fill_(-1)
+                self.fill(r, [int(inputs[at]) for at in out_rows[1:]], out, out_rows)
+                drafted += out_rows[1:]
+                if row not in ready or (r.error is not None) != errored:
+                    drafted.append(first)  # unmasked by the step, or rewritten by ``fill``
+                    continue
+            if row in ready:
+                committed.append((row, first))
+        committed.sort()
+        return DraftMasks(np.fromiter((at for _, at in committed), np.intp, len(committed)),
+                          np.fromiter((row for row, _ in committed), np.intp, len(committed)),
+                          out, sorted(drafted))
 
     def fill(self, r: Row, drafts: Sequence[int], out: torch.Tensor,
              out_rows: Sequence[int]) -> None:
@@ -35,11 +78,11 @@ class Drafts:
         fed = gated = 0
         prev = out_rows[0]
         refused = free = False
-        masks = self.masks
+        row_masks = self.row_masks
         try:
             for tid, target in zip(drafts, out_rows[1:], strict=True):
                 if r.error is not None:
-                    masks.error_or_free(out, target)
+                    row_masks.error_or_free(out, target)
                 elif free or tid < 0:
                     free = True
                     out[target].fill_(-1)
@@ -58,7 +101,7 @@ class Drafts:
         except Exception as exc:  # a bug of ours: this row alone ends
             r.fail(f"speculative masks failed: {type(exc).__name__}: {exc}", cause="drafts")
             for target in out_rows:
-                masks.error_or_free(out, target)
+                row_masks.error_or_free(out, target)
         finally:
             try:
                 if fed:
@@ -87,9 +130,9 @@ class Drafts:
 
     def _fill_position(self, r: Row, out: torch.Tensor, target: int) -> None:
         if r.error is not None:
-            self.masks.error_or_free(out, target)
+            self.row_masks.error_or_free(out, target)
         elif r.gate is not None and r.gate.thinking:
-            if not self.masks.guard(r.gate, out, target):
+            if not self.row_masks.guard(r.gate, out, target):
                 out[target].fill_(-1)
         elif r.matcher is not None:
             r.matcher.fill(out, target)

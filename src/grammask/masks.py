@@ -144,7 +144,7 @@ class FillWorker:
         self._jobs: queue.SimpleQueue[
             tuple[Callable[[], Any], Ticket[Any]] | None] = queue.SimpleQueue()
         #: a ticket the thread made after its last job, for the next ``run`` to take (making
-        #: one, a lock, costs tens of microseconds on the host's critical path when cold)
+        #: one, a lock, is dear on the host's critical path when cold)
         self.spare: Ticket[Any] | None = Ticket()
         self._closed = False
         self._thread = threading.Thread(target=_work,

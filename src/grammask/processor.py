@@ -52,12 +52,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
-from typing import Any, Generic, TypeVar, overload
 
 import torch
 
 from .agreement import Agreement, Solo
-from .apply import LogitsLayout
 from .compiler import Compiler, Grammar
 from .digests import MaskDigests
 from .drafts import Drafts
@@ -68,67 +66,49 @@ from .request import ConstraintRequest
 from .rowmasks import ErrorPolicy, RowMasks
 from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
 from .spec import GrammarSpec
-from .stepjob import FillStats, StepJobs, StepMasks
+from .stepjob import StepJobs
+from .steptypes import FillStats
 
 __all__ = ["BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
-
-T = TypeVar("T")
-
-
-class _Kept(Generic[T]):
-    """A facade attribute one of its parts keeps (``proc.wait_s`` is ``proc._first.wait_s``):
-    hosts and tests read and set it where they always did, the part uses its own."""
-
-    def __init__(self, part: str, name: str | None = None) -> None:
-        self._part = part
-        self._name = name or ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = self._name or name
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> _Kept[T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> T: ...
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(getattr(obj, self._part), self._name)
-
-    def __set__(self, obj: object, value: T) -> None:
-        setattr(getattr(obj, self._part), self._name, value)
-
 
 class BatchProcessor:
     """Masks for a batch of up to ``max_batch`` rows, filled on a worker thread.
 
-    ``think_end``: the thinking end marker (a token id, a token sequence or text); by default
-    the vocabulary's (``</think>`` for Qwen3.x); None disables the thinking gate. A request's
-    own ``think_end`` / ``thinking=False`` take precedence.
-    ``filler``: how rows are filled (batch-parallel thresholds, threads).
-    ``wait_s``: the longest a step waits for a row's grammar at its first mask (the batch
-    stalls meanwhile); ``hedge_s``: when the other backend starts compiling a late JSON schema.
-    ``agreement``: how tensor-parallel ranks agree on those timing outcomes (``Solo``: none).
-    """
+    Parameters
+    ----------
+    compiler : Compiler
+        Compiles each added request's grammar (its vocabulary is the masks').
+    max_batch : int
+        Rows are ``0 .. max_batch - 1``.
+    wait_s : float
+        The longest a step waits for a row's grammar at its first mask (the batch stalls
+        meanwhile); the row then errors alone.
+    hedge_s : float
+        When the other backend starts compiling a late JSON schema.
+    on_error : "stop" | "free"
+        An errored row's mask: stop tokens only, or none.
+    think_end : str | int | Sequence[int] | None
+        The thinking end marker (text, a token id or a token sequence); by default the
+        vocabulary's (``</think>`` for Qwen3.x); None disables the thinking gate. A
+        request's own ``think_end`` / ``thinking=False`` take precedence.
+    filler : Filler | None
+        How rows are filled (batch-parallel thresholds, threads, CPUs).
+    agreement : Agreement | None
+        How tensor-parallel ranks agree on first-mask timing outcomes (None: ``Solo``).
+    digests : MaskDigests | None
+        Record a digest of every applied mask, to compare ranks (a debug setting).
 
-    wait_s: _Kept[float] = _Kept("_first")
-    hedge_s: _Kept[float] = _Kept("_first")
-    agreement: _Kept[Agreement] = _Kept("_first")
-    on_error: _Kept[ErrorPolicy] = _Kept("_masks")
-    #: Milliseconds the last fill job spent advancing matchers and filling (metrics) ...
-    last_advance_ms: _Kept[float] = _Kept("_stats")
-    last_fill_ms: _Kept[float] = _Kept("_stats")
-    #: ... and expanding the masks into the CPU apply's plan (0: the last job did not plan).
-    last_plan_ms: _Kept[float] = _Kept("_stats")
-    #: Mask rows filled by the backends so far (work done, for metrics and tests).
-    rows_filled: _Kept[int] = _Kept("_stats")
-    #: per-rank mask digests (a debug setting; ``digests.py``), None: off
-    digests: _Kept[MaskDigests | None] = _Kept("_logits")
-    #: the layout the next job plans the CPU apply for (tests set it as ``apply`` does)
-    _cpu_layout: _Kept[LogitsLayout | None] = _Kept("_jobs", "cpu_layout")
+    Raises
+    ------
+    ValueError
+        For an unknown ``on_error`` or a negative ``wait_s`` / ``hedge_s``.
+    """
 
     def __init__(self, compiler: Compiler, *, max_batch: int, wait_s: float = 0.5,
                  hedge_s: float = 0.05, on_error: ErrorPolicy = "stop",
                  think_end: str | int | Sequence[int] | None = FROM_VOCAB,
-                 filler: Filler | None = None, agreement: Agreement | None = None) -> None:
+                 filler: Filler | None = None, agreement: Agreement | None = None,
+                 digests: MaskDigests | None = None) -> None:
         if on_error not in ("stop", "free"):
             raise ValueError(f"on_error must be 'stop' or 'free', got {on_error!r}")
         if wait_s < 0 or hedge_s < 0:
@@ -137,17 +117,18 @@ class BatchProcessor:
         self.vocab = compiler.vocab
         self.vocab_size = compiler.vocab.vocab_size
         self.max_batch = max_batch
+        #: what the fill jobs did (times of the last job, rows filled): metrics, benchmarks
+        self.stats = FillStats()
         self._first = FirstMasks(compiler, wait_s=wait_s, hedge_s=hedge_s,
                                  agreement=agreement or Solo())
-        self._masks = RowMasks(self.vocab, on_error)
-        self._stats = FillStats()
+        self._row_masks = RowMasks(self.vocab, on_error)
         self._jobs = StepJobs(max_batch=max_batch, vocab_size=self.vocab_size,
-                              filler=filler or Filler(), first=self._first, masks=self._masks,
-                              stats=self._stats)
-        self._drafts = Drafts(self._first, self._masks, self._stats)
-        self._new_row = RowMaker(self.vocab, self._first, think_end).make
+                              filler=filler or Filler(), first=self._first, masks=self._row_masks,
+                              stats=self.stats)
+        self._drafts = Drafts(self._first, self._row_masks, self.stats)
+        self._new_row = RowMaker(self.vocab, self._first.pending, think_end).make
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
-                                  buffers=self._jobs.buffers, drafts=self._drafts)
+                                  buffers=self._jobs.buffers, digests=digests)
         self._rows: dict[int, Row] = {}
         self._live = 0  # rows reading a live list (``step(rows, tokens)`` refuses them)
 
@@ -162,7 +143,8 @@ class BatchProcessor:
         ``host_masks``: the host's own processors forbid tokens of this request before ours
         (vLLM's min_tokens, allowed_token_ids, bad_words, logit_bias): when they leave none of
         the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
-        Raises only for host mistakes (row out of range, wrong request type)."""
+        Raises only for host mistakes: IndexError (row out of range), TypeError (another
+        request type); a request's own faults (a bad grammar) error its row instead."""
         self._check_row(row)
         self._jobs.drop(row)
         self._pop(row)
@@ -174,20 +156,23 @@ class BatchProcessor:
                 self._logits.risky = True
 
     def fail(self, row: int, message: str, cause: str = "host") -> None:
-        """Put ``row`` into the error state (adapters that lose track of a row's tokens)."""
+        """Put ``row`` into the sticky error state (adapters that lose track of a row's
+        tokens); ``cause``: the metric label. An unconstrained row is left alone."""
         r = self._rows.get(row)
         if r is not None:
             self._jobs.discard()
             r.fail(message, cause=cause)
 
     def remove(self, row: int) -> None:
-        """Drop the row's request. A pending fill over named rows (``step(rows)``) holds for
-        the others; one over every row is redone in ``apply``."""
+        """Drop the row's request (none there: nothing happens). A pending fill over named
+        rows (``step(rows)``) holds for the others; one over every row is redone in
+        ``apply``."""
         self._jobs.drop(row)
         self._pop(row)
 
     def move(self, src: int, dst: int) -> None:
-        """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped."""
+        """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped. Raises
+        IndexError for a row out of range."""
         self._check_row(src)
         self._check_row(dst)
         self._jobs.discard()
@@ -197,6 +182,7 @@ class BatchProcessor:
             self._rows[dst] = moved
 
     def swap(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` trade requests. Raises IndexError for a row out of range."""
         self._check_row(a)
         self._check_row(b)
         self._jobs.discard()
@@ -207,7 +193,8 @@ class BatchProcessor:
             self._rows[a] = rb
 
     def advance(self, row: int, tokens: Sequence[int]) -> None:
-        """Append sampled tokens to a row whose output list the processor owns."""
+        """Append sampled tokens to a row whose output list the processor owns (an
+        unconstrained row ignores them). Raises ValueError for a row reading a live list."""
         r = self._rows.get(row)
         if r is None:
             return
@@ -221,7 +208,8 @@ class BatchProcessor:
         """Retract the last ``num_tokens`` tokens of the row's output.
 
         Owned lists lose them here (unread ones first); for a live list the host truncates
-        its list itself and this rewinds what was already read."""
+        its list itself and this rewinds what was already read. Never raises: a rewind the
+        matcher refuses errors the row."""
         r = self._rows.get(row)
         if r is None or num_tokens <= 0:
             return
@@ -247,33 +235,33 @@ class BatchProcessor:
         self._jobs.step(self._rows, rows, tokens, live_rows=self._live > 0)
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Wait for this step's fill and mask ``logits`` (rows = batch rows) in place."""
-        masks, layout = self._jobs.wait_for_apply(self._rows, logits)
-        self._logits.apply(self._rows, logits, masks, layout)
+        """Wait for this step's fill and mask ``logits`` in place (2-D, float, CPU or CUDA;
+        logits row ``i`` belongs to row ``i``). Rows the step did not mask are left alone.
+        Never raises for a row's failure; ValueError for logits with fewer rows than a
+        masked row's index."""
+        step, layout = self._jobs.wait_for_apply(self._rows, logits)
+        self._logits.apply(self._rows, logits, step, layout)
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
-        """Wait for this step's fill; the bitmask and the sorted rows it masks.
+        """Wait for this step's fill; returns the bitmask and the sorted rows it masks.
 
         For hosts that apply masks themselves (e.g. on the device, in their own sampler).
         ``rows``: rows that must be masked; any the step did not fill are filled now (a host
         that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
         until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
         Ends the step like ``apply``. Never raises for a row's failure."""
-        masks = self._jobs.wait(self._rows, rows)
-        return masks.bitmask, masks.rows
-
-    def _wait(self, rows: Collection[int] | None) -> StepMasks:
-        """``wait_masks``, plus the job's CPU apply plan when it still holds (tests)."""
-        return self._jobs.wait(self._rows, rows)
+        step = self._jobs.wait(self._rows, rows)
+        return step.bitmask, step.rows
 
     def apply_mapped(self, logits: torch.Tensor, logits_rows: Sequence[int],
                      rows: Sequence[int]) -> None:
         """Like ``apply``, for a host whose logits rows are not the processor's rows (vLLM's
         V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
-        gets row ``rows[i]``'s mask. Other logits rows are left alone."""
-        masks, layout = self._jobs.wait_for_apply(self._rows, logits, rows)
-        self._logits.apply_mapped(self._rows, logits, masks, logits_rows, rows, layout)
+        gets row ``rows[i]``'s mask (both distinct, of equal length). Other logits rows are
+        left alone."""
+        step, layout = self._jobs.wait_for_apply(self._rows, logits, rows)
+        self._logits.apply_mapped(self._rows, logits, step, logits_rows, rows, layout)
 
     def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
                      positions: Sequence[int], inputs: Sequence[int]) -> None:
@@ -282,16 +270,20 @@ class BatchProcessor:
         state; k: after the first k draft tokens; the last: the bonus position), and
         ``inputs[i]`` is the token fed at that logits row (the draft tokens of positions
         1.. are the inputs of the rows before them). Each row's masks follow its drafts
-        (``fill_drafts``)."""
+        (``fill_drafts``); the committed positions take the step's masks as ``apply_mapped``
+        does. The three sequences have one entry per logits row."""
         sampling = {int(r) for r in rows if int(r) in self._rows}
-        bitmask, masked = self.wait_masks(sorted(sampling))
-        self._logits.apply_drafts(self._rows, logits, bitmask, masked, sampling, rows,
-                                  positions, inputs)
+        step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
+        placed = self._drafts.place(self._rows, step, self._logits.draft_buffer(len(rows)),
+                                    rows, positions, inputs, sampling)
+        self._logits.apply_drafts(logits, step, placed, layout)
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:
-        """Masks for speculative decoding: ``out[out_rows[k + 1]]`` gets the mask of the
-        position after ``drafts[:k + 1]`` (the last one is the bonus position).
+        """Masks for speculative decoding, for hosts that apply masks themselves:
+        ``out[out_rows[k + 1]]`` gets the mask of the position after ``drafts[:k + 1]`` (the
+        last one is the bonus position). Raises ValueError unless ``out_rows`` has one row
+        more than ``drafts``.
 
         ``out[out_rows[0]]`` must already hold the committed position's mask (from
         ``wait_masks``, or all ones for a row it did not list). Draft tokens are fed
@@ -310,6 +302,8 @@ class BatchProcessor:
 
     # ------------------------------------------------------------------------- queries
     def info(self, row: int) -> RowInfo:
+        """A snapshot of ``row`` (status, error, backend, gaps, token counts); waits for an
+        in-flight fill, which may change them."""
         r = self._rows.get(row)
         if r is None:
             return RowInfo("unconstrained")
@@ -317,13 +311,16 @@ class BatchProcessor:
         return r.info()
 
     def status(self, row: int) -> RowStatus:
+        """``info(row).status``."""
         return self.info(row).status
 
     def error(self, row: int) -> str | None:
+        """Why ``row`` is in the error state; None when it is not."""
         return self.info(row).error
 
     @property
     def errors(self) -> dict[int, str]:
+        """Every errored row and why (waits for an in-flight fill)."""
         self._jobs.settle()
         return {i: r.error for i, r in self._rows.items() if r.error is not None}
 
@@ -334,9 +331,12 @@ class BatchProcessor:
 
     @property
     def fill_thread_id(self) -> int | None:
+        """The fill thread's ``threading`` ident (placement checks, profiles)."""
         return self._jobs.thread_id
 
     def close(self) -> None:
+        """Wait for an in-flight fill and stop the fill thread; compiles go on in the
+        compiler, which the caller owns."""
         self._jobs.close()
 
     def __enter__(self) -> BatchProcessor:

@@ -8,7 +8,7 @@ how a row waits for its grammar is ``firstmask.py``'s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -16,7 +16,7 @@ from typing import Literal
 from . import metrics
 from .backends.base import BatchCalls, Matcher, batch_calls
 from .compiler import Grammar
-from .firstmask import FirstMasks, PendingGrammar
+from .pending import PendingGrammar
 from .reasoning import ThinkGate, ThinkMarker
 from .request import ConstraintRequest
 from .spec import GrammarSpec
@@ -260,14 +260,19 @@ def _advance_one(r: Row, tokens: list[int]) -> None:
         r.fail(f"advancing failed: {type(exc).__name__}: {exc}", cause="matcher")
 
 
-class RowMaker:
-    """Rows for requests added to the batch: the compile (``FirstMasks.pending``) and the
-    thinking gate (one marker per ``think_end``, made once)."""
+#: a new row's compiles (``firstmask.FirstMasks.pending``): from its spec and the grammar the
+#: host may hand over (compiled, or a future of one)
+Compiles = Callable[[GrammarSpec, Grammar | Future[Grammar] | None], PendingGrammar]
 
-    def __init__(self, vocab: Vocabulary, first: FirstMasks,
+
+class RowMaker:
+    """Rows for requests added to the batch: the compile (``pending``) and the thinking gate
+    (one marker per ``think_end``, made once)."""
+
+    def __init__(self, vocab: Vocabulary, pending: Compiles,
                  think_end: str | int | Sequence[int] | None) -> None:
         self.vocab = vocab
-        self.first = first
+        self.pending = pending
         self._default = (ThinkMarker.for_vocab(vocab) if think_end == FROM_VOCAB
                          else None if think_end is None
                          else ThinkMarker.for_vocab(vocab, think_end))
@@ -281,7 +286,7 @@ class RowMaker:
         if not isinstance(request, ConstraintRequest):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
-        pending = self.first.pending(request.spec, grammar)
+        pending = self.pending(request.spec, grammar)
         r = Row(request, pending, [] if output_ids is None else output_ids,
                 output_ids is None, self.vocab.tokens)
         r.host_masks = host_masks

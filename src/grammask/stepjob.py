@@ -13,44 +13,23 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
 
 import torch
 
 from . import metrics
-from .apply import CpuPlan, LogitsLayout, cpu_layout, plan_cpu_apply
+from .apply import cpu_layout, plan_cpu_apply
 from .backends.base import Matcher
 from .firstmask import FirstMasks
 from .masks import Filler, FillWorker, MaskBuffers, Ticket
 from .rowmasks import RowMasks
 from .rows import Row, advance_all
+from .steptypes import CpuPlan, FillStats, LogitsLayout, StepMasks
 
 log = logging.getLogger("grammask")
 
 #: one row's share of a step: (batch row, the row, its new tokens); a plain tuple, since one
 #: is made per row per step on the host's critical path
 Work = tuple[int, Row, list[int]]
-
-
-class StepMasks(NamedTuple):
-    """A step's masks: the bitmask, the rows it masks (sorted), the CPU apply's plan."""
-
-    bitmask: torch.Tensor
-    rows: list[int]
-    plan: CpuPlan | None  # None: none made, or stale
-
-
-@dataclass
-class FillStats:
-    """What the fill jobs did (metrics, benchmarks and tests read it)."""
-
-    #: milliseconds the last job spent advancing matchers and filling
-    last_advance_ms: float = 0.0
-    last_fill_ms: float = 0.0
-    #: ... and expanding the masks into the CPU apply's plan (0: the job did not plan)
-    last_plan_ms: float = 0.0
-    #: mask rows filled by the backends so far (work done)
-    rows_filled: int = 0
 
 
 @dataclass

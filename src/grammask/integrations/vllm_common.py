@@ -151,6 +151,14 @@ class PluginCore:
             kwargs: dict[str, Any] = {}
             if self.settings.think_end != "auto":
                 kwargs["think_end"] = self.settings.think_end_arg
+            if self.settings.mask_digest_dir:
+                rank = _tp_rank()
+                fault = self.settings.debug_mask_fault_rank == rank
+                kwargs["digests"] = MaskDigests(self.settings.mask_digest_dir, rank,
+                                                fault=fault)
+                log.warning("grammask: recording mask digests in %s (rank %d%s)",
+                            self.settings.mask_digest_dir, rank,
+                            ", FAULT INJECTED" if fault else "")
             self._proc = BatchProcessor(
                 self.compiler, max_batch=self.max_batch, wait_s=self.settings.wait_s,
                 hedge_s=self.settings.hedge_s, agreement=self.agreement,
@@ -159,14 +167,6 @@ class PluginCore:
                               threads=self.settings.fill_threads,
                               cpus=fill_cpus(self.settings.fill_cpus,
                                              pinning_host=_cpu_platform())), **kwargs)
-            if self.settings.mask_digest_dir:
-                rank = _tp_rank()
-                fault = self.settings.debug_mask_fault_rank == rank
-                self._proc.digests = MaskDigests(self.settings.mask_digest_dir, rank,
-                                                 fault=fault)
-                log.warning("grammask: recording mask digests in %s (rank %d%s)",
-                            self.settings.mask_digest_dir, rank,
-                            ", FAULT INJECTED" if fault else "")
         return self._proc
 
     @property

@@ -94,11 +94,12 @@ def test_cache_is_bounded_by_bytes(qwen25: Vocabulary) -> None:
 
 class _Clock:
     """The compile service's clock, moved by the test: ``time.monotonic`` as
-    ``grammask.compiler`` reads it (the rest of its ``time`` module is the real one). Time
+    ``grammask.compiler`` and ``grammask.flights`` read it (the rest of ``time`` is real). Time
     stands still until ``advance``, however long the real compiles take."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import grammask.compiler as compiler
+        import grammask.flights as flights
 
         self.now = time.monotonic()
         real, clock = compiler.time, self
@@ -110,7 +111,9 @@ class _Clock:
             def monotonic(self) -> float:
                 return clock.now
 
-        monkeypatch.setattr(compiler, "time", _Time())
+        # the service remembers failures, its flights' lookup reads them
+        for module in (compiler, flights):
+            monkeypatch.setattr(module, "time", _Time())
 
     def advance(self, seconds: float) -> None:
         self.now += seconds

@@ -640,15 +640,17 @@ def test_a_grammar_past_the_writer_ceiling_is_not_written(
 def test_the_child_writes_only_under_the_parents_key(qwen25: Vocabulary, heavy: object,
                                                      tmp_path: Path) -> None:
     """Another key (other sources, versions, vocabulary) in the child: nothing is written."""
-    from grammask.backends.xgrammar_disk import _vocab_frame, child_request, run_child
+    from grammask.backends.xgrammar_disk import CHILD_CODE
+    from grammask.diskwriter import child_request, run_child, vocab_frame
 
     cache = DiskCache(tmp_path / "c")
     job = {"lenient": False, "compile_ms": None, "memory": 1, "timeout_s": 120}
     material = key_material(_heavy(6), qwen25)
-    report = run_child(child_request(cache, _heavy(6), _vocab_frame(qwen25),
-                                     material + b" ", job), 120)
+    report = run_child(CHILD_CODE, child_request(cache, _heavy(6), vocab_frame(qwen25),
+                                                 material + b" ", job), 120)
     assert not report["written"] and "key differs" in report["why"], report
-    report = run_child(child_request(cache, _heavy(6), _vocab_frame(qwen25), material, job),
+    report = run_child(CHILD_CODE, child_request(cache, _heavy(6), vocab_frame(qwen25),
+                                                 material, job),
                        120)  # the right key, but a grammar of another size
     assert not report["written"] and "another grammar" in report["why"], report
     assert _files(tmp_path / "c") == []
@@ -683,10 +685,28 @@ def test_deeply_nested_alternatives_are_serialized_only_in_a_child(qwen25: Vocab
 
 def test_the_child_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """The child imports this grammask, sees no GPU and writes no Prometheus files."""
-    from grammask.backends.xgrammar_disk import child_env
+    from grammask.diskwriter import child_env
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/prom")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     env = child_env()
     assert "PROMETHEUS_MULTIPROC_DIR" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "src")
+
+
+def test_the_key_is_versions_and_a_recipe_constant(qwen25: Vocabulary) -> None:
+    """The recipe part of the key is the packages' versions and ``RECIPE_VERSION``, nothing
+    read from source files (an unrelated edit keeps the cache); the codec is the module's."""
+    import hashlib
+    from importlib.metadata import version
+
+    from grammask.backends import xgrammar_disk
+
+    h = hashlib.sha256()
+    for package in ("grammask", "xgrammar"):
+        h.update(f"{package}={version(package)};".encode())
+    h.update(f"recipe={xgrammar_disk.RECIPE_VERSION}".encode())
+    assert xgrammar_disk.recipe_digest() == h.hexdigest()[:32]
+    head = json.loads(key_material(_spec(), qwen25).split(b"\n", 1)[0])
+    assert head["recipe"] == h.hexdigest()[:32] and head["format"] == FORMAT_VERSION
+    assert xgrammar_disk.CODEC.key_material(_spec(), qwen25) == key_material(_spec(), qwen25)

@@ -192,6 +192,20 @@ def test_vllms_tag_is_kept_without_the_request_or_with_auto(admission: SimpleNam
     assert served_tag(params)["format"]["type"] == "tags_with_separator"
 
 
+def test_only_vllms_own_request_types_are_read(admission: SimpleNamespace) -> None:
+    """The stack walk reads a ``request`` only when it is vLLM's chat or Responses request:
+    another object of that name that carries the same tag and tools is not a source."""
+    real = chat_request("required")
+    request = SimpleNamespace(tools=real.tools, tool_choice="required",
+                              structured_outputs=real.structured_outputs)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        structural_tag=real.structured_outputs.structural_tag))
+    del real
+    vllm_admission.validate_sampling_params(params)
+    assert request.tools  # on the stack all along
+    assert served_tag(params)["format"]["type"] == "tags_with_separator"
+
+
 def test_a_strict_tool_keeps_vllms_schema(admission: SimpleNamespace) -> None:
     tools = [tool("get_weather", WEATHER, strict=True), TOOLS[1]]
     tags = served_tag(admit(chat_request("required", tools)))["format"]["content"]["elements"]

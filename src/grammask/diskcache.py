@@ -1,9 +1,11 @@
 """A persistent compiled-grammar store shared by the processes of one host.
 
 The store keeps opaque payloads under key material; what goes in is a backend's business: a
-backend that declares ``disk`` (``backends.registry``) offers ``store_compiled`` /
-``load_compiled``, which turn its compiled grammars into payloads and back (xgrammar's codec is
-``backends.xgrammar_disk``: why only xgrammar, and where its time and memory go).
+backend that declares ``disk`` (``backends.registry``) has a ``DiskCodec``, which turns its
+compiled grammars into payloads and back (xgrammar's is ``backends.xgrammar_disk``: why only
+xgrammar, and where its time and memory go); its adapter's ``store_compiled`` /
+``load_compiled`` wrap it. A write too heavy for the serving process goes to a child
+(``diskwriter``).
 
 File format (one file per key, ``<sha256 of the key material>.xgc``): the header ``magic``
 (8 bytes), ``format version`` (u16), ``flags`` (u16; bit 0: payload is zlib-compressed),
@@ -39,7 +41,11 @@ import weakref
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from .spec import GrammarSpec
+    from .vocab import Vocabulary
 
 log = logging.getLogger("grammask")
 
@@ -145,6 +151,32 @@ def parse_file(data: bytes, material: bytes) -> tuple[str | None, bytes]:
         except zlib.error as exc:
             return f"payload does not decompress ({exc})", b""
     return None, payload
+
+
+# ------------------------------------------------------------------------- the codec
+Compiled = TypeVar("Compiled")
+
+
+class DiskCodec(Protocol[Compiled]):
+    """A backend's disk format: its own compiled grammar (``Compiled``) as a payload under
+    key material, and back. The key material must name everything that shapes the grammar
+    (format, backend version, a recipe version constant, vocabulary, options, the spec), so
+    that a file is never served for another one. ``load`` and ``store`` never raise: the
+    cache is a bonus."""
+
+    def key_material(self, spec: GrammarSpec, vocab: Vocabulary, *,
+                     lenient: bool = False) -> bytes:
+        """The bytes a file is stored under (compared whole on every read)."""
+
+    def load(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,
+             lenient: bool = False) -> Compiled | None:
+        """The grammar an earlier compile (any process) stored, or None (absent or bad:
+        the bad file is removed)."""
+
+    def store(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary,
+              compiled: Compiled, *, lenient: bool = False,
+              compile_ms: float | None = None) -> bool:
+        """Queue ``compiled`` for writing, off the request path; False when not queued."""
 
 
 # ------------------------------------------------------------------------- the cache

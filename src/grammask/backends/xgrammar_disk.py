@@ -20,52 +20,44 @@ picojson tree: 8 to 13 times the JSON (the serializer's peak, 71 MB: +0.58 GB; t
 
 Hence the writer: a grammar that is small and shallow (``inline_memory``, ``INLINE_DEPTH``) is
 serialized on the writer thread; any other is compiled again and serialized by a child process
-(``python -c``, niced, ``oom_score_adj`` 1000, ``RLIMIT_DATA`` = its footprint after start-up
-plus ``writer_memory``, an alarm): the serving process never holds the serializer's peak, and a
-grammar the ceiling cannot serialize is simply not written. The child gets the spec, the key
-material and the vocabulary's tokens on stdin, and writes only if the key it computes from them
-is byte for byte the parent's (same sources, versions, vocabulary) and its grammar has the
-parent's size.
+under a memory ceiling (``diskwriter``, the generic part: its protocol, limits and file
+safety): the serving process never holds the serializer's peak. The child writes only if the
+key it computes is byte for byte the parent's and its grammar has the parent's size.
 
 Payload: xgrammar's JSON cut into pieces at its mask entries, each distinct piece stored once
 (``pack_json``: piece count u32, sequence length u32, JSON length u64, piece byte lengths
 u32[], the sequence of piece indices u32[], the pieces); joining them gives back xgrammar's text
 exactly. The key material (``key_material``) is JSON: format, backend and its version,
-grammask's version and a digest of the sources that shape a compile, vocabulary digest and
-size, options, and the spec's whole canonical form. A payload whose piece table does not add
-up, or that xgrammar refuses, is discarded (and the file removed) like a bad file.
+grammask's version and ``RECIPE_VERSION`` (a constant, never a digest of source files),
+vocabulary digest and size, options, and the spec's whole canonical form. A payload whose
+piece table does not add up, or that xgrammar refuses, is discarded (and the file removed)
+like a bad file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import struct
-import subprocess
-import sys
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import xgrammar as xgr
 
-from ..diskcache import FORMAT_VERSION, DiskCache, warn_once
+from .. import diskwriter
+from ..diskcache import FORMAT_VERSION, DiskCache, DiskCodec, warn_once
+from ..diskwriter import read_u32, u32
 
 if TYPE_CHECKING:
     from ..spec import GrammarSpec
     from ..vocab import Vocabulary
 
 log = logging.getLogger("grammask")
-#: the vocabulary as the writer child reads it, per vocabulary digest (built once)
-_FRAMES: dict[str, bytes] = {}
 #: compiles a spec for a vocabulary (lenient or not) into xgrammar's own compiled grammar
 CompileFn = Callable[["GrammarSpec", "Vocabulary", bool], xgr.CompiledGrammar]
 
@@ -88,13 +80,14 @@ MAX_JSON_BYTES = 128 * 1024 * 1024
 #: inside a JSON string is escaped, so this cannot match inside one; either way the pieces
 #: join back to the exact text.
 _MASK_ENTRY = re.compile(r'\{"store_type":[^{}]*\}')
-_CHILD_CODE = "from grammask.backends.xgrammar import disk_child_main; disk_child_main()"
+#: the writer child's entry (``diskwriter.run_child``): it compiles as the adapter does
+CHILD_CODE = "from grammask.backends.xgrammar import disk_child_main; disk_child_main()"
 
-#: Sources whose changes can change a compiled grammar: part of the key.
-#: Bump whenever a change to how grammask shapes an xgrammar compile (``backends/xgrammar.py``,
-#: ``normalize.py``, ``spec.py``, ``vocab.py``) would make a stored grammar differ: entries
-#: under an older recipe are then never read. A constant, not a digest of those sources, so
-#: an unrelated edit (or a parent and a writer child reading files mid-edit) keeps the cache.
+#: The recipe's version, part of the key. Bump whenever a change to how grammask shapes an
+#: xgrammar compile (``backends/xgrammar.py``, ``normalize.py``, ``spec.py``, ``vocab.py``)
+#: would make a stored grammar differ: entries under an older recipe are then never read. A
+#: constant, not a digest of those sources, so an unrelated edit (or a parent and a writer
+#: child reading files mid-edit) keeps the cache.
 RECIPE_VERSION = 2
 
 _recipe: str | None = None
@@ -162,20 +155,6 @@ def alternation_depth(spec: GrammarSpec) -> int:
     return deepest
 
 
-def _u32(values: array[int]) -> bytes:
-    if sys.byteorder == "big":  # pragma: no cover - the format is little-endian everywhere
-        values.byteswap()
-    return values.tobytes()
-
-
-def _read_u32(data: bytes | memoryview, count: int) -> array[int]:
-    values = array("I")
-    values.frombytes(data[:4 * count])
-    if sys.byteorder == "big":  # pragma: no cover
-        values.byteswap()
-    return values
-
-
 def pack_json(text: str) -> bytes:
     """xgrammar's JSON as pieces cut at its mask entries, each distinct piece once (the
     entries repeat: 71 MB of JSON become 11 MB); ``unpack_json`` joins them back exactly."""
@@ -189,7 +168,7 @@ def pack_json(text: str) -> bytes:
     sequence.append(index.setdefault(text[pos:], len(index)))
     pieces = [p.encode("utf-8", "surrogatepass") for p in index]
     return b"".join([_PIECES.pack(len(pieces), len(sequence), len(text)),
-                     _u32(array("I", map(len, pieces))), _u32(sequence), *pieces])
+                     u32(array("I", map(len, pieces))), u32(sequence), *pieces])
 
 
 def unpack_json(data: bytes, max_chars: int = MAX_JSON_BYTES) -> str:
@@ -203,8 +182,8 @@ def unpack_json(data: bytes, max_chars: int = MAX_JSON_BYTES) -> str:
     view = memoryview(data)[_PIECES.size:]
     if len(view) < 4 * (count + length):
         raise ValueError("the piece table is truncated")
-    sizes = _read_u32(view, count)
-    sequence = _read_u32(view[4 * count:], length)
+    sizes = read_u32(view, count)
+    sequence = read_u32(view[4 * count:], length)
     offset = 4 * (count + length)
     if offset + sum(sizes) != len(view):
         raise ValueError("the piece sizes do not add up to the payload")
@@ -235,90 +214,14 @@ def store_json(cache: DiskCache, what: str, material: bytes, text: str,
 
 
 # ---------------------------------------------------------------------- writer child
-def _vocab_frame(vocab: Vocabulary) -> bytes:
-    """What the child needs to rebuild the vocabulary (its digest is checked there)."""
-    head = json.dumps({"special_ids": sorted(vocab.special_ids), "stop_ids": list(vocab.stop_ids),
-                       "vocab_size": vocab.vocab_size, "name": vocab.name,
-                       "think_end": vocab.think_end}).encode()
-    frame = bytearray(struct.pack("<QQ", len(head), len(vocab.tokens)) + head)
-    frame += _u32(array("I", map(len, vocab.tokens)))
-    for token in vocab.tokens:  # not bytes.join: it holds an 80-byte buffer per token (12 MB)
-        frame += token
-    return bytes(frame)
-
-
-def _read_vocab(data: memoryview) -> Vocabulary:
-    from ..vocab import Vocabulary
-
-    hlen, count = struct.unpack_from("<QQ", data)
-    head = json.loads(bytes(data[16:16 + hlen]))
-    sizes = _read_u32(data[16 + hlen:], count)
-    offset = 16 + hlen + 4 * count
-    tokens = []
-    for size in sizes:
-        tokens.append(bytes(data[offset:offset + size]))
-        offset += size
-    return Vocabulary(tokens, special_ids=head["special_ids"], stop_ids=head["stop_ids"],
-                      vocab_size=head["vocab_size"], name=head["name"],
-                      think_end=head["think_end"])
-
-
-def child_request(cache: DiskCache, spec: GrammarSpec, vocab_frame: bytes, material: bytes,
-                  job: dict[str, Any]) -> bytes:
-    """The child's stdin: the job (spec fields, options, bounds), the key, the vocabulary."""
-    job = {**job, "directory": str(cache.directory), "max_bytes": cache.max_bytes,
-           "compress": cache.compress, "limit": cache.writer_memory,
-           "spec": {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}}
-    head = json.dumps(job).encode()
-    return b"".join([struct.pack("<QQ", len(head), len(material)), head, material,
-                     vocab_frame])
-
-
-def child_env() -> dict[str, str]:
-    """The child imports this grammask (its key must match anyway), never touches a GPU and
-    leaves no metrics files behind (vLLM's multiprocess Prometheus directory)."""
-    env = {k: v for k, v in os.environ.items() if k.lower() != "prometheus_multiproc_dir"}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return env
-
-
-def _status_kib(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
-    return int(match.group(1)) * 1024 if match else 0
-
-
-def _child_write(data: bytes, compile_fn: CompileFn) -> dict[str, Any]:
-    import resource
-    import signal
-
-    hlen, mlen = struct.unpack_from("<QQ", data)
-    job = json.loads(data[16:16 + hlen])
-    material = data[16 + hlen:16 + hlen + mlen]
-    signal.alarm(int(job["timeout_s"]) + 1)  # default action: end the process
-    with contextlib.suppress(OSError):
-        os.nice(10)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/oom_score_adj").write_text("1000")  # the first the kernel kills
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    from ..spec import GrammarSpec
-
-    vocab = _read_vocab(memoryview(data)[16 + hlen + mlen:])
-    del data
-    spec = GrammarSpec(**job["spec"])
+def _child_write(job: dict[str, Any], spec: GrammarSpec, vocab: Vocabulary, material: bytes,
+                 compile_fn: CompileFn) -> dict[str, Any]:
+    """xgrammar's part of the writer child (``diskwriter.child_main``): check the key, compile,
+    serialize, store."""
     if key_material(spec, vocab, lenient=job["lenient"]) != material:
         return {"written": False, "why": "the child's key differs (other sources or versions)"}
     vocab.xgrammar_info  # noqa: B018 - built before the ceiling: it is start-up, not the write
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")  # the peak below is the write's own
-    base = _status_kib("VmRSS")
-    limit = _status_kib("VmData") + int(job["limit"])
-    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    base = diskwriter.limit_memory(int(job["limit"]))
     started = time.perf_counter()
     inner = compile_fn(spec, vocab, job["lenient"])
     compile_ms = (time.perf_counter() - started) * 1000
@@ -327,59 +230,18 @@ def _child_write(data: bytes, compile_fn: CompileFn) -> dict[str, Any]:
         return {**report, "written": False, "why": "the child compiled another grammar"}
     text = inner.serialize_json()
     del inner
-    cache = DiskCache(job["directory"], job["max_bytes"], compress=job["compress"])
+    cache = diskwriter.open_cache(job)
     given = job["compile_ms"]
     written, why = store_json(cache, spec.describe(), material, text,
                               compile_ms if given is None else float(given))
     return {**report, "written": written, "why": why, "json_bytes": len(text),
             "file_bytes": cache.path_for(material).stat().st_size if written else 0,
-            "peak_rss": _status_kib("VmHWM")}
+            "peak_rss": diskwriter.peak_rss()}
 
 
 def child_main(compile_fn: CompileFn) -> None:
-    """The writer child (``python -c``): compile, serialize, store, one JSON report line."""
-    report: dict[str, Any] = {"pid": os.getpid()}
-    try:
-        report.update(_child_write(sys.stdin.buffer.read(), compile_fn))
-        code = 0
-    except BaseException as exc:  # bad_alloc at the ceiling, a refused spec, ...
-        report.update(written=False, why=f"{type(exc).__name__}: {exc}"[:500])
-        with contextlib.suppress(Exception):
-            report["peak_rss"] = _status_kib("VmHWM")
-        code = 1
-    with contextlib.suppress(Exception):
-        sys.stdout.write(json.dumps(report) + "\n")
-        sys.stdout.flush()
-    os._exit(code)  # no atexit, no interpreter teardown: the parent has its answer
-
-
-def run_child(request: bytes, timeout: float) -> dict[str, Any]:
-    """Run one writer child; its report, or why there is none."""
-    try:
-        proc = subprocess.Popen([sys.executable, "-P", "-c", _CHILD_CODE], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=child_env(), close_fds=True)
-    except (OSError, ValueError) as exc:
-        warn_once("child", "grammask: cannot start the disk cache's writer process (%s): "
-                   "large grammars are not written", exc)
-        return {"written": False, "why": f"cannot start the writer child ({exc})"}
-    try:
-        out, err = proc.communicate(request, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        return {"written": False, "pid": proc.pid, "why": f"timed out after {timeout:.0f} s"}
-    lines = out.decode(errors="replace").strip().splitlines()
-    try:
-        report: dict[str, Any] = json.loads(lines[-1])
-    except (IndexError, ValueError):  # it died (a signal, the kernel) or never started
-        tail = err.decode(errors="replace").strip().splitlines()[-1:]
-        report = {"written": False, "pid": proc.pid,
-                  "why": f"the child ended with status {proc.returncode} {tail}"}
-        warn_once("child-report", "grammask: the disk cache's writer process gave no "
-                   "report (%s)", report["why"])
-    report["returncode"] = proc.returncode
-    return report
+    """The writer child (``CHILD_CODE``): compile as the adapter does, serialize, store."""
+    diskwriter.child_main(functools.partial(_child_write, compile_fn=compile_fn))
 
 
 def load(cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False
@@ -407,6 +269,7 @@ def load(cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *, lenient: boo
                   type(exc).__name__, exc)
         return None
 
+
 def store(cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, inner: xgr.CompiledGrammar,
           *, lenient: bool = False, compile_ms: float | None = None) -> bool:
     """Queue xgrammar's compiled grammar for writing; False when not queued. A small,
@@ -432,16 +295,18 @@ def store(cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, inner: xgr.Com
             written, why = store_json(cache, spec.describe(), material,
                                       inner.serialize_json(), compile_ms)
             cache.report({"where": "inline", "written": written, "why": why}, spec.describe())
-    else:
-        timeout = CHILD_TIMEOUT_S + 4 * (compile_ms or 0.0) / 1000
-        job = {"lenient": lenient, "compile_ms": compile_ms, "memory": size,
-               "timeout_s": timeout}
+        return cache.submit(write)
+    job = {"lenient": lenient, "compile_ms": compile_ms, "memory": size,
+           "timeout_s": CHILD_TIMEOUT_S + 4 * (compile_ms or 0.0) / 1000}
+    return diskwriter.submit_child(cache, CHILD_CODE, spec, vocab, material, job)
 
-        def write() -> None:  # the request is built here, off the request path
-            frame = _FRAMES.get(vocab.digest)
-            if frame is None:
-                frame = _FRAMES[vocab.digest] = _vocab_frame(vocab)
-            report = run_child(child_request(cache, spec, frame, material, job), timeout)
-            cache.forget_size()  # the child wrote (and evicted) on its own
-            cache.report({"where": "child", **report}, spec.describe())
-    return cache.submit(write)
+
+class XGrammarCodec:
+    """xgrammar's ``DiskCodec`` (the adapter's ``load_compiled``/``store_compiled`` wrap it)."""
+
+    key_material = staticmethod(key_material)
+    load = staticmethod(load)
+    store = staticmethod(store)
+
+
+CODEC: DiskCodec[xgr.CompiledGrammar] = XGrammarCodec()

@@ -6,7 +6,12 @@ Three things are not public API, and each is checked here, not scattered:
   ``InputProcessor._validate_params``. It passes the request's own params, before the copy
   for the engine, and no config. ``admission_config`` reads the config off that one caller
   frame, identified by its code object rather than a walk over any frame with a
-  ``vllm_config``.
+  ``vllm_config``. Why a frame at all (0.32 to 0.34 alike): the hook's only argument is the
+  ``SamplingParams``; the V1 validator (``validate_logits_processors_parameters``) and the V2
+  one (``build_custom_logits_processors_params_validator``) are built from the processor
+  classes alone; and the API server never enters ``set_current_vllm_config`` (only engine
+  and worker code does), so ``get_current_vllm_config_or_none``, tried first, is None there.
+  The ``InputProcessor`` holding the config is reachable only as the caller.
 - **Runner interfaces**: the V1 runner builds a processor as ``(vllm_config, device,
   is_pin_memory)``, the V2 runner as ``(vllm_config, LogitsProcRequestState)``.
   ``runner_of`` tells them apart by type, not by argument count. vLLM 0.34 removed the V1

@@ -7,9 +7,10 @@ tag per tool parser (hermes ``<tool_call>``, ...) whose ``arguments`` are the to
 and the schemas are not in ``SamplingParams`` at all. ``forced_tool_tag`` puts them back:
 
 - the tools come from the chat or Responses request that built the tag: the nearest caller
-  frame whose local ``request`` holds exactly this tag as its ``structured_outputs``
-  (vLLM validates params synchronously inside the request's own coroutine chain). No
-  such frame, or a tag that is not a forced call: vLLM's tag is served unchanged;
+  frame whose local ``request`` is a vLLM ``ChatCompletionRequest`` or ``ResponsesRequest``
+  holding exactly this tag as its ``structured_outputs`` (vLLM validates params
+  synchronously inside the request's own coroutine chain). No such frame, or a tag that is
+  not a forced call: vLLM's tag is served unchanged;
 - each tag whose content is ``json_schema: true`` and whose ``begin`` names one tool gets that
   tool's ``parameters`` with JSON-Schema semantics: an object that does not declare
   ``additionalProperties`` gets ``additionalProperties: true`` (xgrammar reads tag schemas
@@ -18,15 +19,30 @@ and the schemas are not in ``SamplingParams`` at all. ``forced_tool_tag`` puts t
 - a call list that may repeat (parallel calls) repeats at most ``MAX_TOOL_CALLS`` times;
 - each tool's schema is checked on its own (JSON Schema's meta-schema, then the backend's
   syntax check), so a bad one is a ``GrammarError`` that names the tool.
+
+Why a frame walk (vLLM 0.32 to 0.34 alike): the parameters of a tool without ``strict`` are in
+no object ``validate_params`` can reach. vLLM's tag holds ``"json_schema": true`` for them;
+``ChatCompletionRequest.to_sampling_params`` copies neither ``tools`` nor ``tool_choice``
+into ``SamplingParams`` (``extra_args`` is the client's ``vllm_xargs`` only); a logits
+processor's only admission hook is ``validate_params(sampling_params)``; and vLLM sets no
+context variable for the request. The request objects exist only in the serving coroutine
+(``OpenAIServingChat.create_chat_completion``, the Responses and Anthropic servers) that
+awaits the engine's admission, so they are read off that chain. Without patching vLLM (its
+``_apply_structural_tag`` or its serving classes) there is no other route. The walk is
+narrowed to vLLM's own request types (any other local named ``request`` is skipped) and to
+the request whose ``structured_outputs`` holds this very tag, compared whole, within
+``_MAX_DEPTH`` frames.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from ..errors import GrammarError, InvalidSchemaError
@@ -57,16 +73,35 @@ class Tool:
         return f"tools[{self.index}].function.parameters"
 
 
+@cache
+def _request_types() -> tuple[type, ...]:
+    """vLLM's chat and Responses request classes (the same modules on 0.32 to 0.34); none
+    when this vLLM lacks them (then no request is ever found: vLLM's tag is served)."""
+    found: list[type] = []
+    with contextlib.suppress(ImportError):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        found.append(ChatCompletionRequest)
+    with contextlib.suppress(ImportError):
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        found.append(ResponsesRequest)
+    return tuple(found)
+
+
 def request_tools(tag: str, depth: int = _MAX_DEPTH) -> list[Tool] | None:
     """The function tools of the forced-call request that built ``tag``, found on the
-    caller's stack; None when no request there carries this exact tag, or it is not forced
-    (``tool_choice`` ``"auto"`` keeps vLLM's tag)."""
+    caller's stack (why: the module's docstring); None when no vLLM request there carries
+    this exact tag, or it is not forced (``tool_choice`` ``"auto"`` keeps vLLM's tag)."""
+    kinds = _request_types()
+    if not kinds:
+        return None
     frame = sys._getframe(1)
     for _ in range(depth):
         request: Any = frame.f_locals.get("request")
         so = getattr(request, "structured_outputs", None)
         tools = getattr(request, "tools", None)
-        if tools and getattr(so, "structural_tag", None) == tag:
+        if isinstance(request, kinds) and tools and getattr(so, "structural_tag", None) == tag:
             return _tools(tools) if _forced(getattr(request, "tool_choice", None)) else None
         if frame.f_back is None:
             return None

@@ -24,6 +24,7 @@ from typing import Any
 
 from .errors import InvalidSpecError
 from .spec import GrammarSpec
+from .spec_frontends import from_vllm
 
 EXTRA_ARGS_KEY = "grammask"
 FLAT_KEYS = ("grammask_backend", "grammask_strict", "grammask_thinking", "grammask_think_end",
@@ -79,7 +80,7 @@ def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest 
         obj["backend"] = extra_args["grammask_backend"]
     if "grammask_strict" in extra_args:
         obj["strict"] = _flag(extra_args["grammask_strict"], "grammask_strict")
-    spec = GrammarSpec.from_vllm(obj)
+    spec = from_vllm(obj)
     thinking_value = extra_args.get("grammask_thinking", "auto")
     if thinking_value not in ("auto", "off", "on", 0, 1, True, False):
         raise InvalidSpecError("grammask_thinking must be 'auto' or 'off'",

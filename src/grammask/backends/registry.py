@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import InvalidSpecError
+from ..schema.features import Feature
 
 #: What a spec asks a backend to do, as the cost model sees it (``router.workload``).
 Workload = Literal[
@@ -52,18 +53,18 @@ class BackendInfo:
     #: label in messages ("llguidance" for the backend named ``guidance``)
     label: str = ""
     aliases: tuple[str, ...] = ()
-    #: routing feature (``router.schema_features``) -> what the backend does with it
-    gaps: Mapping[str, str] = field(default_factory=dict)
+    #: schema feature (``schema.features.Feature``) -> what the backend does with it
+    gaps: Mapping[Feature, str] = field(default_factory=dict)
     #: has a lenient mode: ignores the keywords it lacks instead of refusing the spec
     lenient: bool = False
     #: features refused by default only as a formality: lenient mode serves them exactly
-    lenient_exact: frozenset[str] = frozenset()
+    lenient_exact: frozenset[Feature] = frozenset()
     #: gaps even lenient mode refuses
-    lenient_cannot: frozenset[str] = frozenset()
+    lenient_cannot: frozenset[Feature] = frozenset()
     #: features its default mode refuses unless it proves them (llguidance: a oneOf whose
     #: branches may overlap) and its lenient mode serves unenforced: listed as gaps of every
     #: lenient attempt
-    lenient_gaps: Mapping[str, str] = field(default_factory=dict)
+    lenient_gaps: Mapping[Feature, str] = field(default_factory=dict)
     #: the workloads it serves, with their cost; a workload absent here is not served
     costs: Mapping[Workload, Cost] = field(default_factory=dict)
     #: its matchers offer ``batch_fill`` (one parallel fill per step for all its rows)

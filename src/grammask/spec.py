@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Literal, cast
 
 from . import jsontext
+from .backend_names import resolve as resolve_backend
 from .catalog import Syntax
 from .catalog import load as load_library_grammar
 from .errors import InvalidGrammarError, InvalidSpecError
@@ -266,20 +267,5 @@ def backend_name(value: object) -> BackendName | None:
     None for auto routing; ``InvalidSpecError`` naming the registered ones otherwise."""
     if value is None or value == "auto":
         return None
-    return _registry_resolve()(value)
-
-
-def _registry_resolve() -> Callable[[object], BackendName | None]:
-    """The registry's ``resolve``, imported on first use (importing the registry loads the
-    backends package, which imports this module) and kept: an import statement per spec
-    cost ~10 µs on a cold compile's path."""
-    global _RESOLVE
-    if _RESOLVE is None:
-        from .backends.registry import resolve
-
-        _RESOLVE = resolve
-    return _RESOLVE
-
-
-_RESOLVE: Callable[[object], BackendName | None] | None = None
+    return resolve_backend(value)
 

@@ -38,7 +38,10 @@ KINDS: tuple[Kind, ...] = (
 
 @dataclass(frozen=True, eq=False)
 class GrammarSpec:
-    """A constraint. Build it with the classmethods; compare and hash by ``key``.
+    """A constraint: an immutable value, built with the classmethods (one per kind) and
+    compared and hashed by ``key``. Building one checks only what any constraint of its kind
+    must be (types, size, depth, JSON); whether a backend can serve it is the router's and
+    the compiler's question (``grammask.router.plan``, ``Compiler.compile``).
 
     Options (all part of the key):
     - ``any_whitespace``: JSON may contain any whitespace between tokens (False: compact
@@ -91,7 +94,11 @@ class GrammarSpec:
         return hash(self.key)
 
     def with_backend(self, backend: BackendName | None) -> GrammarSpec:
-        """This spec with another backend (itself when it is the same one). Twins are kept
+        """This spec with another backend (itself when it is the same one).
+
+        Parameters: ``backend``, a registered name or alias, or None / ``"auto"`` for auto
+        routing. Returns the spec forced onto it. Raises ``InvalidSpecError`` for an unknown
+        name (the message names the registered ones). Twins are kept
         on the spec: a compiler with a default backend asks on every cache hit, and a twin
         costs a new key (the source serialized and hashed again)."""
         twins: dict[str | None, GrammarSpec] | None = self.__dict__.get("_twins")
@@ -111,19 +118,22 @@ class GrammarSpec:
 
     @cached_property
     def schema(self) -> Any:
-        """The parsed JSON schema (json_schema kind only), parsed once and shared: read it,
-        never modify it (normalization makes copies)."""
+        """The parsed JSON schema, parsed once and shared: read it, never modify it
+        (normalization makes copies). Raises ``InvalidSpecError`` on a spec of another kind."""
         if self.kind != "json_schema":
             raise InvalidSpecError(f"a {self.kind} spec has no JSON schema")
         return json.loads(self.source)
 
     @property
     def choices(self) -> list[str]:
+        """The options of a choice spec, in order. Raises ``InvalidSpecError`` on a spec of
+        another kind."""
         if self.kind != "choice":
             raise InvalidSpecError(f"a {self.kind} spec has no choices")
         return cast(list[str], json.loads(self.source))
 
     def describe(self) -> str:
+        """``kind:source`` with the source cut at 60 characters (for logs and messages)."""
         text = self.source if len(self.source) <= 60 else self.source[:57] + "..."
         return f"{self.kind}:{text}"
 
@@ -140,6 +150,25 @@ class GrammarSpec:
         backend: BackendName | None = None,
         max_bytes: int = MAX_SOURCE_BYTES,
     ) -> GrammarSpec:
+        """A JSON schema.
+
+        Parameters:
+            schema: JSON text, a mapping or a boolean schema. A mapping is read, never
+                modified or kept (the spec holds its compact JSON text).
+            any_whitespace, whitespace_pattern, extra_properties, strict: the options above.
+            backend: a registered name or alias to force, None / ``"auto"`` to route.
+            max_bytes: the largest schema accepted, as UTF-8 JSON text.
+
+        Returns the spec; its keyword values are not checked here (``plan`` does).
+
+        Raises:
+            InvalidSchemaError: the text is not JSON, the schema is not an object or a
+                boolean, it nests deeper than ``limits.MAX_NESTING``, or holds a value JSON
+                cannot carry (NaN, a number beyond a double, a non-string key); the
+                ``where`` is a JSON pointer or a line and column.
+            InvalidSpecError: the schema is over ``max_bytes``, an option has the wrong
+                type, or the backend is unknown.
+        """
         parsed = parse_schema(schema, max_bytes)
         spec = cls(
             "json_schema", jsontext.compact(parsed),
@@ -157,7 +186,8 @@ class GrammarSpec:
         cls, *, any_whitespace: bool = True, whitespace_pattern: str | None = None,
         backend: BackendName | None = None,
     ) -> GrammarSpec:
-        """Any JSON object (OpenAI ``json_object``)."""
+        """Any JSON object (OpenAI ``json_object``). Raises ``InvalidSpecError`` for an option
+        of the wrong type or an unknown backend."""
         return cls(
             "json_object", "", any_whitespace=check_bool(any_whitespace, "any_whitespace"),
             whitespace_pattern=check_opt_str(whitespace_pattern, "whitespace_pattern"),
@@ -169,6 +199,10 @@ class GrammarSpec:
         cls, pattern: str, *, backend: BackendName | None = None,
         max_bytes: int = MAX_SOURCE_BYTES,
     ) -> GrammarSpec:
+        """A regular expression the whole output must match (the empty one matches only "").
+        The pattern's syntax is the backend's to check, at compile. Raises
+        ``InvalidSpecError`` when it is not a string, is over ``max_bytes`` or holds a NUL,
+        or for an unknown backend."""
         text = check_text(pattern, "regex", max_bytes, allow_empty=True)
         return cls("regex", text, backend=backend_name(backend))
 
@@ -177,6 +211,9 @@ class GrammarSpec:
         cls, options: Sequence[str], *, backend: BackendName | None = None,
         max_bytes: int = MAX_SOURCE_BYTES,
     ) -> GrammarSpec:
+        """Exactly one of ``options`` (strings, kept in order). Raises ``InvalidSpecError``
+        for anything but a non-empty sequence of strings (the ``where`` names the entry),
+        an option over ``max_bytes`` or with a NUL, or an unknown backend."""
         if isinstance(options, str | bytes) or not isinstance(options, Sequence):
             raise InvalidSpecError(
                 f"choice must be a list of strings, got {type(options).__name__}", where="choice"
@@ -199,7 +236,8 @@ class GrammarSpec:
         """A grammar of the shipped library (``grammask.library.names()``), by name.
 
         Names travel in their own field (``grammar_name``), never inside grammar text, so a
-        name can never be mistaken for a grammar or the other way round."""
+        name can never be mistaken for a grammar or the other way round. Raises
+        ``InvalidSpecError`` for a name that is not a string or not in the library."""
         if not isinstance(name, str):
             raise InvalidSpecError(f"a library grammar name must be a string, got "
                                    f"{type(name).__name__}", where="grammar_name")
@@ -211,7 +249,10 @@ class GrammarSpec:
         cls, text: str, syntax: Syntax | None = None, *, backend: BackendName | None = None,
         max_bytes: int = MAX_SOURCE_BYTES,
     ) -> GrammarSpec:
-        """An EBNF (GBNF, ``::=``) or Lark (``:``) grammar; ``syntax=None`` detects which."""
+        """An EBNF (GBNF, ``::=``) or Lark (``:``) grammar; ``syntax=None`` detects which.
+        The grammar itself is the backend's to check, at compile. Raises ``InvalidSpecError``
+        for a text that is not a string, blank, over ``max_bytes`` or with a NUL, another
+        ``syntax``, or an unknown backend."""
         body = check_text(text, "grammar", max_bytes, allow_empty=False)
         if syntax is None:
             syntax = detect_syntax(body)
@@ -225,7 +266,12 @@ class GrammarSpec:
         cls, tag: Mapping[str, Any] | str, *, backend: BackendName | None = None,
         max_bytes: int = MAX_SOURCE_BYTES,
     ) -> GrammarSpec:
-        """An xgrammar structural tag (``{"type": "structural_tag", ...}``), as vLLM takes it."""
+        """A structural tag as vLLM takes it: xgrammar's ``{"type": "structural_tag",
+        "format": ...}`` or the legacy ``{"structures": [...], "triggers": [...]}``, as JSON
+        text or a mapping. Raises ``InvalidGrammarError`` for text that is not JSON or a tag
+        of the wrong shape (the ``where`` names the field: ``structural_tag/triggers``),
+        ``InvalidSpecError`` for another type, a text over ``max_bytes``, or an unknown
+        backend."""
         if isinstance(tag, str):
             check_text(tag, "structural_tag", max_bytes, allow_empty=False)
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import GrammarError, InvalidSchemaError, InvalidSpecError
@@ -59,6 +59,27 @@ def check_opt_str(value: object, what: str) -> str | None:
         raise InvalidSpecError(f"{what} must be a string, got {type(value).__name__}",
                                where=what)
     return value
+
+
+def json_object(value: object, *, not_json: Callable[[json.JSONDecodeError], GrammarError],
+                wrong_type: Callable[[], GrammarError],
+                not_object: Callable[[], GrammarError]) -> dict[str, Any]:
+    """A request field that holds a JSON object, given as JSON text or a mapping: the object
+    as a new dict. Raises what the caller's factories make (each field words its own
+    errors): ``not_json`` for text that is not JSON, ``wrong_type`` for a value neither
+    text nor a mapping, ``not_object`` for JSON that is no object."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise not_json(exc) from exc
+    elif isinstance(value, Mapping):
+        parsed = dict(value)
+    else:
+        raise wrong_type()
+    if not isinstance(parsed, dict):
+        raise not_object()
+    return parsed
 
 
 def parse_schema(schema: object, max_bytes: int) -> Any:

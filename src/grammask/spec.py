@@ -22,9 +22,16 @@ from . import jsontext
 from .backend_names import resolve as resolve_backend
 from .catalog import Syntax
 from .catalog import load as load_library_grammar
-from .errors import InvalidGrammarError, InvalidSpecError
+from .errors import GrammarError, InvalidGrammarError, InvalidSpecError
 from .jsontext import canonical_json
-from .limits import MAX_SOURCE_BYTES, check_bool, check_opt_str, check_text, parse_schema
+from .limits import (
+    MAX_SOURCE_BYTES,
+    check_bool,
+    check_opt_str,
+    check_text,
+    json_object,
+    parse_schema,
+)
 from .structural_tag import check_structural_tag
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
@@ -274,21 +281,8 @@ class GrammarSpec:
         backend."""
         if isinstance(tag, str):
             check_text(tag, "structural_tag", max_bytes, allow_empty=False)
-            try:
-                parsed = json.loads(tag)
-            except json.JSONDecodeError as exc:
-                raise InvalidGrammarError(f"structural tag is not valid JSON: {exc.msg}",
-                                          where=f"line {exc.lineno} column {exc.colno}") from exc
-        elif isinstance(tag, Mapping):
-            parsed = dict(tag)
-        else:
-            raise InvalidSpecError(
-                f"structural_tag must be a JSON string or object, got {type(tag).__name__}",
-                where="structural_tag",
-            )
-        if not isinstance(parsed, dict):
-            raise InvalidGrammarError("structural tag must be a JSON object",
-                                      where="structural_tag")
+        parsed = json_object(tag, not_json=_tag_not_json, not_object=_tag_not_object,
+                             wrong_type=lambda: _tag_wrong_type(tag))
         check_structural_tag(parsed)
         return cls("structural_tag", jsontext.compact(parsed), backend=backend_name(backend))
 
@@ -297,6 +291,20 @@ class GrammarSpec:
 #: the key's option line per option set (``_key_material``), made once
 _HEADS: dict[tuple[Any, ...], str] = {}
 _MAX_HEADS = 256
+
+
+def _tag_not_json(exc: json.JSONDecodeError) -> GrammarError:
+    return InvalidGrammarError(f"structural tag is not valid JSON: {exc.msg}",
+                               where=f"line {exc.lineno} column {exc.colno}")
+
+
+def _tag_wrong_type(tag: object) -> GrammarError:
+    return InvalidSpecError(f"structural_tag must be a JSON string or object, got "
+                            f"{type(tag).__name__}", where="structural_tag")
+
+
+def _tag_not_object() -> GrammarError:
+    return InvalidGrammarError("structural tag must be a JSON object", where="structural_tag")
 
 
 def detect_syntax(text: str) -> Syntax:

@@ -18,10 +18,11 @@ from grammask.backends import get_backend, registry
 from grammask.backends.registry import BackendInfo, Cost
 from grammask.cli import main
 from grammask.compiler import Compiler
-from grammask.errors import InvalidSpecError
+from grammask.errors import InvalidSpecError, UnsupportedError
 from grammask.harness.report import labels
 from grammask.integrations.vllm_settings import load_settings
 from grammask.router import plan
+from grammask.schema.features import Feature
 from grammask.spec import GrammarSpec
 from grammask.vocab import Vocabulary
 
@@ -138,3 +139,41 @@ def test_unregistered_it_is_unknown_again() -> None:
     assert MIRROR not in registry.names()
     with pytest.raises(InvalidSpecError, match="unknown backend 'mirror'"):
         GrammarSpec.regex("a", backend=MIRROR)
+
+
+GAPPY = "gappy"
+
+
+@pytest.fixture
+def gappy() -> Iterator[BackendInfo]:
+    """A third backend that declares its own gap, keyed by ``Feature`` like the built-in
+    ones' (a misspelled feature would be a type error, not a gap that never matches)."""
+    info = BackendInfo(
+        name=GAPPY, adapter=MirrorBackend,
+        gaps={Feature.STRING_LENGTH: "ignored by the test's backend"},
+        costs={"json_free_text": Cost(0, "is the test's cheapest free-text backend")})
+    registry.register(info)
+    yield info
+    registry.unregister(GAPPY)
+
+
+def test_its_own_gaps_keep_a_schema_away_from_it(gappy: BackendInfo) -> None:
+    free = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    cheap = plan(GrammarSpec.json_schema(free))
+    assert cheap.backend == GAPPY and "gappy is the test's cheapest" in cheap.route.reason
+    bounded = {**free, "properties": {"s": {"type": "string", "minLength": 2}}}
+    routed = plan(GrammarSpec.json_schema(bounded))
+    assert routed.backend == "guidance"  # the one backend that enforces minLength here
+    assert "gappy does not enforce string minLength/maxLength" in routed.route.reason
+    assert routed.route.features == {Feature.STRING_LENGTH: "/properties/s"}
+    forced = plan(GrammarSpec.json_schema(bounded, backend=GAPPY))
+    assert forced.attempts[0].unenforced == ("string minLength/maxLength",)
+    with pytest.raises(UnsupportedError, match="gappy does not enforce string minLength"):
+        plan(GrammarSpec.json_schema(bounded, backend=GAPPY, strict=True))
+
+
+def test_every_declared_gap_is_a_feature() -> None:
+    for backend in registry.backends():
+        for table in (backend.gaps, backend.lenient_gaps, backend.lenient_exact,
+                      backend.lenient_cannot):
+            assert all(isinstance(key, Feature) for key in table), (backend.name, table)

@@ -26,6 +26,7 @@ from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, librar
 from grammask.backends import Matcher
 from grammask.harness.oracles import LarkOracle
 from grammask.spec import BackendName
+from grammask.spec_frontends import from_vllm
 
 from .conftest import ROOT
 
@@ -163,11 +164,11 @@ def test_named_grammars_travel_by_their_own_field() -> None:
     from grammask.request import parse_extra_args
 
     assert GrammarSpec.named("uuid") == library.spec("uuid")
-    assert GrammarSpec.from_vllm({"grammar_name": "uuid"}) == library.spec("uuid")
+    assert from_vllm({"grammar_name": "uuid"}) == library.spec("uuid")
     assert GrammarSpec.named("uuid", backend="guidance").backend == "guidance"
     request = parse_extra_args({"grammask": json.dumps({"grammar_name": "semver"})})
     assert request is not None and request.spec == library.spec("semver")
     with pytest.raises(InvalidSpecError, match="no library grammar named 'semverr'"):
-        GrammarSpec.from_vllm({"grammar_name": "semverr"})
+        from_vllm({"grammar_name": "semverr"})
     with pytest.raises(InvalidSpecError, match="exactly one"):
-        GrammarSpec.from_vllm({"grammar_name": "uuid", "regex": "a"})
+        from_vllm({"grammar_name": "uuid", "regex": "a"})

@@ -44,8 +44,9 @@ from grammask.normalize import (
     normalize_schema,
 )
 from grammask.request import ConstraintRequest
-from grammask.router import plan, route, schema_features
+from grammask.router import plan, route
 from grammask.rows import Row
+from grammask.schema.analysis import schema_features
 
 ISSUE_SCHEMA: dict[str, Any] = {
     "type": "object",

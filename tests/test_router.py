@@ -231,18 +231,18 @@ def test_length_bounded_strings_refuse_raw_control_characters(compiler: Compiler
 
 
 def test_inner_anchor_detection() -> None:
-    from grammask.router import _inner_anchor
+    from grammask.schema.features import inner_anchor
 
-    assert not _inner_anchor("^[^a-z]+$") and not _inner_anchor("a\\$") and not _inner_anchor("x")
-    assert _inner_anchor("(^a|b)") and _inner_anchor("a$|b") and _inner_anchor("^(a|b$)")
-    assert not _inner_anchor("a\\\\$")  # an escaped backslash, then the end anchor
+    assert not inner_anchor("^[^a-z]+$") and not inner_anchor("a\\$") and not inner_anchor("x")
+    assert inner_anchor("(^a|b)") and inner_anchor("a$|b") and inner_anchor("^(a|b$)")
+    assert not inner_anchor("a\\\\$")  # an escaped backslash, then the end anchor
 
 
 def _route_probe(schemas: list[Any]) -> list[Any]:
     """Routes, plans, cache keys and canonical JSON of many schemas, as one process sees
     them (JSON-ready)."""
+    from grammask.jsontext import canonical_json
     from grammask.router import plan
-    from grammask.spec import canonical_json
 
     def plain(value: Any) -> Any:
         """Dataclasses field by field; sets sorted (equal sets may print in any order),
@@ -470,7 +470,7 @@ def _mutants(schema: dict[str, Any], seed: int) -> list[dict[str, Any]]:
     import copy
     import random
 
-    from grammask.normalize import subschemas
+    from grammask.schema.walk import subschemas
 
     planted: list[tuple[str, Any]] = [
         ("minLength", -1), ("type", "strin"), ("maxItems", 1.5), ("minimum", "x"),
@@ -499,9 +499,9 @@ def test_one_walk_finds_what_the_three_walks_find(corpus: Path) -> None:
     per node agrees with the checker on every subschema."""
     import gzip
 
-    from grammask import router
-    from grammask.normalize import subschemas
-    from grammask.spec import _check_node, check_keywords, keywords_ok
+    from grammask.schema import analysis
+    from grammask.schema.keywords import check_keywords, check_node, keywords_ok
+    from grammask.schema.walk import subschemas
 
     schemas: list[Any] = []
     for path in sorted((corpus / "maskbench").glob("*.jsonl.gz")):
@@ -519,19 +519,19 @@ def test_one_walk_finds_what_the_three_walks_find(corpus: Path) -> None:
                 ok = True
             except GrammarError:
                 ok = False
-            walked = router._schema_walk(schema, free=True)
+            walked = analysis.analyse(schema, free=True)
             if not ok:
                 refused += 1
                 assert walked is None, schema
                 continue
             checked += 1
-            assert walked == (router.schema_features(schema),
-                              router.free_text_pointer(schema)), schema
-            assert list(walked[0]) == list(router.schema_features(schema))  # in their order
+            assert walked == (analysis.schema_features(schema),
+                              analysis.free_text_pointer(schema)), schema
+            assert list(walked[0]) == list(analysis.schema_features(schema))  # in their order
             for _, node in subschemas(schema):
                 for ranges in (True, False):
                     try:
-                        _check_node(node, "", ranges=ranges)
+                        check_node(node, "", ranges=ranges)
                         passes = True
                     except GrammarError:
                         passes = False
@@ -543,7 +543,7 @@ def test_a_refused_schema_gets_the_checkers_own_error() -> None:
     """Where the single walk finds a bad keyword, the plan raises what the checker raises:
     its message and its pointer (the first of several, in the checker's order)."""
     from grammask.router import plan
-    from grammask.spec import check_keywords
+    from grammask.schema.keywords import check_keywords
 
     schema = {"type": "object", "properties": {
         "a": {"type": "string", "minLength": -1}, "b": {"type": "array", "maxItems": 1.5}}}
@@ -559,9 +559,9 @@ def test_a_refused_schema_gets_the_checkers_own_error() -> None:
 
 
 def _features_as_written_before(node: dict[str, Any]) -> list[str]:
-    """``router._node_features`` before it skipped groups by the node's keys (commit
-    5fbaca5), kept as the reference the faster one must agree with."""
-    from grammask import router as r
+    """``node_features`` before it skipped groups by the node's keys (commit 5fbaca5),
+    kept as the reference the faster one must agree with."""
+    from grammask.schema import features as r
 
     out: list[str] = []
     if node.get("uniqueItems") is True:
@@ -589,7 +589,7 @@ def _features_as_written_before(node: dict[str, Any]) -> list[str]:
             out.append("$ref to the root")
         elif ref != "#" and not ref.startswith("#/"):
             out.append("$anchor / $dynamicRef")
-        if any(k not in r._ANNOTATIONS and k not in r._REF_NEUTRAL for k in node
+        if any(k not in r.ANNOTATIONS and k not in r.REF_NEUTRAL for k in node
                if k != "$ref"):
             out.append("$ref with siblings")
     if "$dynamicRef" in node or "$dynamicAnchor" in node:
@@ -598,15 +598,15 @@ def _features_as_written_before(node: dict[str, Any]) -> list[str]:
     pattern = node.get("pattern")
     if "pattern" in node and has_length:
         out.append("pattern with minLength/maxLength")
-    elif has_length and r._may_be_string(node):
+    elif has_length and r.may_be_string(node):
         out.append("string minLength/maxLength")
     patterns = [pattern] if isinstance(pattern, str) else []
     pattern_props = node.get("patternProperties")
     if isinstance(pattern_props, dict):
         patterns += [p for p in pattern_props if isinstance(p, str)]
-    if isinstance(pattern, str) and r._inner_anchor(pattern):
+    if isinstance(pattern, str) and r.inner_anchor(pattern):
         out.append("pattern (inner anchors)")
-    if any(r._LOOKAROUND.search(p) for p in patterns):
+    if any(r.LOOKAROUND.search(p) for p in patterns):
         out.append("pattern (lookaround)")
     required = node.get("required")
     if isinstance(required, list):
@@ -623,15 +623,15 @@ def _features_as_written_before(node: dict[str, Any]) -> list[str]:
     if isinstance(fmt, str) and node.get("type") in ("string", None):
         if fmt == "date":
             out.append("format: date")
-        elif fmt in r._XGRAMMAR_ONLY_FORMATS:
+        elif fmt in r.XGRAMMAR_ONLY_FORMATS:
             out.append("format (llguidance unknown)")
-        elif fmt in r._UNENFORCED_FORMATS:
+        elif fmt in r.UNENFORCED_FORMATS:
             out.append("format (neither backend)")
-        elif fmt not in r._KNOWN_FORMATS:
+        elif fmt not in r.KNOWN_FORMATS:
             out.append("format (unknown)")
-        if "type" not in node and fmt not in r._UNENFORCED_FORMATS:
+        if "type" not in node and fmt not in r.UNENFORCED_FORMATS:
             out.append("format (untyped)")
-    if ("minProperties" in node or "maxProperties" in node) and r._has_optional(node):
+    if ("minProperties" in node or "maxProperties" in node) and r.has_optional(node):
         out.append("minProperties/maxProperties")
     return out
 
@@ -644,8 +644,8 @@ def test_node_features_agree_with_the_checks_as_written_before(corpus: Path) -> 
     import gzip
     import random
 
-    from grammask import router
-    from grammask.normalize import subschemas
+    from grammask.schema.features import node_features
+    from grammask.schema.walk import subschemas
 
     planted: list[tuple[str, Any]] = [
         ("uniqueItems", True), ("uniqueItems", False), ("dependentRequired", {"a": ["b"]}),
@@ -675,7 +675,7 @@ def test_node_features_agree_with_the_checks_as_written_before(corpus: Path) -> 
                         planted_nodes += 1
                 for tree in (schema, twin):
                     for _, node in subschemas(tree):
-                        got = router._node_features(node)
+                        got = node_features(node)
                         assert got == _features_as_written_before(node), node
                         seen.update(got)
                         nodes += 1
@@ -683,34 +683,20 @@ def test_node_features_agree_with_the_checks_as_written_before(corpus: Path) -> 
     assert len(seen) >= 20, seen  # the planted keywords reached nearly every check
 
 
-def test_a_kept_plan_is_the_plan_made_afresh(corpus: Path) -> None:
-    """Plans are kept by feature names, workload and options, and filled in per spec (the
-    reason's label, the features' pointers): on 300 corpus schemas, open and closed, each
-    plan (most of them a kept one by then) equals the one made from scratch."""
-    import gzip
-
+def test_the_router_keeps_no_plans() -> None:
+    """One plan cache: the compiler's (``compile_cache``, by spec key). The router is a
+    pure function of the spec and keeps nothing between calls: specs with the same features
+    at other pointers get their own reasons, made afresh."""
     from grammask import router
 
-    router._PLANS.clear()
-    specs = []
-    for path in sorted((corpus / "maskbench").glob("*.jsonl.gz")):
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            for _, line in zip(range(15), fh, strict=False):
-                schema = json.loads(line)["schema"]
-                specs += [GrammarSpec.json_schema(schema),
-                          GrammarSpec.json_schema(schema, extra_properties=True)]
-    made = kept = 0
-    for spec in specs:
-        try:
-            fresh_features, work = router._analysis(spec)
-        except GrammarError:
-            continue
-        expected = router._plan(spec, fresh_features, work, "auto", False)
-        was_kept = len(router._PLANS)
-        got = router.plan(spec)
-        kept += len(router._PLANS) == was_kept
-        made += 1
-        assert got == expected, spec.source[:200]
-        assert got.route.features == expected.route.features
-        assert "\x00" not in got.route.reason
-    assert made > 250 and kept > made // 2  # most plans came from the cache
+    def spec(name: str) -> GrammarSpec:
+        return GrammarSpec.json_schema({"type": "object", "properties": {
+            name: {"type": "string"}}, "required": [name]})
+
+    first, second = router.plan(spec("a")), router.plan(spec("b"))
+    assert "free-form text at /properties/a" in first.route.reason
+    assert "free-form text at /properties/b" in second.route.reason
+    assert router.plan(spec("a")) == first
+    kept = [name for name, value in vars(router).items()
+            if isinstance(value, dict) and not name.startswith("__") and name != "COMMON_GAPS"]
+    assert kept == [], kept

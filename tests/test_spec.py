@@ -15,6 +15,7 @@ from grammask import (
     InvalidSpecError,
     parse_extra_args,
 )
+from grammask.spec_frontends import from_openai, from_vllm
 from grammask.vocab import Vocabulary
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
@@ -75,35 +76,35 @@ def test_grammar_syntax_detection() -> None:
 
 
 def test_openai_response_format() -> None:
-    assert GrammarSpec.from_openai({"type": "text"}) is None
-    obj = GrammarSpec.from_openai({"type": "json_object"})
+    assert from_openai({"type": "text"}) is None
+    obj = from_openai({"type": "json_object"})
     assert obj is not None and obj.kind == "json_object"
-    strict = GrammarSpec.from_openai(
+    strict = from_openai(
         {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
-    loose = GrammarSpec.from_openai(
+    loose = from_openai(
         {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
     assert strict is not None and strict.strict and not strict.extra_properties
     assert loose is not None and not loose.strict and loose.extra_properties
     with pytest.raises(InvalidSpecError, match="schema is missing"):
-        GrammarSpec.from_openai({"type": "json_schema", "json_schema": {"name": "x"}})
+        from_openai({"type": "json_schema", "json_schema": {"name": "x"}})
     with pytest.raises(InvalidSpecError, match="response_format.type"):
-        GrammarSpec.from_openai({"type": "yaml"})
+        from_openai({"type": "yaml"})
 
 
 def test_vllm_structured_outputs_options_are_honoured() -> None:
-    spec = GrammarSpec.from_vllm({"json": SCHEMA, "disable_any_whitespace": True,
+    spec = from_vllm({"json": SCHEMA, "disable_any_whitespace": True,
                                   "disable_additional_properties": False,
                                   "whitespace_pattern": " ?"})
     assert spec.kind == "json_schema" and not spec.any_whitespace
     assert spec.extra_properties and spec.whitespace_pattern == " ?"
-    assert GrammarSpec.from_vllm({"regex": "a+"}).kind == "regex"
-    assert GrammarSpec.from_vllm({"choice": ["x", "y"]}).choices == ["x", "y"]
-    assert GrammarSpec.from_vllm({"grammar": 'root ::= "a"'}).syntax == "ebnf"
-    assert GrammarSpec.from_vllm({"json_object": True}).kind == "json_object"
+    assert from_vllm({"regex": "a+"}).kind == "regex"
+    assert from_vllm({"choice": ["x", "y"]}).choices == ["x", "y"]
+    assert from_vllm({"grammar": 'root ::= "a"'}).syntax == "ebnf"
+    assert from_vllm({"json_object": True}).kind == "json_object"
     with pytest.raises(InvalidSpecError, match="exactly one"):
-        GrammarSpec.from_vllm({"regex": "a", "choice": ["a"]})
+        from_vllm({"regex": "a", "choice": ["a"]})
     with pytest.raises(InvalidSpecError, match="unknown structured-output keys"):
-        GrammarSpec.from_vllm({"regex": "a", "jsonn": {}})
+        from_vllm({"regex": "a", "jsonn": {}})
 
 
 def test_extra_args_round_trip() -> None:
@@ -255,7 +256,7 @@ def test_text_schemas_parse_and_key_as_json_loads_and_dumps_did() -> None:
     """The decoder and the compact encoder are made once; the depth walk is skipped for a
     text with at most 100 brackets. Errors and keys are those of ``json.loads`` / ``dumps``."""
     from grammask.jsontext import compact
-    from grammask.spec import MAX_NESTING
+    from grammask.limits import MAX_NESTING
 
     for text, fragment in [("\ufeff{}", "BOM"), ('{"a": NaN}', "NaN is not a JSON number"),
                            ('{"a": -Infinity}', "-Infinity is not"), ('{"a": 1} x', "Extra"),

@@ -30,6 +30,7 @@ from grammask.integrations import vllm_admission, vllm_compat
 from grammask.integrations.vllm_dropin import DropIn, status, take_over, translate
 from grammask.integrations.vllm_settings import Settings
 from grammask.request import ConstraintRequest, parse_extra_args
+from grammask.spec_frontends import from_vllm
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
@@ -51,7 +52,7 @@ def stand_in(*, backend: Any = "auto", speculative: Any = None, v2: bool = False
 
 
 def spec_of(obj: dict[str, Any]) -> GrammarSpec:
-    return GrammarSpec.from_vllm(obj)
+    return from_vllm(obj)
 
 
 # ------------------------------------------------------------------------ translate

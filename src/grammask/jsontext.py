@@ -37,6 +37,13 @@ def for_parser(value: Any) -> str:
     return _fast(value) or _ASCII.encode(value)
 
 
+def canonical_json(value: Any) -> str:
+    """Sorted, whitespace-free JSON: the form equal values compare by (choices' and
+    structural tags' keys, ``const``/``enum`` values)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
 def _fast(value: Any) -> str | None:
     """orjson's text, or None when it is not installed or refuses the value."""
     if _orjson is None:

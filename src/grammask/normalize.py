@@ -28,12 +28,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_SINGLE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
-                     "propertyNames", "unevaluatedProperties", "unevaluatedItems",
-                     "additionalItems")
+from .schema.keys import LISTS, MAPS, SINGLE
+from .schema.walk import escape_key, subschemas
+
 _OPEN_MARKERS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref",
                  "allOf", "anyOf", "oneOf", "if", "dependentSchemas")
 _OPEN_MARKER_KEYS = frozenset(_OPEN_MARKERS)
@@ -100,10 +97,11 @@ def escape_nul_chars(pattern: str) -> str:
 
 
 _MAP, _LIST, _SINGLE, _ALL_OF, _ITEMS = range(5)
-#: What each schema-valued key holds (every other key is copied as is).
+#: What each schema-valued key (``schema.keys``) holds, as a rewrite treats it (every
+#: other key is copied as is): ``allOf`` branches are not closed, ``items`` may be an array.
 _ROLE: dict[str, int] = {
-    **{k: _MAP for k in _SUBSCHEMA_MAPS}, **{k: _LIST for k in _SUBSCHEMA_LISTS},
-    **{k: _SINGLE for k in _SUBSCHEMA_SINGLE}, "allOf": _ALL_OF, "items": _ITEMS,
+    **{k: _MAP for k in MAPS}, **{k: _LIST for k in LISTS},
+    **{k: _SINGLE for k in SINGLE}, "allOf": _ALL_OF, "items": _ITEMS,
 }
 
 
@@ -466,46 +464,6 @@ def structural_chars(pattern: str) -> Iterator[tuple[str, int]]:
 
 def _has_top_level_alternation(pattern: str) -> bool:
     return any(ch == "|" and depth == 0 for ch, depth in structural_chars(pattern))
-
-
-_CHILD_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_CHILD_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_CHILD_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
-              "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-
-
-_CHILD_ORDER = {k: i for i, k in enumerate((*_CHILD_MAPS, *_CHILD_LISTS, *_CHILD_ONE))}
-_CHILD_KEYS = frozenset(_CHILD_ORDER)
-_CHILD_MAP_KEYS, _CHILD_LIST_KEYS = frozenset(_CHILD_MAPS), frozenset(_CHILD_LISTS)
-
-
-def subschemas(node: Any, pointer: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every object subschema with its JSON pointer ("" for the root), parents first.
-
-    Runs for every cold compile (routing, checks): only the keys a node has are looked at
-    (most nodes have none of the child keys), in one fixed order."""
-    stack: list[tuple[str, Any]] = [(pointer, node)]
-    order = _CHILD_ORDER.__getitem__
-    while stack:
-        ptr, cur = stack.pop()
-        if not isinstance(cur, dict):
-            continue
-        yield ptr, cur
-        present = _CHILD_KEYS.intersection(cur)
-        for key in sorted(present, key=order) if len(present) > 1 else present:
-            child = cur[key]
-            if key in _CHILD_MAP_KEYS:
-                if isinstance(child, dict):
-                    stack.extend((f"{ptr}/{key}/{escape_key(k)}", v) for k, v in child.items())
-            elif isinstance(child, list):
-                stack.extend((f"{ptr}/{key}/{i}", v) for i, v in enumerate(child))
-            elif key not in _CHILD_LIST_KEYS and child is not None:
-                stack.append((f"{ptr}/{key}", child))
-
-
-def escape_key(key: str) -> str:
-    """A key as a JSON pointer segment."""
-    return key.replace("~", "~0").replace("/", "~1")
 
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")

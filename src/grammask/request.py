@@ -17,13 +17,14 @@ travels as a JSON string under one key and the switches as flat keys beside it:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidSpecError
+from .limits import json_object
 from .spec import GrammarSpec
+from .spec_frontends import from_vllm
 
 EXTRA_ARGS_KEY = "grammask"
 FLAT_KEYS = ("grammask_backend", "grammask_strict", "grammask_thinking", "grammask_think_end",
@@ -60,26 +61,20 @@ def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest 
                                    where=stray[0])
         return None
     raw = extra_args[EXTRA_ARGS_KEY]
-    if isinstance(raw, str):
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise InvalidSpecError(f"'{EXTRA_ARGS_KEY}' is not valid JSON: {exc.msg}",
-                                   where=f"{EXTRA_ARGS_KEY} column {exc.colno}") from exc
-    elif isinstance(raw, Mapping):
-        obj = dict(raw)
-    else:
-        raise InvalidSpecError(
+    obj = json_object(
+        raw, not_json=lambda exc: InvalidSpecError(
+            f"'{EXTRA_ARGS_KEY}' is not valid JSON: {exc.msg}",
+            where=f"{EXTRA_ARGS_KEY} column {exc.colno}"),
+        wrong_type=lambda: InvalidSpecError(
             f"'{EXTRA_ARGS_KEY}' must be a JSON string, got {type(raw).__name__}",
-            where=EXTRA_ARGS_KEY)
-    if not isinstance(obj, dict):
-        raise InvalidSpecError(f"'{EXTRA_ARGS_KEY}' must hold a JSON object",
-                               where=EXTRA_ARGS_KEY)
+            where=EXTRA_ARGS_KEY),
+        not_object=lambda: InvalidSpecError(f"'{EXTRA_ARGS_KEY}' must hold a JSON object",
+                                            where=EXTRA_ARGS_KEY))
     if "grammask_backend" in extra_args:
         obj["backend"] = extra_args["grammask_backend"]
     if "grammask_strict" in extra_args:
         obj["strict"] = _flag(extra_args["grammask_strict"], "grammask_strict")
-    spec = GrammarSpec.from_vllm(obj)
+    spec = from_vllm(obj)
     thinking_value = extra_args.get("grammask_thinking", "auto")
     if thinking_value not in ("auto", "off", "on", 0, 1, True, False):
         raise InvalidSpecError("grammask_thinking must be 'auto' or 'off'",

@@ -29,6 +29,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..normalize import locate, normalize_schema
+from ..schema.features import Feature
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from .base import (
@@ -538,39 +539,40 @@ def _translate(spec: GrammarSpec, message: str) -> GrammarError:
 
 
 #: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
-GAPS: dict[str, str] = {
-    "uniqueItems": "refused",
-    "contains": "refused",
-    "propertyNames": "refused",
-    "dependentRequired": "refused",
-    "dependentSchemas": "refused",
-    "dependencies": "refused",
-    "if/then/else": "refused",
-    "not": "refused",
-    "unevaluatedProperties": "refused",
-    "unevaluatedItems": "refused",
-    "$ref (remote)": "refused",
-    "$anchor / $dynamicRef": "refused ($dynamicRef)",
-    "minProperties/maxProperties": "refused unless every property is required",
-    "format (llguidance unknown)": "refused as unknown (lenient mode ignores it)",
-    "pattern (lookaround)": "refused, even in lenient mode",
-    "oneOf (overlapping branches)": "refused; lenient mode treats it as anyOf (an instance "
-                                    "matching several branches passes)",
+GAPS: dict[Feature, str] = {
+    Feature.UNIQUE_ITEMS: "refused",
+    Feature.CONTAINS: "refused",
+    Feature.PROPERTY_NAMES: "refused",
+    Feature.DEPENDENT_REQUIRED: "refused",
+    Feature.DEPENDENT_SCHEMAS: "refused",
+    Feature.DEPENDENCIES: "refused",
+    Feature.IF_THEN_ELSE: "refused",
+    Feature.NOT: "refused",
+    Feature.UNEVALUATED_PROPERTIES: "refused",
+    Feature.UNEVALUATED_ITEMS: "refused",
+    Feature.REMOTE_REF: "refused",
+    Feature.ANCHOR_REF: "refused ($dynamicRef)",
+    Feature.PROPERTY_COUNT: "refused unless every property is required",
+    Feature.FORMAT_XGRAMMAR_ONLY: "refused as unknown (lenient mode ignores it)",
+    Feature.PATTERN_LOOKAROUND: "refused, even in lenient mode",
+    Feature.ONE_OF_OVERLAPPING: "refused; lenient mode treats it as anyOf (an instance "
+                                "matching several branches passes)",
 }
 
 #: llguidance gaps lenient mode cannot serve: when both backends have gaps, xgrammar then
 #: serves (with its gaps listed) instead of a doomed llguidance attempt.
-LENIENT_CANNOT = frozenset({"pattern (lookaround)"})
+LENIENT_CANNOT = frozenset({Feature.PATTERN_LOOKAROUND})
 
 #: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
 #: (unknown formats are annotations in JSON Schema 2020-12).
-LENIENT_EXACT = frozenset({"format (unknown)", "format (neither backend)"})
+LENIENT_EXACT = frozenset({Feature.FORMAT_UNKNOWN, Feature.FORMAT_NEITHER})
 
 
 #: What lenient mode leaves unenforced beyond ``GAPS``: llguidance's default mode refuses a
 #: oneOf it cannot prove exclusive, lenient mode (``coerce_one_of``) serves it as anyOf,
 #: silently where llguidance thinks the branches disjoint (multipleOf 3 / multipleOf 5).
-LENIENT_GAPS = {"oneOf (may overlap)": "served as anyOf in lenient mode"}
+LENIENT_GAPS: dict[Feature, str] = {
+    Feature.ONE_OF_MAY_OVERLAP: "served as anyOf in lenient mode"}
 
 
 register(BackendInfo(

@@ -14,7 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .. import backend_names
+from ..backend_names import canonical as canonical  # the name index, kept in its own module
+from ..backend_names import resolve as resolve
 from ..errors import InvalidSpecError
+from ..schema.features import Feature
 
 #: What a spec asks a backend to do, as the cost model sees it (``router.workload``).
 Workload = Literal[
@@ -52,18 +56,18 @@ class BackendInfo:
     #: label in messages ("llguidance" for the backend named ``guidance``)
     label: str = ""
     aliases: tuple[str, ...] = ()
-    #: routing feature (``router.schema_features``) -> what the backend does with it
-    gaps: Mapping[str, str] = field(default_factory=dict)
+    #: schema feature (``schema.features.Feature``) -> what the backend does with it
+    gaps: Mapping[Feature, str] = field(default_factory=dict)
     #: has a lenient mode: ignores the keywords it lacks instead of refusing the spec
     lenient: bool = False
     #: features refused by default only as a formality: lenient mode serves them exactly
-    lenient_exact: frozenset[str] = frozenset()
+    lenient_exact: frozenset[Feature] = frozenset()
     #: gaps even lenient mode refuses
-    lenient_cannot: frozenset[str] = frozenset()
+    lenient_cannot: frozenset[Feature] = frozenset()
     #: features its default mode refuses unless it proves them (llguidance: a oneOf whose
     #: branches may overlap) and its lenient mode serves unenforced: listed as gaps of every
     #: lenient attempt
-    lenient_gaps: Mapping[str, str] = field(default_factory=dict)
+    lenient_gaps: Mapping[Feature, str] = field(default_factory=dict)
     #: the workloads it serves, with their cost; a workload absent here is not served
     costs: Mapping[Workload, Cost] = field(default_factory=dict)
     #: its matchers offer ``batch_fill`` (one parallel fill per step for all its rows)
@@ -92,12 +96,12 @@ _adapters: dict[str, Any] = {}
 #: kept in step with ``_registered`` (rebuilt under the lock when it changes): every spec
 #: and every plan reads them, a sort and a scan each on a cold compile's path
 _ordered: tuple[BackendInfo, ...] = ()
-_by_name: dict[str, str] = {}
 
 
 def _reindex() -> None:
-    """Rebuild the ordered tuple and the name/alias index (the caller holds the lock)."""
-    global _ordered, _by_name
+    """Rebuild the ordered tuple and the name/alias index (``backend_names``; the caller
+    holds the lock)."""
+    global _ordered
     _ordered = tuple(sorted(_registered.values(), key=lambda b: b.priority))
     index: dict[str, str] = {}
     for b in _ordered:  # a name before any alias, in preference order, as the scan found
@@ -105,7 +109,7 @@ def _reindex() -> None:
     for b in _ordered:
         for alias in b.aliases:
             index.setdefault(alias, b.name)
-    _by_name = index
+    backend_names.publish(index, tuple(b.name for b in _ordered))
 
 
 def register(info: BackendInfo) -> None:
@@ -136,23 +140,6 @@ def backends() -> tuple[BackendInfo, ...]:
 
 def names() -> tuple[str, ...]:
     return tuple(b.name for b in backends())
-
-
-def canonical(value: str) -> str | None:
-    """The registered name a user's name or alias stands for; None when unknown."""
-    return _by_name.get(value)
-
-
-def resolve(value: object, what: str = "backend") -> str | None:
-    """A backend as a user gives it (None or ``auto`` for auto routing, a name, an alias):
-    the registered name, None for auto; ``InvalidSpecError`` naming the registered ones."""
-    if value is None or value == "auto":
-        return None
-    name = canonical(value.strip().lower()) if isinstance(value, str) else None
-    if name is None:
-        raise InvalidSpecError(f"unknown {what} {value!r}; registered: auto, "
-                               f"{', '.join(names())}", where=what)
-    return name
 
 
 def info(name: str) -> BackendInfo:

@@ -16,6 +16,7 @@ from .. import jsontext
 from ..diskcache import DiskCache
 from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
 from ..normalize import locate, normalize_schema
+from ..schema.features import Feature
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from . import xgrammar_disk
@@ -327,32 +328,32 @@ _LINE = re.compile(r"(line \d+(?:,? ?(?:col(?:umn)?)? ?\d+)?)", re.IGNORECASE)
 
 #: What xgrammar 0.2.8 ignores, gets wrong or refuses, keyword by keyword (measured with
 #: bench/keyword_probe.py; table in docs/keyword-probe.md).
-GAPS: dict[str, str] = {
-    "uniqueItems": "ignored",
-    "contains": "wrong: accepts only []",
-    "dependentRequired": "ignored",
-    "dependentSchemas": "ignored",
-    "dependencies": "ignored",
-    "if/then/else": "ignored",
-    "not": "ignored",
-    "multipleOf (non-integer)": "ignored",
-    "allOf (several branches)": "the node matches any value (an allOf normalize cannot "
-                                "merge into its node)",
-    "anyOf/oneOf beside other keywords": "the node's other keywords are ignored (where "
-                                         "normalize cannot merge them into the branches)",
-    "oneOf": "treated as anyOf",
-    "$ref (remote)": "matches anything",
-    "$ref with siblings": "siblings ignored",
-    "$anchor / $dynamicRef": "matches anything",
-    "pattern with minLength/maxLength": "length ignored",
-    "patternProperties": "refuses keys that match when additionalProperties is absent",
-    "whitespace_pattern": "not supported",
-    "required (undeclared names)": "ignored for names not in properties",
-    "string minLength/maxLength": "admits raw control characters (invalid JSON)",
-    "format (untyped)": "ignored without type: string",
-    "pattern (inner anchors)": "^ and $ inside the pattern are ignored",
-    "pattern (lookaround)": "look-around and \\b are ignored",
-    "$ref to the root": "mask forbids tokens accept takes (`}}` after `{\"x\":{`)",
+GAPS: dict[Feature, str] = {
+    Feature.UNIQUE_ITEMS: "ignored",
+    Feature.CONTAINS: "wrong: accepts only []",
+    Feature.DEPENDENT_REQUIRED: "ignored",
+    Feature.DEPENDENT_SCHEMAS: "ignored",
+    Feature.DEPENDENCIES: "ignored",
+    Feature.IF_THEN_ELSE: "ignored",
+    Feature.NOT: "ignored",
+    Feature.MULTIPLE_OF_FRACTION: "ignored",
+    Feature.ALL_OF: "the node matches any value (an allOf normalize cannot merge into its "
+                    "node)",
+    Feature.COMBINATOR_SIBLINGS: "the node's other keywords are ignored (where normalize "
+                                 "cannot merge them into the branches)",
+    Feature.ONE_OF: "treated as anyOf",
+    Feature.REMOTE_REF: "matches anything",
+    Feature.REF_SIBLINGS: "siblings ignored",
+    Feature.ANCHOR_REF: "matches anything",
+    Feature.PATTERN_LENGTH: "length ignored",
+    Feature.PATTERN_PROPERTIES: "refuses keys that match when additionalProperties is absent",
+    Feature.WHITESPACE_PATTERN: "not supported",
+    Feature.REQUIRED_UNDECLARED: "ignored for names not in properties",
+    Feature.STRING_LENGTH: "admits raw control characters (invalid JSON)",
+    Feature.FORMAT_UNTYPED: "ignored without type: string",
+    Feature.PATTERN_INNER_ANCHORS: "^ and $ inside the pattern are ignored",
+    Feature.PATTERN_LOOKAROUND: "look-around and \\b are ignored",
+    Feature.ROOT_REF: "mask forbids tokens accept takes (`}}` after `{\"x\":{`)",
 }
 
 

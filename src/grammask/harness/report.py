@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..backends import registry
-from ..router import schema_features
+from ..schema.analysis import schema_features
 from .corpus import Item
 
 SUM_KEYS = ("valid_total", "valid_accepted", "invalid_total", "invalid_rejected", "over",

@@ -46,6 +46,7 @@ from functools import cache
 from typing import Any
 
 from ..errors import GrammarError, InvalidSchemaError
+from ..schema.keys import LISTS, MAPS, SINGLE
 
 #: Most tool calls in one forced reply with parallel calls allowed. Clients and models that
 #: call in parallel make a few calls per turn; a weak model would otherwise call until
@@ -54,10 +55,9 @@ MAX_TOOL_CALLS = 16
 #: Caller frames searched for the request (vLLM's own chain is about 10 deep).
 _MAX_DEPTH = 64
 _LISTS = ("tags_with_separator",)
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
-               "propertyNames", "unevaluatedItems", "additionalItems")
+#: the single-subschema keys ``open_objects`` descends into: all but
+#: ``unevaluatedProperties``, whose subschema it has always left as written
+_SCHEMA_ONE = tuple(k for k in SINGLE if k != "unevaluatedProperties")
 
 
 @dataclass(frozen=True)
@@ -196,10 +196,10 @@ def open_objects(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SCHEMA_MAPS:
+    for key in MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: open_objects(v) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
+    for key in LISTS:
         if isinstance(out.get(key), list):
             out[key] = [open_objects(v) for v in out[key]]
     for key in _SCHEMA_ONE:

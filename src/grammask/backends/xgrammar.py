@@ -358,7 +358,7 @@ GAPS: dict[Feature, str] = {
 
 
 def disk_child_main() -> None:
-    """The disk cache's writer process (``xgrammar_disk.run_child``): it compiles as this
+    """The disk cache's writer process (``diskwriter.run_child``): it compiles as this
     adapter does, so the key and the grammar match the parent's."""
     backend = XGrammarBackend()
     xgrammar_disk.child_main(

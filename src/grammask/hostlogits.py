@@ -72,8 +72,8 @@ class HostLogits:
     def apply_drafts(self, logits: torch.Tensor, step: StepMasks, placed: DraftMasks,
                      layout: LogitsLayout | None = None) -> None:
         """Masks at draft positions (``drafts.Drafts.place``): committed positions from the
-        step's bitmask (its plan moved to them), the others from the drafts' buffer. Neither
-        digests nor the host-masks restore: they follow committed tokens only."""
+        step's bitmask (its plan moved to them), the others from the drafts' buffer. As this
+        path always has, it records no digests and skips the host-masks restore."""
         if placed.at.size:
             apply_pairs(logits, step.bitmask, placed.at, placed.rows,
                         vocab_size=self.vocab_size, buffers=self.buffers, plan=step.plan,
@@ -98,16 +98,15 @@ class HostLogits:
                layout: LogitsLayout | None) -> None:
         """The apply of committed masks (``at`` None: at their own rows): digests,
         ``apply_pairs``, the restore."""
-        listed = rows if isinstance(rows, list) else None
+        # rows as a list only for the per-row hooks (the V2 path has none by default)
+        hooks = self.digests is not None or self.risky
+        listed = (rows if isinstance(rows, list) else rows.tolist()) if hooks else []
         if self.digests is not None:
-            listed = rows if isinstance(rows, list) else rows.tolist()
             self._record(table, bitmask, listed)
             plan = None if self.digests.fault else plan
         apply_pairs(logits, bitmask, at, rows, vocab_size=self.vocab_size,
                     buffers=self.buffers, plan=plan, layout=layout)
         if self.risky:
-            if listed is None:
-                listed = rows if isinstance(rows, list) else rows.tolist()
             spots = listed if at is None else at.tolist()
             self._restore(table, logits, bitmask, list(zip(spots, listed, strict=True)))
 

@@ -265,6 +265,9 @@ def test_batch_accept_is_accept_row_by_row(compiler: Compiler, qwen25: Vocabular
         assert got == want == [True, False, True, True, True, False]
         for x, y in zip(batched, single, strict=True):
             assert _state(x, qwen25) == _state(y, qwen25)
+    every = [_matcher(compiler, backend) for _ in range(3)]  # all accepted: one answer
+    assert type(every[0]).batch_accept(every, [a, a, a]) == [True] * 3  # type: ignore[arg-type]
+    assert [m.accepted() for m in every] == [1, 1, 1]
 
 
 def test_rows_advance_together_as_alone(compiler: Compiler, qwen25: Vocabulary) -> None:

@@ -30,6 +30,13 @@ from .base import (
 )
 from .registry import BackendInfo, Cost, register
 
+try:  # the batch accept without the wrapper's per-element conversion (``_accept_all``)
+    from xgrammar.base import _core as _xgr_core  # type: ignore[attr-defined]
+
+    _CORE_BATCH: Any = _xgr_core.BatchGrammarMatcher
+except (ImportError, AttributeError):  # another xgrammar: its public wrapper
+    _CORE_BATCH = None
+
 _COMPACT = (",", ":")
 _THREADS = min(8, os.cpu_count() or 1)  # vLLM uses 8; more only helps large grammars
 # "[11:27:52] /project/cpp/grammar_compiler.cc:1207: Check failed: (...) is false: " prefixes
@@ -121,8 +128,11 @@ class XGrammarMatcher(BackendMatcher):
             return []
         if min(tokens) < 0 or max(tokens) >= min(m._vocab_size for m in matchers):
             return [m.accept(t) for m, t in zip(matchers, tokens, strict=True)]
-        done = xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers],
-                                                          list(tokens))
+        done = _accept_all([m._m for m in matchers], list(tokens))
+        if done is None:
+            for m in matchers:
+                m._depth += 1
+            return [True] * len(matchers)
         out = []
         for m, t, ok in zip(matchers, tokens, done, strict=True):
             if ok:
@@ -131,6 +141,23 @@ class XGrammarMatcher(BackendMatcher):
                 ok = m.accept(t)
             out.append(ok)
         return out
+
+
+def _accept_all(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool] | None:
+    """Each matcher takes its token in one native call: None when all did, else who did.
+
+    xgrammar's own wrapper turns the answer into a list element by element through the FFI
+    (0.4 ms for 256 rows, more than the accepts); asking the array whether it holds a
+    refusal is one call, and all are accepted in nearly every step."""
+    if _CORE_BATCH is None:
+        done = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return None if all(done) else done
+    answer = _CORE_BATCH.batch_accept_token([m._handle for m in matchers], tokens, False)
+    if len(answer) == len(matchers):
+        refused: object = False if isinstance(answer[0], bool) else 0
+        if refused not in answer:
+            return None
+    return [bool(ok) for ok in answer]
 
 
 class XGrammarCompiled:

@@ -217,9 +217,10 @@ def _serving(work: Workload) -> list[BackendInfo]:
     return [b for b in registry.backends() if work in b.costs]
 
 
-def _gaps(features: Features, backend: BackendInfo) -> list[Feature]:
-    """The features ``backend`` does not enforce (the gaps every backend shares excluded)."""
-    return [name for name in features if name in backend.gaps]
+def _gaps(features: Features, backend: BackendInfo) -> list[str]:
+    """The features ``backend`` does not enforce (the gaps every backend shares excluded),
+    by name: what ``unenforced`` lists (plain strings, whatever prints them)."""
+    return [name.value for name in features if name in backend.gaps]
 
 
 def _common(features: Features) -> tuple[str, ...]:
@@ -237,10 +238,10 @@ def _on_backend(backend: BackendInfo, features: Features) -> tuple[tuple[str, ..
 
 
 def _lenient_gaps(backend: BackendInfo, features: Features,
-                  listed: Sequence[str]) -> list[Feature]:
+                  listed: Sequence[str]) -> list[str]:
     """The features a backend's lenient mode serves unenforced (``lenient_gaps``), those
     not already ``listed``."""
-    return [n for n in features if n in backend.lenient_gaps and n not in listed]
+    return [n.value for n in features if n in backend.lenient_gaps and n not in listed]
 
 
 def route(spec: GrammarSpec, *, prefer: Preference = "auto") -> Route:
@@ -367,7 +368,7 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(names)
 
 
-def _first_pointer(features: Features, names: Sequence[Feature]) -> str | None:
-    return next((features[n] for n in names if n in features), None)
+def _first_pointer(features: Features, names: Sequence[str]) -> str | None:
+    return next((features[Feature(n)] for n in names if n in features), None)
 
 

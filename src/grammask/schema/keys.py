@@ -1,5 +1,5 @@
-"""The one table of JSON Schema keys whose values are subschemas, and the order they are
-walked in (the order features are first found in, and errors reported in)."""
+"""The one table of JSON Schema keys whose values are subschemas, and the order the walk
+stacks them in (``walk.Walk``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ TUPLES = frozenset({"items", "additionalItems"})
 #: error (``not: {minimum: 5, maximum: 1}`` is a way to say "anything")
 NEGATING = frozenset({"not", "if"})
 
-#: walk position of each key: children are visited in this order
+#: each key's place: a node's children are stacked in this order (the last key's visited first)
 ORDER: dict[str, int] = {k: i for i, k in enumerate((*MAPS, *LISTS, *SINGLE))}
 KEYS = frozenset(ORDER)
 MAP_KEYS, LIST_KEYS = frozenset(MAPS), frozenset(LISTS)

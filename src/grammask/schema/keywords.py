@@ -85,16 +85,21 @@ def keywords_ok(node: Mapping[str, Any], *, ranges: bool) -> bool:
 
 
 def check_node(node: Mapping[str, Any], ptr: str, *, ranges: bool) -> None:
-    """Raise ``InvalidSchemaError`` for the first rule the node breaks, in the table's
-    order (the pointer is ``ptr`` and the keyword's), or return when it breaks none."""
-    for key, ok, problem in _RULES:
-        if key is None:
-            empty = _empty_range(node) if ranges else None
-            if empty is not None:
-                (low, lo), (high, hi) = empty
-                raise InvalidSchemaError(f"{low} {show(lo)} is greater than {high} {show(hi)}: "
-                                         "no value is valid", where=f"{ptr}/{low}")
-        elif key in node and not ok(node[key]):
+    """Raise ``InvalidSchemaError`` for the first rule the node breaks (the value rules,
+    then, with ``ranges``, an empty range, then the shape rules), at ``ptr`` and the
+    keyword's pointer; return when it breaks none."""
+    _first_broken(node, ptr, _VALUE_RULES)
+    empty = _empty_range(node) if ranges else None
+    if empty is not None:
+        (low, lo), (high, hi) = empty
+        raise InvalidSchemaError(f"{low} {show(lo)} is greater than {high} {show(hi)}: "
+                                 "no value is valid", where=f"{ptr}/{low}")
+    _first_broken(node, ptr, _SHAPE_RULES)
+
+
+def _first_broken(node: Mapping[str, Any], ptr: str, rules: tuple[_Rule, ...]) -> None:
+    for key, ok, problem in rules:
+        if key in node and not ok(node[key]):
             message, suffix = problem(key, node[key])
             raise InvalidSchemaError(message, where=f"{ptr}{suffix}")
 
@@ -170,15 +175,14 @@ def _shape(want: str) -> Callable[[str, Any], tuple[str, str]]:
     return _says(f"{{key}} must be {want}, got {{kind}}")
 
 
-_Rule = tuple[str | None, Callable[[Any], bool], Callable[[str, Any], tuple[str, str]]]
-#: where ``check_node`` looks for an empty range (``minimum`` above ``maximum``)
-_EMPTY_RANGES: _Rule = (None, bool, _type_problem)
+#: (key, what its value must pass, the problem as (message, pointer suffix) when it fails)
+_Rule = tuple[str, Callable[[Any], bool], Callable[[str, Any], tuple[str, str]]]
 _NOT_NUMBER = _says("{key} must be a number, got {shown}")
 _BEYOND = _says("{key} {shown} is beyond the range of a double, which both backends compute "
                 "with")
-#: Every rule, in the order ``check_node`` reports them. A key's rules run in order: a later
-#: one may assume the earlier ones passed.
-_RULES: tuple[_Rule, ...] = (
+#: The rules in the order ``check_node`` reports them: the values', then (after the empty
+#: ranges) the shapes'. A key's rules run in order: a later one may assume the earlier passed.
+_VALUE_RULES: tuple[_Rule, ...] = (
     ("type", _type_ok, _type_problem),
     *((k, _count_ok, _says("{key} must be a non-negative integer, got {shown}"))
       for k in _COUNTS),
@@ -187,7 +191,8 @@ _RULES: tuple[_Rule, ...] = (
     *(rule for k in _EXCLUSIVE for rule in (
         (k, lambda v: isinstance(v, bool) or _is_number(v), _NOT_NUMBER),
         (k, lambda v: isinstance(v, bool) or _bounded(v), _BEYOND))),
-    _EMPTY_RANGES,
+)
+_SHAPE_RULES: tuple[_Rule, ...] = (
     *((k, _is_map, _shape("an object")) for k in (*MAPS, "dependentRequired")),
     *((k, lambda v: isinstance(v, list) and bool(v), _shape("a non-empty array"))
       for k in ("allOf", "anyOf", "oneOf")),
@@ -201,8 +206,9 @@ _RULES: tuple[_Rule, ...] = (
        _shape("an object, a boolean or an array")) for k in SINGLE if k in TUPLES),
     ("required", _names_ok, _names_problem),
 )
+_RULES = (*_VALUE_RULES, *_SHAPE_RULES)
 #: Every key a rule looks at.
-_CHECKED_KEYS = frozenset(k for k, _, _ in _RULES if k is not None)
+_CHECKED_KEYS = frozenset(k for k, _, _ in _RULES)
 
 
 def _every(*checks: Callable[[Any], bool]) -> Callable[[Any], bool]:

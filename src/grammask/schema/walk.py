@@ -1,9 +1,10 @@
 """The one walk over a schema's subschemas, and JSON pointers into a schema.
 
-``Walk`` visits every value held under a subschema key (``keys``), parents first, children
-in ``keys.ORDER``; it builds no pointer per node (one is made only for what a caller
-reports: ``Walk.pointer``). It runs on every cold compile, so it looks only at the child
-keys a node has.
+``Walk`` visits every value held under a subschema key (``keys``), depth first, parents
+first; a node's children are stacked in ``keys.ORDER``, so the last key's are visited first
+(the order features are first found in, and errors reported in). It builds no pointer
+per node (one is made only for what a caller reports: ``Walk.pointer``). It runs on every
+cold compile, so it looks only at the child keys a node has.
 """
 
 from __future__ import annotations

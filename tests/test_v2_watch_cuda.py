@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from grammask.integrations.vllm_v2 import V2Batch, _Slot
+from grammask.integrations.vllm_v2 import V2Batch, _Slot, _Windows
 
 
 class _Proc:
@@ -40,7 +40,8 @@ def _batch(n: int, length: int) -> tuple[V2Batch, Any, _Proc]:
     device = torch.device("cuda")
     rs = SimpleNamespace(all_token_ids=SimpleNamespace(gpu=torch.zeros(
         n, length, dtype=torch.int32, device=device)),
-        total_len=SimpleNamespace(gpu=torch.zeros(n, dtype=torch.int32, device=device)))
+        total_len=SimpleNamespace(gpu=torch.zeros(n, dtype=torch.int32, device=device)),
+        device=device)
     proc = _Proc()
     b = V2Batch.__new__(V2Batch)
     b.num_spec, b._window, b.rs, b.device, b._cuda = 0, 1, rs, device, True
@@ -48,9 +49,7 @@ def _batch(n: int, length: int) -> tuple[V2Batch, Any, _Proc]:
     b._slots, b._leaving, b._helper, b._watch = {}, set(), None, None
     b._tracked = np.zeros(n, dtype=bool)
     b._prefill = np.zeros(n, dtype=np.int64)
-    b._total_host = torch.zeros(n, dtype=torch.int32, pin_memory=True)
-    b._tokens_host = torch.zeros(n, 1, dtype=torch.int32, pin_memory=True)
-    b._stream = torch.cuda.Stream(device)
+    b._windows = _Windows(rs, 1, n, stream=True)
     return b, rs, proc
 
 

@@ -103,6 +103,51 @@ def _landed(new: int, tokens: list[int], before: list[int], window: int) -> bool
     return all(tokens[i] != before[i] for i in range(take))
 
 
+class _Windows:
+    """The slots' committed lengths and next ``window`` tokens, read to the host (pinned
+    buffers; on CUDA on a stream of their own, so the forward's stream is not held)."""
+
+    def __init__(self, req_states: Any, window: int, n: int, *, stream: bool) -> None:
+        self.rs = req_states
+        self.window = window
+        self.device: torch.device = req_states.device
+        self.cuda = self.device.type == "cuda"
+        with normal_tensors():
+            self.total = torch.zeros(n, dtype=torch.int32, pin_memory=self.cuda)
+            self.tokens = torch.zeros(n, window, dtype=torch.int32, pin_memory=self.cuda)
+        self.stream: Any = None
+        if stream and self.cuda:
+            self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    def read(self, index: torch.Tensor, start: torch.Tensor, n: int, *, ordered: bool
+             ) -> tuple[list[int], list[list[int]]]:
+        """(lengths, the ``window`` tokens from ``start``) of the slots ``index``, on the
+        host; ``ordered``: after every kernel queued on the runner's stream."""
+        stream = self.stream
+        if stream is None:
+            self.queue(index, start, self.total, self.tokens)
+        else:
+            if ordered:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.queue(index, start, self.total, self.tokens)
+            stream.synchronize()
+        return self.total[:n].tolist(), self.tokens[:n].tolist()
+
+    def queue(self, index: torch.Tensor, start: torch.Tensor, total: torch.Tensor | None,
+              tokens: torch.Tensor) -> None:
+        """Queue the gather of lengths (unless ``total`` is None) and windows into host
+        buffers (current stream)."""
+        n = index.shape[0]
+        all_ids = self.rs.all_token_ids.gpu
+        columns = (start.unsqueeze(1) + torch.arange(self.window, device=start.device)
+                   ).clamp_(max=all_ids.shape[1] - 1)
+        if total is not None:
+            total[:n].copy_(self.rs.total_len.gpu.index_select(0, index),
+                            non_blocking=self.cuda)
+        tokens[:n].copy_(all_ids[index.unsqueeze(1), columns], non_blocking=self.cuda)
+
+
 class V2Batch:
     """The V2 runner's slots mapped onto ``BatchProcessor`` rows (row index = slot)."""
 
@@ -126,14 +171,8 @@ class V2Batch:
         self._prefill = np.zeros(n, dtype=np.int64)
         self._helper: ThreadPoolExecutor | None = None
         self._watch: _Watch | None = None
-        pin = self._cuda
-        with normal_tensors():
-            self._total_host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-            self._tokens_host = torch.zeros(n, self._window, dtype=torch.int32,
-                                            pin_memory=pin)
-        self._stream: Any = None
-        if self.core.active and self._cuda:
-            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self._windows = _Windows(req_states, self._window, n,
+                                 stream=self.core.active and self._cuda)
 
     # ------------------------------------------------------------------ runner hooks
     def add_request(self, slot: int, sampling_params: Any) -> bool:
@@ -267,7 +306,7 @@ class V2Batch:
         with normal_tensors():
             snap_tokens = torch.empty(n, self._window, dtype=torch.int32,
                                       pin_memory=self._cuda)
-        self._gather_into(index, start, None, snap_tokens)
+        self._windows.queue(index, start, None, snap_tokens)
         event = None
         if self._cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -318,7 +357,7 @@ class V2Batch:
             deadline = time.monotonic() + WATCH_S
             pause = POLL_S
             while True:
-                totals, tokens = self._gather(watch.index, watch.start, n, ordered=False)
+                totals, tokens = self._windows.read(watch.index, watch.start, n, ordered=False)
                 if all(_landed(t - k, row, old, self._window) for t, k, row, old
                        in zip(totals, known, tokens, before, strict=True)):
                     break
@@ -327,7 +366,7 @@ class V2Batch:
                 time.sleep(pause)
                 pause = min(2 * pause, POLL_MAX_S)
         else:
-            totals, tokens = self._gather(watch.index, watch.start, n, ordered=True)
+            totals, tokens = self._windows.read(watch.index, watch.start, n, ordered=True)
         for i, (slot, st) in enumerate(items):
             new = totals[i] - st.known
             if new <= 0:
@@ -342,35 +381,6 @@ class V2Batch:
             st.known += new
         self.core.processor().step([slot for slot, _ in items])
         return True
-
-    def _gather(self, index: torch.Tensor, start: torch.Tensor, n: int, *, ordered: bool
-                ) -> tuple[list[int], list[list[int]]]:
-        """(lengths, the ``window`` tokens from ``start``) of the slots ``index``, on the
-        host: on CUDA on the watch's own stream, so the forward's stream is not held;
-        ``ordered``: after every kernel queued on the runner's stream."""
-        stream = self._stream
-        if stream is None:
-            self._gather_into(index, start, self._total_host, self._tokens_host)
-        else:
-            if ordered:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._gather_into(index, start, self._total_host, self._tokens_host)
-            stream.synchronize()
-        return self._total_host[:n].tolist(), self._tokens_host[:n].tolist()
-
-    def _gather_into(self, index: torch.Tensor, start: torch.Tensor,
-                     total: torch.Tensor | None, tokens: torch.Tensor) -> None:
-        """Queue the gather of lengths (unless ``total`` is None) and windows into host
-        buffers (current stream)."""
-        n = index.shape[0]
-        all_ids = self.rs.all_token_ids.gpu
-        columns = (start.unsqueeze(1) + torch.arange(self._window, device=start.device)
-                   ).clamp_(max=all_ids.shape[1] - 1)
-        if total is not None:
-            total[:n].copy_(self.rs.total_len.gpu.index_select(0, index),
-                            non_blocking=self._cuda)
-        tokens[:n].copy_(all_ids[index.unsqueeze(1), columns], non_blocking=self._cuda)
 
     # ------------------------------------------------------------------ internals
     def _fail_slot(self, slot: int, message: str) -> None:

@@ -127,11 +127,12 @@ class RawXGrammar(System):
         import xgrammar as xgr
 
         from grammask import load_vocabulary
+        from grammask.backends.xgrammar import tokenizer_info
 
         self.xgr = xgr
         self.vocab = load_vocabulary(self.tokenizer)
         self.vocab_size = self.vocab.vocab_size
-        self.compiler = xgr.GrammarCompiler(self.vocab.xgrammar_info, max_threads=8,
+        self.compiler = xgr.GrammarCompiler(tokenizer_info(self.vocab), max_threads=8,
                                             cache_enabled=False)
         self.batcher = xgr.BatchGrammarMatcher()
         return {"compiler": "GrammarCompiler(max_threads=8, cache_enabled=False)"}
@@ -184,11 +185,12 @@ class RawGuidance(System):
         import llguidance as llg
 
         from grammask import load_vocabulary
+        from grammask.backends.guidance import tokenizer
 
         self.llg = llg
         self.vocab = load_vocabulary(self.tokenizer)
         self.vocab_size = self.vocab.vocab_size
-        self.tok = self.vocab.llguidance_tokenizer
+        self.tok = tokenizer(self.vocab)
         self.executor = llg.LLExecutor()
         return {}
 
@@ -248,6 +250,7 @@ class Grammask(System):
 
     def setup(self) -> dict[str, Any]:
         import grammask
+        from grammask.backends import get_backend, registry
         from grammask.backends.guidance import GuidanceMatcher
         from grammask.backends.xgrammar import XGrammarMatcher
 
@@ -255,7 +258,8 @@ class Grammask(System):
         self.gm = grammask
         self.vocab = grammask.load_vocabulary(self.tokenizer)
         self.vocab_size = self.vocab.vocab_size
-        _ = self.vocab.xgrammar_info, self.vocab.llguidance_tokenizer
+        for backend in registry.backends():  # every tokenizer view, built before timing
+            get_backend(backend.name).prepare(self.vocab)
         self.compiler = grammask.Compiler(self.vocab, timeout_s=self.timeout)
         self._xgm, self._glm = XGrammarMatcher, GuidanceMatcher
         return {"compiler": f"Compiler(timeout_s={self.timeout}, max_workers=4)"}

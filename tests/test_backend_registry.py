@@ -1,5 +1,8 @@
 """A third backend, registered by this test alone, is routed to, compiled, cached and reported
-without any change outside this file: the registry is the only place backends are named.
+without any change outside this file: the registry is the only place backends are named, its
+capabilities are derived from the classes it declares (``backends.capabilities``), its
+tokenizer view lives on the vocabulary through ``Vocabulary.view`` and its gaps are keyed by
+``Feature``.
 
 The third backend is a stand-in (a thin wrapper over the real xgrammar adapter under another
 name): grammask ships two backends, and the point is that nothing else names them.
@@ -8,16 +11,20 @@ name): grammask ships two backends, and the point is that nothing else names the
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from grammask import metrics
-from grammask.backends import get_backend, registry
+from grammask.backends import Warnings, disk_backend, get_backend, registry
 from grammask.backends.registry import BackendInfo, Cost
 from grammask.cli import main
 from grammask.compiler import Compiler
+from grammask.diskcache import DiskCache
 from grammask.errors import InvalidSpecError, UnsupportedError
 from grammask.harness.report import labels
 from grammask.integrations.vllm_settings import load_settings
@@ -27,6 +34,26 @@ from grammask.spec import GrammarSpec
 from grammask.vocab import Vocabulary
 
 MIRROR = "mirror"
+_VIEW = "mirror.view"
+#: the vocabularies a mirror view was made for (one entry per view made)
+VIEWS_MADE: list[int] = []
+
+
+@dataclass(frozen=True)
+class MirrorView:
+    """The third backend's own view of a vocabulary (a real one would hold its tokenizer)."""
+
+    words: int
+
+
+def mirror_view(vocab: Vocabulary) -> MirrorView:
+    """Its view, kept on the vocabulary by the generic hook: no change to ``Vocabulary``."""
+    return vocab.view(_VIEW, _make_view)
+
+
+def _make_view(vocab: Vocabulary) -> MirrorView:
+    VIEWS_MADE.append(id(vocab))
+    return MirrorView((vocab.vocab_size + 31) // 32)
 
 
 class MirrorBackend:
@@ -39,10 +66,12 @@ class MirrorBackend:
         self.compiles = 0
 
     def prepare(self, vocab: Vocabulary) -> None:
+        mirror_view(vocab)
         self._inner.prepare(vocab)
 
     def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False
                 ) -> object:
+        assert mirror_view(vocab).words == (vocab.vocab_size + 31) // 32
         self.compiles += 1
         return self._inner.compile(spec, vocab, lenient=lenient)
 
@@ -55,7 +84,7 @@ def mirror() -> Iterator[BackendInfo]:
     xgrammar = registry.info("xgrammar")
     info = BackendInfo(
         name=MIRROR, aliases=("xg-mirror",), adapter=MirrorBackend, gaps=xgrammar.gaps,
-        batch_fill=True, footprint=xgrammar.footprint,
+        matcher=xgrammar.matcher, compiled=xgrammar.compiled, footprint=xgrammar.footprint,
         costs={"regex": Cost(0, "is the test's cheapest regex backend"),
                "choice": Cost(5, "is the test's dearest choice backend")})
     registry.register(info)
@@ -177,3 +206,97 @@ def test_every_declared_gap_is_a_feature() -> None:
         for table in (backend.gaps, backend.lenient_gaps, backend.lenient_exact,
                       backend.lenient_cannot):
             assert all(isinstance(key, Feature) for key in table), (backend.name, table)
+
+
+# ------------------------------------------------------------------ its own pieces
+def test_it_keeps_its_own_tokenizer_view_on_the_vocabulary(mirror: BackendInfo,
+                                                           qwen25: Vocabulary) -> None:
+    """``prepare`` builds the view (every compile service prepares every backend), once per
+    vocabulary: a second service finds it there."""
+    for _ in range(2):
+        Compiler(qwen25).close()
+    assert VIEWS_MADE.count(id(qwen25)) == 1
+    assert mirror_view(qwen25) is mirror_view(qwen25)
+
+
+def test_a_view_is_made_once_whatever_the_threads() -> None:
+    vocab = Vocabulary([b"a", b"b", b"<eos>"], special_ids=[2], stop_ids=[2], vocab_size=64)
+    start = threading.Barrier(8)
+    seen: list[MirrorView] = []
+
+    def ask() -> None:
+        start.wait()
+        seen.append(mirror_view(vocab))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert VIEWS_MADE.count(id(vocab)) == 1
+    assert len(seen) == 8 and all(v is seen[0] for v in seen) and seen[0].words == 2
+
+
+def test_its_capabilities_are_derived_from_its_classes(mirror: BackendInfo) -> None:
+    """Batch fill from its matcher class, the disk cache from its adapter class, warnings
+    from its compiled class: declared nowhere else (the built-ins are derived alike)."""
+    assert mirror.batch_fill and not mirror.disk and not mirror.warnings
+    assert disk_backend(MIRROR) is None
+    bare = BackendInfo(name="bare", adapter=MirrorBackend)
+    assert not bare.batch_fill and not bare.disk and not bare.warnings
+    xgrammar, guidance = registry.info("xgrammar"), registry.info("guidance")
+    assert xgrammar.batch_fill and xgrammar.disk and not xgrammar.warnings
+    assert guidance.batch_fill and not guidance.disk and guidance.warnings
+
+
+class DiskMirrorBackend(MirrorBackend):
+    """The mirror with the disk capability (``capabilities.DiskBackend``): xgrammar's codec."""
+
+    def load_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,
+                      lenient: bool = False) -> object:
+        return self._inner.load_compiled(cache, spec, vocab,  # type: ignore[attr-defined]
+                                         lenient=lenient)
+
+    def store_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary,
+                       grammar: object, *, lenient: bool = False,
+                       compile_ms: float | None = None) -> bool:
+        stored: bool = self._inner.store_compiled(  # type: ignore[attr-defined]
+            cache, spec, vocab, grammar, lenient=lenient, compile_ms=compile_ms)
+        return stored
+
+
+class Warned:
+    """A compiled grammar that says what it ignored (``capabilities.Warnings``)."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def warnings(self) -> list[str]:
+        return ["the test's backend ignored nothing"]
+
+
+def test_a_disk_capable_third_backend_is_stored_and_loaded(qwen25: Vocabulary,
+                                                          tmp_path: Path) -> None:
+    info = BackendInfo(name="diskmirror", adapter=DiskMirrorBackend,
+                       matcher=registry.info("xgrammar").matcher, compiled=Warned,
+                       costs={"regex": Cost(9, "is the test's disk backend")})
+    registry.register(info)
+    try:
+        assert info.disk and info.warnings and info.batch_fill
+        assert isinstance(disk_backend("diskmirror"), DiskMirrorBackend)
+        assert isinstance(Warned(None), Warnings)
+        spec = GrammarSpec.regex("[a-z]{3}", backend="diskmirror")
+        first = Compiler(qwen25, backend="diskmirror", disk_cache_dir=tmp_path / "c")
+        try:
+            assert not first.compile(spec).from_disk
+            assert first.flush_disk_cache(60) and first.stats.disk_writes == 1
+        finally:
+            first.close()
+        again = Compiler(qwen25, backend="diskmirror", disk_cache_dir=tmp_path / "c")
+        try:
+            grammar = again.compile(spec)
+            assert grammar.from_disk and grammar.backend == "diskmirror"
+        finally:
+            again.close()
+    finally:
+        registry.unregister("diskmirror")

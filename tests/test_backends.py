@@ -172,10 +172,10 @@ def test_guidance_error_state_ends_like_a_stop(qwen25: Vocabulary) -> None:
     mask, ``accept`` and ``is_terminated`` agree, so no request is left without a token."""
     import llguidance as llg
 
-    from grammask.backends.guidance import GuidanceMatcher
+    from grammask.backends.guidance import GuidanceMatcher, tokenizer
 
     grammar = llg.LLMatcher.grammar_from_json_schema(EMPTY_FOR_GUIDANCE)
-    m = GuidanceMatcher(llg.LLMatcher(qwen25.llguidance_tokenizer, grammar, log_level=0),
+    m = GuidanceMatcher(llg.LLMatcher(tokenizer(qwen25), grammar, log_level=0),
                         qwen25.stop_ids, qwen25.vocab_size)
     row = mask_of(m, qwen25)
     assert m.native.is_error()

@@ -24,10 +24,15 @@ from grammask import (
     Vocabulary,
 )
 from grammask.attempts import PlanRunner
-from grammask.backends import get_backend
+from grammask.backends import get_backend, registry
 
 from .helpers import accepts_complete, declare_unbounded
 
+
+def _prepare_all(vocab: Vocabulary) -> None:
+    """Every backend's tokenizer view (seconds, once per vocabulary), outside any budget."""
+    for backend in registry.backends():
+        get_backend(backend.name).prepare(vocab)
 
 def _spec(i: int) -> GrammarSpec:
     kind = i % 4
@@ -153,7 +158,7 @@ def test_timeout_on_the_only_backend_is_an_error(qwen25: Vocabulary,
     compiler keeps serving others while the runaway compile is abandoned."""
     spec = GrammarSpec.json_schema(_nested_one_of(3, 3), backend="xgrammar")
     gate = _Gate(monkeypatch, "xgrammar", only=spec, abort=True)
-    _ = qwen25.xgrammar_info  # the tokenizer view is built once per process, outside budgets
+    get_backend("xgrammar").prepare(qwen25)  # the tokenizer view: once, outside budgets
     compiler = Compiler(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=1)
     try:
         with pytest.raises(CompileTimeoutError, match="xgrammar compile exceeded"):
@@ -174,7 +179,7 @@ def test_timeout_falls_back_to_the_other_backend(qwen25: Vocabulary,
     rest, and serves the fallback."""
     spec = GrammarSpec.json_schema(_nested_one_of(4, 3, key="anyOf"))
     gate = _Gate(monkeypatch, "xgrammar", only=spec, abort=True)
-    _ = qwen25.xgrammar_info, qwen25.llguidance_tokenizer  # built outside the budget
+    _prepare_all(qwen25)  # the tokenizer views, built outside the budget
     compiler = Compiler(qwen25, timeout_s=2.0, prefer="xgrammar")
     assert compiler.route(spec).backend == "xgrammar"
     try:
@@ -417,7 +422,7 @@ def test_one_deadline_covers_the_route_and_its_fallbacks(
         return attempt(self, spec, step, reason, deadline, *args, **kwargs)
 
     monkeypatch.setattr(PlanRunner, "_attempt", spy)
-    _ = qwen25.xgrammar_info, qwen25.llguidance_tokenizer
+    _prepare_all(qwen25)
     timeout_s = 1.0
     compiler = Compiler(qwen25, timeout_s=timeout_s, prefer="xgrammar")
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
@@ -445,7 +450,7 @@ def test_xgrammar_runaways_do_not_block_llguidance(qwen25: Vocabulary,
     """One pool of slots for both backends let xgrammar runaways starve every request
     ('no compile slot free'); each backend has its own slots now."""
     gate = _Gate(monkeypatch, "xgrammar")
-    _ = qwen25.llguidance_tokenizer  # built once per process, outside the 0.5 s budget
+    get_backend("guidance").prepare(qwen25)  # built once, outside the 0.5 s budget
     compiler = Compiler(qwen25, timeout_s=0.5, max_workers=1, max_abandoned=0)
     try:
         with pytest.raises(CompileTimeoutError):

@@ -17,6 +17,7 @@ import torch
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
 from grammask.apply import apply_bitmask, plan_cpu_apply
 from grammask.backends import Matcher
+from grammask.backends.guidance import tokenizer_view
 from grammask.masks import Filler, FillWorker, MaskBuffers, stop_only_row
 from grammask.processor import BatchProcessor
 
@@ -512,7 +513,7 @@ def test_guidance_batch_fill_stays_on_one_thread_with_a_python_tokenizer(
         compiler: Compiler, qwen25: Vocabulary) -> None:
     """A tokenizer callback takes the GIL inside fills: the batch fill stays serial (no lane
     is made) and its masks are the loop's."""
-    assert not qwen25.llguidance_native
+    assert not tokenizer_view(qwen25).native
     grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA, backend="guidance"))
     tokens = qwen25.encode(INSTANCE)
     rows = [grammar.matcher() for _ in range(8)]

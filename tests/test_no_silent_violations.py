@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from grammask import Compiler, GrammarSpec, Vocabulary, metrics
-from grammask.backends.guidance import GuidanceMatcher, json_options
+from grammask.backends.guidance import GuidanceMatcher, json_options, tokenizer
 from grammask.errors import UnsupportedError
 from grammask.harness.check import CheckConfig, Checker
 from grammask.harness.corpus import load_items
@@ -220,7 +220,7 @@ def _raw_guidance(vocab: Vocabulary, schema: Any) -> GuidanceMatcher:
         json.dumps(schema),
         defaults=json_options(GrammarSpec.json_schema(schema, any_whitespace=False),
                               lenient=False))
-    inner = llg.LLMatcher(vocab.llguidance_tokenizer, grammar, log_level=0)
+    inner = llg.LLMatcher(tokenizer(vocab), grammar, log_level=0)
     return GuidanceMatcher(inner, vocab.stop_ids, vocab.vocab_size)
 
 

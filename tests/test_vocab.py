@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, load_vocabulary
+from grammask.backends.guidance import native_tokenizer, tokenizer_view
 from grammask.spec import BackendName
 
 from .helpers import bit, feed, mask_of
@@ -71,11 +72,11 @@ def test_a_hugging_face_vocabulary_gives_llguidance_a_native_tokenizer() -> None
     from .vllm_fixtures import model_dir
 
     vocab = load_vocabulary(str(model_dir()))
-    native = vocab.llguidance_tokenizer
-    assert vocab._native_llguidance() is not None
+    native = tokenizer_view(vocab)
+    assert native.native and native_tokenizer(vocab) is not None
     callback = Vocabulary(vocab.tokens, special_ids=vocab.special_ids, stop_ids=vocab.stop_ids,
                           vocab_size=vocab.vocab_size, encode=vocab.encode)
-    assert callback._native_llguidance() is None
+    assert native_tokenizer(callback) is None and not tokenizer_view(callback).native
     schema = {"type": "object", "properties": {"name": {"type": "string"},
               "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name"]}
     text = '{"name": "Zoë, in \\"quotes\\"", "tags": ["a b", "c"]}'
@@ -91,7 +92,7 @@ def test_a_hugging_face_vocabulary_gives_llguidance_a_native_tokenizer() -> None
             walks.append(masks)
         finally:
             compiler.close()
-    assert native is vocab.llguidance_tokenizer
+    assert native is tokenizer_view(vocab)  # built once per vocabulary
     added = 151_643  # Qwen's added tokens start here
     for a, b in zip(*walks, strict=True):
         assert torch.equal(a[:added // 32], b[:added // 32])

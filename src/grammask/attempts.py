@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable
 
 from . import metrics
-from .backends import BackendGrammar, DiskBackend, disk_backend, get_backend, registry
+from .backends import (
+    BackendGrammar,
+    DiskBackend,
+    Warnings,
+    disk_backend,
+    get_backend,
+    registry,
+)
 from .compile_slots import Job, Runners, join_abandoned, may_run_here
 from .diskcache import DiskCache
 from .errors import (
@@ -220,8 +227,8 @@ class PlanRunner:
             # lenient mode was asked for a formality (unknown format) or as a rescue: report
             # whatever the backend says it ignored
             title = registry.info(backend).title
-            unenforced += [f"{title}: {w}" for w in getattr(backend_grammar, "warnings", [])
-                           if "format" not in w.lower()]
+            said = backend_grammar.warnings() if isinstance(backend_grammar, Warnings) else []
+            unenforced += [f"{title}: {w}" for w in said if "format" not in w.lower()]
         if unenforced:
             metrics.unenforced(backend).inc()
             log.warning("grammask: %s served by %s without enforcing %s", spec.describe(),

@@ -110,7 +110,7 @@ def backends_table() -> str:
     lines = [f"{'backend':<10} {'aliases':<11} {'capabilities':<28} serves (cost rank)"]
     for b in registry.backends():
         caps = [c for c, on in (("lenient", b.lenient), ("batch-fill", b.batch_fill),
-                                ("disk-cache", b.disk)) if on]
+                                ("disk-cache", b.disk), ("warnings", b.warnings)) if on]
         serves = ", ".join(f"{w} {c.rank:g}" for w, c in b.costs.items())
         lines.append(f"{b.name:<10} {','.join(b.aliases) or '-':<11} "
                      f"{','.join(caps) or '-':<28} {serves}")

@@ -183,8 +183,9 @@ class DiskCodec(Protocol[Compiled]):
 class DiskCache:
     """One cache directory: byte-level ``get``/``put`` keyed by key material, a background
     writer and a size bound; a backend's codec (``store_compiled``/``load_compiled`` of a
-    backend that declares ``disk``) turns its grammars into payloads. ``enabled`` is
-    False when the directory was refused (every call is then a no-op miss)."""
+    backend whose adapter is a ``capabilities.DiskBackend``) turns its grammars into
+    payloads. ``enabled`` is False when the directory was refused (every call is then a
+    no-op miss)."""
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES,
                  *, compress: bool = True, inline_memory: int = INLINE_MEMORY,

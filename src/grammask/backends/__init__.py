@@ -7,11 +7,12 @@ way (``registry.register``).
 from __future__ import annotations
 
 from . import guidance, xgrammar
-from .base import Backend, BackendGrammar, BackendMatcher, DiskBackend, Matcher
+from .base import Backend, BackendGrammar, BackendMatcher, DiskBackend, Matcher, Warnings
 from .registry import BackendInfo, Cost, Workload, adapter, backends, info, register
 
 __all__ = ["Backend", "BackendGrammar", "BackendInfo", "BackendMatcher", "Cost", "DiskBackend",
-           "Matcher", "Workload", "backends", "disk_backend", "get_backend", "info", "register"]
+           "Matcher", "Warnings", "Workload", "backends", "disk_backend", "get_backend", "info",
+           "register"]
 assert xgrammar and guidance  # imported for their registration
 
 
@@ -23,6 +24,7 @@ def get_backend(name: str) -> Backend:
 
 
 def disk_backend(name: str) -> DiskBackend | None:
-    """The adapter of a backend that declares the disk capability; None for the others."""
-    found: DiskBackend | None = adapter(name) if info(name).disk else None
-    return found
+    """The adapter of a backend whose adapter class has the disk capability
+    (``BackendInfo.disk``); None for the others."""
+    built = adapter(name) if info(name).disk else None
+    return built if isinstance(built, DiskBackend) else None

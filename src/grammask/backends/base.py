@@ -25,16 +25,18 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
 - ``BackendGrammar`` is immutable and shared across threads; ``matcher()`` is cheap. A grammar
   whose language is empty (no token and no stop is allowed at the start: ``root ::= root``)
   never compiles: ``UnsupportedError`` (a row masked to all zeros would have every logit -inf).
-- Batch calls are a capability (``BatchCalls``, found by ``batch_calls``): a matcher class
-  may offer ``batch_fill(rows, bitmask, threads, state)``, many ``(matcher, row)`` of that
-  class filled at once by the backend (xgrammar ``BatchGrammarMatcher``, llguidance
-  ``LLExecutor``) under the same bitmask checks as ``fill``, and ``batch_accept(matchers,
-  tokens)``, one token each, as ``accept`` would. Both exist so that the fill thread's work
-  is a few native calls that release the GIL, not Python per row: a model runner's busy
-  thread would otherwise starve it. ``masks.Filler`` and ``rows.advance_all`` group
-  matchers by class; they never see a concrete class.
+- Batch calls are a capability (``capabilities.BatchCalls``, found by ``batch_calls``): a
+  matcher class may offer ``batch_fill(rows, bitmask, threads, state)``, many
+  ``(matcher, row)`` of that class filled at once by the backend (xgrammar
+  ``BatchGrammarMatcher``, llguidance ``LLExecutor``) under the same bitmask checks as
+  ``fill``, and ``batch_accept(matchers, tokens)``, one token each, as ``accept`` would.
+  Both exist so that the fill thread's work is a few native calls that release the GIL, not
+  Python per row: a model runner's busy thread would otherwise starve it. ``masks.Filler``
+  and ``rows.advance_all`` group matchers by class; they never see a concrete class.
 - ``native`` (both adapters) is the backend's own matcher, for the batch-parallel fills
   (and benchmarks) only: a caller must not advance it (the adapter's counters would go stale).
+- ``BackendMatcher`` keeps what both adapters share (the checks, the counters, ``rollback``,
+  ``fork`` and ``reset`` around them); an adapter gives its three ``_native_*`` hooks.
 """
 
 from __future__ import annotations
@@ -43,15 +45,20 @@ import ctypes
 import functools
 import operator
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
 import torch
 
-from ..diskcache import DiskCache
 from ..errors import UnsupportedError
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
+
+# the capabilities, typed in their own light module (the registry derives its flags there)
+from .capabilities import BatchCalls as BatchCalls
+from .capabilities import DiskBackend as DiskBackend
+from .capabilities import Warnings as Warnings
+from .capabilities import batch_calls as batch_calls
 
 
 class Matcher(Protocol):
@@ -80,37 +87,6 @@ class Matcher(Protocol):
         """Back to the start state."""
 
 
-class BatchCalls(Protocol):
-    """A matcher class's batch calls (classmethods; see the module's contract)."""
-
-    @classmethod
-    def batch_fill(cls, rows: Sequence[tuple[Any, int]], bitmask: torch.Tensor,
-                   threads: int | None, state: dict[str, Any]) -> None:
-        """Write ``bitmask[row]`` for every ``(matcher, row)`` (rows distinct, matchers of this
-        class, none terminated); ``threads``: 1 fills on the calling thread, None the
-        backend's default; ``state``: the caller's dict for the backend's reusable pools.
-        ``ValueError`` (nothing written) for a bitmask or row outside ``fill``'s contract."""
-
-    @classmethod
-    def batch_accept(cls, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
-        """``[m.accept(t) for m, t in zip(matchers, tokens)]``, in fewer native calls."""
-
-
-_BATCH_CALLS: dict[type, type[BatchCalls] | None] = {}
-
-
-def batch_calls(matcher_class: type) -> type[BatchCalls] | None:
-    """``matcher_class`` when it offers both batch calls, else None (cached per class: it is
-    asked once per row per step)."""
-    try:
-        return _BATCH_CALLS[matcher_class]
-    except KeyError:
-        found = (matcher_class if callable(getattr(matcher_class, "batch_fill", None))
-                 and callable(getattr(matcher_class, "batch_accept", None)) else None)
-        _BATCH_CALLS[matcher_class] = found
-        return found
-
-
 class BackendGrammar(Protocol):
     backend: BackendName
     memory_bytes: int
@@ -123,8 +99,8 @@ class Backend(Protocol):
     name: BackendName
 
     def prepare(self, vocab: Vocabulary) -> None:
-        """Build this backend's view of the vocabulary (cached on it; seconds, once), so that
-        no request's deadline pays for it."""
+        """Build this backend's view of the vocabulary (kept on it by ``Vocabulary.view``;
+        seconds, once), so that no request's deadline pays for it."""
 
     def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool) -> BackendGrammar:
         """Compile for one vocabulary; raises a ``GrammarError`` subclass on bad input, and
@@ -137,20 +113,6 @@ class Backend(Protocol):
         """Cheap syntax check without a vocabulary (request validation); raises GrammarError.
 
         ``lenient`` as in ``compile``: a check must refuse exactly what a compile would."""
-
-
-class DiskBackend(Protocol):
-    """The disk capability (``BackendInfo.disk``): compiled grammars as ``diskcache``
-    payloads. Both calls never raise: the cache is a bonus."""
-
-    def load_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,
-                      lenient: bool) -> BackendGrammar | None:
-        """A grammar an earlier compile (any process) stored, or None."""
-
-    def store_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary,
-                       grammar: BackendGrammar, *, lenient: bool,
-                       compile_ms: float | None) -> bool:
-        """Queue ``grammar`` for writing (off the request path); False when not queued."""
 
 
 class BackendMatcher:
@@ -166,6 +128,45 @@ class BackendMatcher:
         self._words = (vocab_size + 31) // 32
         self._extra_stops = 0
         self._depth = 0  # tokens the backend consumed (stop tokens after the end excluded)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` (checked first: xgrammar raises a bare RuntimeError
+        past them, llguidance dies silently): stop tokens accepted after the end are only
+        counted, the rest the backend undoes (``_native_rollback``)."""
+        n = self._rollback_count(num_tokens)
+        undo_extra = min(n, self._extra_stops)
+        self._extra_stops -= undo_extra
+        if n - undo_extra:
+            self._native_rollback(n - undo_extra)
+            self._depth -= n - undo_extra
+
+    def fork(self) -> Self:
+        """An independent copy in the same state: the backend's copy (``_native_fork``)
+        with these counters."""
+        twin = self._native_fork()
+        twin._extra_stops = self._extra_stops
+        twin._depth = self._depth
+        return twin
+
+    def reset(self) -> None:
+        """Back to the start state, counters cleared (``_native_reset``)."""
+        self._native_reset()
+        self._extra_stops = 0
+        self._depth = 0
+
+    def _native_rollback(self, num_tokens: int) -> None:
+        """Undo ``num_tokens`` (``1 <= num_tokens <= _depth``) tokens the backend consumed;
+        ``_depth`` still counts them when called."""
+        raise NotImplementedError
+
+    def _native_fork(self) -> Self:
+        """A matcher over a copy of the backend's matcher, with the adapter's own state;
+        ``fork`` copies the shared counters."""
+        raise NotImplementedError
+
+    def _native_reset(self) -> None:
+        """Reset the backend's matcher and the adapter's own state."""
+        raise NotImplementedError
 
     def accepted(self) -> int:
         """Tokens accepted since the start (or the last reset): what ``rollback`` can undo."""

@@ -15,6 +15,7 @@ import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
@@ -35,7 +36,6 @@ from ..vocab import Vocabulary
 from .base import (
     BackendMatcher,
     FirstMask,
-    Matcher,
     check_batch,
     new_first_mask,
     refuse_empty_language,
@@ -120,16 +120,12 @@ class GuidanceMatcher(BackendMatcher):
             self._owner = None  # once
             owner.matcher_failed(error)
 
-    def rollback(self, num_tokens: int) -> None:
-        n = self._rollback_count(num_tokens)  # llguidance dies silently past it
-        undo_extra = min(n, self._extra_stops)
-        self._extra_stops -= undo_extra
-        if n - undo_extra:
-            self._m.rollback(n - undo_extra)
-            self._depth -= n - undo_extra
-            del self._history[self._depth:]
-            if self._stop_at is not None and self._stop_at > self._depth:
-                self._stop_at = None
+    def _native_rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+        depth = self._depth - num_tokens
+        del self._history[depth:]
+        if self._stop_at is not None and self._stop_at > depth:
+            self._stop_at = None
 
     def is_terminated(self) -> bool:
         # a stop was accepted, or llguidance lost the parse (it then allows only stops)
@@ -138,22 +134,18 @@ class GuidanceMatcher(BackendMatcher):
     def can_terminate(self) -> bool:
         return bool(self._m.is_stopped() or self._m.is_accepting())
 
-    def fork(self) -> Matcher:
+    def _native_fork(self) -> GuidanceMatcher:
         twin = GuidanceMatcher(self._m.deep_copy(), self._stop_ids, self._vocab_size,
                                self._first_mask, self._owner, self.lane)
         twin._history = self._history.copy()
-        twin._extra_stops = self._extra_stops
-        twin._depth = self._depth
         twin._stop_at = self._stop_at
         twin.failure = self.failure
         return twin
 
-    def reset(self) -> None:
+    def _native_reset(self) -> None:
         self._m.reset()
         self._history.clear()
         self.failure = None
-        self._extra_stops = 0
-        self._depth = 0
         self._stop_at = None
 
     @property
@@ -342,10 +334,9 @@ class GuidanceCompiled:
         # an estimate: llguidance exposes none
         self.memory_bytes = len(grammar) * 4 + 64 * 1024 + first_mask.nbytes
 
-    @property
     def warnings(self) -> list[str]:
-        """What llguidance ignored in the grammar, read when asked (a lenient compile's
-        report): not on every compile's path."""
+        """What llguidance ignored in the grammar (``capabilities.Warnings``), read when
+        asked (a lenient compile's report): not on every compile's path."""
         return list(self._template.get_grammar_warnings())
 
     def matcher(self) -> GuidanceMatcher:
@@ -400,22 +391,106 @@ class GuidanceCompiled:
             self._broken = False
 
 
+# ------------------------------------------------------------------ the tokenizer view
+@dataclass(frozen=True)
+class TokenizerView:
+    """llguidance's view of a vocabulary, kept on it (``Vocabulary.view``)."""
+
+    tokenizer: llg.LLTokenizer
+    #: tokenizes natively (Rust): its fills never take the GIL, so they can run on several
+    #: threads at once
+    native: bool
+
+
+_VIEW = "guidance.tokenizer"
+
+
+def tokenizer_view(vocab: Vocabulary) -> TokenizerView:
+    """llguidance's tokenizer for ``vocab``, built once per vocabulary (seconds): native
+    when the vocabulary has a tokenizer JSON that tokenizes as ``encode`` does, else a
+    Python callback. The difference matters: llguidance tokenizes forced text inside a
+    mask fill (on JSON, about one fill in five), and a callback takes the GIL there, so the
+    fill waits on the host's Python thread and two fill threads take turns."""
+    return vocab.view(_VIEW, _make_view)
+
+
+def tokenizer(vocab: Vocabulary) -> llg.LLTokenizer:
+    """``tokenizer_view(vocab).tokenizer``."""
+    return tokenizer_view(vocab).tokenizer
+
+
+def _make_view(vocab: Vocabulary) -> TokenizerView:
+    native = native_tokenizer(vocab)
+    if native is not None:
+        return TokenizerView(native, native=True)
+    wrapper = _TokenizerSource(vocab)
+    return TokenizerView(llg.LLTokenizer(llg.TokenizerWrapper(wrapper),
+                                         n_vocab=vocab.vocab_size,
+                                         eos_token=list(vocab.stop_ids)), native=False)
+
+
+#: texts a native tokenizer must split exactly as the vocabulary's ``encode``
+_PROBES = ('{"name": "Zoë Ünïcode", "n": -12345.5e3, "tags": ["a b", "\\n\\t"]}\n\n',
+           "It's   3.14 — don't\r\n  <|endoftext|> 中文 😀 \t x" * 2)
+
+
+def native_tokenizer(vocab: Vocabulary) -> llg.LLTokenizer | None:
+    """The native tokenizer, or None (no JSON, or it tokenizes a probe unlike ``encode``:
+    then the callback, which is exact by construction)."""
+    try:
+        text = vocab.tokenizer_json()
+        if text is None:
+            return None
+        tok = llg.LLTokenizer(text, n_vocab=vocab.vocab_size, eos_token=list(vocab.stop_ids))
+        for probe in _PROBES:
+            if tok.tokenize_str(probe) != vocab.encode(probe):
+                log.warning("grammask: llguidance's native tokenizer differs from the "
+                            "vocabulary's on %r; using a Python callback", probe)
+                return None
+    except Exception as exc:  # never fatal: the callback serves
+        log.warning("grammask: no native llguidance tokenizer (%s: %s)",
+                    type(exc).__name__, exc)
+        return None
+    return tok
+
+
+class _TokenizerSource:
+    """The duck-typed tokenizer llguidance's ``TokenizerWrapper`` reads."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        self.eos_token_id = vocab.stop_ids[0]
+        self.bos_token_id = None
+        # llguidance sizes its masks by len(tokens): pad to the model vocab with specials
+        # that can never match text.
+        pad = [b"<|grammask_pad_%d|>" % i for i in range(len(vocab.tokens), vocab.vocab_size)]
+        self.tokens = [*vocab.tokens, *pad]
+        self.special_token_ids = sorted(vocab.special_ids | set(range(len(vocab.tokens),
+                                                                       vocab.vocab_size)))
+        self._vocab = vocab
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self._vocab.encode(text)
+
+
 class GuidanceBackend:
     name: BackendName = "guidance"
 
     def prepare(self, vocab: Vocabulary) -> None:
-        _ = vocab.llguidance_tokenizer
+        tokenizer_view(vocab)
 
     def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False
                 ) -> GuidanceCompiled:
         grammar = grammar_text(spec, lenient=lenient)
-        template = llg.LLMatcher(vocab.llguidance_tokenizer, grammar, log_level=0)
+        view = tokenizer_view(vocab)
+        template = llg.LLMatcher(view.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise _translate(spec, template.get_error())
         first_mask, probe = _first_mask(spec, template, vocab)
         return GuidanceCompiled(template, grammar, vocab.stop_ids, first_mask,
-                                vocab.vocab_size, vocab.llguidance_tokenizer, spare=probe,
-                                parallel=vocab.llguidance_native)
+                                vocab.vocab_size, view.tokenizer, spare=probe,
+                                parallel=view.native)
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
         grammar = grammar_text(spec, lenient=lenient)
@@ -577,8 +652,9 @@ LENIENT_GAPS: dict[Feature, str] = {
 
 register(BackendInfo(
     name="guidance", package="llguidance", priority=1, label="llguidance", aliases=("llguidance",),
-    adapter=GuidanceBackend, gaps=GAPS, lenient=True, lenient_exact=LENIENT_EXACT,
-    lenient_cannot=LENIENT_CANNOT, lenient_gaps=LENIENT_GAPS, batch_fill=True,
+    adapter=GuidanceBackend, matcher=GuidanceMatcher, compiled=GuidanceCompiled, gaps=GAPS,
+    lenient=True, lenient_exact=LENIENT_EXACT, lenient_cannot=LENIENT_CANNOT,
+    lenient_gaps=LENIENT_GAPS,
     # LLParserLimits' defaults bound a compile: initial lexer fuel 1,000,000 (~20 ms of regex
     # analysis), 500,000 grammar symbols; the first mask: 200,000 step fuel (~14 ms)
     bounded_compile=True,

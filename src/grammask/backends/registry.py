@@ -1,8 +1,9 @@
 """The backends grammask knows, each declared by its own module: the one place names live.
 
 A backend module registers a ``BackendInfo`` when it is imported: its name and aliases, what it
-leaves unenforced (``gaps``), what it can do (lenient mode, batch fill, disk cache) and its
-``costs``, the router's cost model. The router, compiler, settings, CLI and harness iterate
+leaves unenforced (``gaps``), its classes, from which the capabilities it has are derived
+(``capabilities``: batch fill, disk cache, warnings; declared nowhere else), lenient mode,
+and its ``costs``, the router's cost model. The router, compiler, settings, CLI and harness iterate
 over ``backends()`` and look names up here; none of them names a backend. Among equals the
 lower ``priority`` is preferred, then the earlier registered.
 """
@@ -19,6 +20,7 @@ from ..backend_names import canonical as canonical  # the name index, kept in it
 from ..backend_names import resolve as resolve
 from ..errors import InvalidSpecError
 from ..schema.features import Feature
+from .capabilities import batch_calls, has_disk, has_warnings
 
 #: What a spec asks a backend to do, as the cost model sees it (``router.workload``).
 Workload = Literal[
@@ -47,8 +49,13 @@ class BackendInfo:
 
     name: str
     #: builds the adapter, a ``backends.base.Backend`` (called once per process, on first
-    #: use; typed loosely here so that this module imports nothing the adapters import)
+    #: use; typed loosely here so that this module imports nothing the adapters import).
+    #: Its class implementing ``capabilities.DiskBackend`` gives ``disk``.
     adapter: Callable[[], Any]
+    #: its matcher class: implementing ``capabilities.BatchCalls`` gives ``batch_fill``
+    matcher: type | None = None
+    #: its compiled-grammar class: implementing ``capabilities.Warnings`` gives ``warnings``
+    compiled: type | None = None
     #: its distribution on PyPI (versions in reports and in disk-cache keys)
     package: str = ""
     #: the tie-break among backends of equal cost: lower first
@@ -70,8 +77,6 @@ class BackendInfo:
     lenient_gaps: Mapping[Feature, str] = field(default_factory=dict)
     #: the workloads it serves, with their cost; a workload absent here is not served
     costs: Mapping[Workload, Cost] = field(default_factory=dict)
-    #: its matchers offer ``batch_fill`` (one parallel fill per step for all its rows)
-    batch_fill: bool = False
     #: its compiles are bounded by its own limits (llguidance: lexer fuel, grammar size), so
     #: none can run away: a small spec's runs on the compiling thread itself, with no
     #: hand-off to a compile worker (the hand-off is what lets a deadline abandon a compile;
@@ -79,8 +84,6 @@ class BackendInfo:
     #: string choice: 18 s), so a large spec's goes to a worker all the same
     #: (``compile_slots.may_run_here``).
     bounded_compile: bool = False
-    #: its compiled grammars can be stored in grammask's disk cache
-    disk: bool = False
     #: process memory per cached grammar = scale * the grammar's ``memory_bytes`` + base
     #: (measured with bench/stress.py --calibrate)
     footprint: tuple[float, int] = (1.0, 0)
@@ -88,6 +91,22 @@ class BackendInfo:
     @property
     def title(self) -> str:
         return self.label or self.name
+
+    @property
+    def batch_fill(self) -> bool:
+        """Its matchers offer the batch calls (one parallel fill per step for all its rows)."""
+        return batch_calls(self.matcher) is not None
+
+    @property
+    def disk(self) -> bool:
+        """Its compiled grammars can be stored in grammask's disk cache (its adapter is a
+        ``DiskBackend``)."""
+        return has_disk(self.adapter)
+
+    @property
+    def warnings(self) -> bool:
+        """Its compiled grammars report what the backend ignored (``Warnings``)."""
+        return has_warnings(self.compiled)
 
 
 _lock = threading.Lock()

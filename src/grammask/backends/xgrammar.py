@@ -23,12 +23,12 @@ from . import xgrammar_disk
 from .base import (
     BackendMatcher,
     FirstMask,
-    Matcher,
     check_batch,
     new_first_mask,
     refuse_empty_language,
 )
 from .registry import BackendInfo, Cost, register
+from .xgrammar_vocab import tokenizer_info as tokenizer_info  # the adapter's tokenizer view
 
 try:  # the batch accept without the wrapper's per-element conversion (``_accept_all``)
     from xgrammar.base import _core as _xgr_core  # type: ignore[attr-defined]
@@ -74,13 +74,8 @@ class XGrammarMatcher(BackendMatcher):
         else:
             self._m.fill_next_token_bitmask(bitmask, index)
 
-    def rollback(self, num_tokens: int) -> None:
-        n = self._rollback_count(num_tokens)  # xgrammar raises a bare RuntimeError past it
-        undo_extra = min(n, self._extra_stops)
-        self._extra_stops -= undo_extra
-        if n - undo_extra:
-            self._m.rollback(n - undo_extra)
-            self._depth -= n - undo_extra
+    def _native_rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
@@ -88,17 +83,12 @@ class XGrammarMatcher(BackendMatcher):
     def can_terminate(self) -> bool:
         return bool(self._m.is_terminated() or self._m.is_completed())
 
-    def fork(self) -> Matcher:
-        twin = XGrammarMatcher(self._m.fork(), self._stop_ids, self._vocab_size,
+    def _native_fork(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._m.fork(), self._stop_ids, self._vocab_size,
                                self._first_mask)
-        twin._extra_stops = self._extra_stops
-        twin._depth = self._depth
-        return twin
 
-    def reset(self) -> None:
+    def _native_reset(self) -> None:
         self._m.reset()
-        self._extra_stops = 0
-        self._depth = 0
 
     @property
     def native(self) -> xgr.GrammarMatcher:
@@ -196,10 +186,10 @@ class XGrammarBackend:
         self._lock = threading.Lock()
 
     def prepare(self, vocab: Vocabulary) -> None:
-        _ = vocab.xgrammar_info
+        tokenizer_info(vocab)
         xgrammar_disk.recipe_digest()  # reads package metadata: now, not in a first load
 
-    # the disk capability (``BackendInfo.disk``): ``xgrammar_disk`` is the codec
+    # the disk capability (``capabilities.DiskBackend``): ``xgrammar_disk`` is the codec
     def load_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,
                       lenient: bool = False) -> XGrammarCompiled | None:
         compiled = xgrammar_disk.load(cache, spec, vocab, lenient=lenient)
@@ -219,7 +209,7 @@ class XGrammarBackend:
             comp = self._compilers.get(vocab.digest)
             if comp is None:
                 # grammask caches compiled grammars itself; xgrammar's cache would double memory.
-                comp = xgr.GrammarCompiler(vocab.xgrammar_info, max_threads=_THREADS,
+                comp = xgr.GrammarCompiler(tokenizer_info(vocab), max_threads=_THREADS,
                                            cache_enabled=False)
                 self._compilers[vocab.digest] = comp
             return comp
@@ -393,8 +383,8 @@ def disk_child_main() -> None:
 
 
 register(BackendInfo(
-    name="xgrammar", package="xgrammar", priority=0, adapter=XGrammarBackend, gaps=GAPS,
-    batch_fill=True, disk=True,
+    name="xgrammar", package="xgrammar", priority=0, adapter=XGrammarBackend,
+    matcher=XGrammarMatcher, compiled=XGrammarCompiled, gaps=GAPS,
     # measured RSS per cached grammar: memory_size_bytes misses allocator overhead and the
     # matcher-side structures (bench/stress.py --calibrate; corpus schemas, Qwen2.5, glibc)
     footprint=(0.57, 180 * 1024),

@@ -52,6 +52,7 @@ import xgrammar as xgr
 from .. import diskwriter
 from ..diskcache import FORMAT_VERSION, DiskCache, DiskCodec, warn_once
 from ..diskwriter import read_u32, u32
+from .xgrammar_vocab import tokenizer_info
 
 if TYPE_CHECKING:
     from ..spec import GrammarSpec
@@ -220,7 +221,7 @@ def _child_write(job: dict[str, Any], spec: GrammarSpec, vocab: Vocabulary, mate
     serialize, store."""
     if key_material(spec, vocab, lenient=job["lenient"]) != material:
         return {"written": False, "why": "the child's key differs (other sources or versions)"}
-    vocab.xgrammar_info  # noqa: B018 - built before the ceiling: it is start-up, not the write
+    tokenizer_info(vocab)  # built before the ceiling: it is start-up, not the write
     base = diskwriter.limit_memory(int(job["limit"]))
     started = time.perf_counter()
     inner = compile_fn(spec, vocab, job["lenient"])
@@ -258,7 +259,7 @@ def load(cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *, lenient: boo
         try:
             text = unpack_json(payload)
             del payload
-            compiled = xgr.CompiledGrammar.deserialize_json(text, vocab.xgrammar_info)
+            compiled = xgr.CompiledGrammar.deserialize_json(text, tokenizer_info(vocab))
         except Exception as exc:  # a bad piece table, DeserializeFormatError, ...
             cache.discard(cache.path_for(material), None,
                           f"xgrammar refused it: {type(exc).__name__}: {exc}")

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..backends import get_backend, registry
 from ..compiler import Compiler
 from ..errors import GrammarError
 from ..vocab import Vocabulary
@@ -88,10 +89,11 @@ def shared_compiler(vllm_config: Any, settings: Settings) -> Compiler:
                             disk_cache_bytes=settings.disk_cache_mb * 1024 * 1024,
                             # ranks must end with one grammar per spec: no timing fallbacks
                             rank_invariant=_tp_size(vllm_config) > 1)
-            # both backends' tokenizer views (~1 s for Qwen's 152k tokens): built before the
-            # server reports healthy, so no first request waits on them past its budget
-            _ = vocab.xgrammar_info
-            _ = vocab.llguidance_tokenizer
+            # every backend's tokenizer view (~1 s each for Qwen's 152k tokens), even one
+            # the settings do not choose: built before the server reports healthy, so no
+            # first request waits on them past its budget
+            for backend in registry.backends():
+                get_backend(backend.name).prepare(vocab)
             if settings.warmup_dir:
                 # JSON specs warmed as the drop-in will ask for them (compact by default),
                 # else a standard request for a warmed schema would miss the cache

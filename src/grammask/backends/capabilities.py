@@ -1,0 +1,91 @@
+"""What a backend can do beyond the ``base`` contract, as typed protocols: the registry
+derives a backend's flags from the classes it declares, and callers reach a capability only
+through these names (never by probing attributes).
+
+- ``BatchCalls``: its matcher class fills and advances many rows in a few native calls.
+- ``DiskBackend``: its adapter stores compiled grammars in grammask's disk cache (through a
+  ``diskcache.DiskCodec`` of its own).
+- ``Warnings``: its compiled grammar says what it ignored (a lenient compile's report).
+
+Light on purpose (no backend, torch or numpy at import): ``registry`` imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..diskcache import DiskCache
+    from ..spec import GrammarSpec
+    from ..vocab import Vocabulary
+
+
+@runtime_checkable
+class BatchCalls(Protocol):
+    """A matcher class's batch calls (classmethods; see ``base``'s contract)."""
+
+    @classmethod
+    def batch_fill(cls, rows: Sequence[tuple[Any, int]], bitmask: torch.Tensor,
+                   threads: int | None, state: dict[str, Any]) -> None:
+        """Write ``bitmask[row]`` for every ``(matcher, row)`` (rows distinct, matchers of this
+        class, none terminated); ``threads``: 1 fills on the calling thread, None the
+        backend's default; ``state``: the caller's dict for the backend's reusable pools.
+        ``ValueError`` (nothing written) for a bitmask or row outside ``fill``'s contract."""
+
+    @classmethod
+    def batch_accept(cls, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
+        """``[m.accept(t) for m, t in zip(matchers, tokens)]``, in fewer native calls."""
+
+
+_BATCH_CALLS: dict[type, type[BatchCalls] | None] = {}
+
+
+def batch_calls(matcher_class: type | None) -> type[BatchCalls] | None:
+    """``matcher_class`` when it offers both batch calls, else None (cached per class: it is
+    asked once per row per step)."""
+    if matcher_class is None:
+        return None
+    try:
+        return _BATCH_CALLS[matcher_class]
+    except KeyError:
+        found = matcher_class if issubclass(matcher_class, BatchCalls) else None
+        _BATCH_CALLS[matcher_class] = found
+        return found
+
+
+@runtime_checkable
+class DiskBackend(Protocol):
+    """The disk capability of an adapter: compiled grammars as ``diskcache`` payloads. Both
+    calls never raise: the cache is a bonus."""
+
+    def load_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary, *,
+                      lenient: bool) -> Any:
+        """A grammar (``base.BackendGrammar``) an earlier compile (any process) stored, or
+        None."""
+
+    def store_compiled(self, cache: DiskCache, spec: GrammarSpec, vocab: Vocabulary,
+                       grammar: object, *, lenient: bool, compile_ms: float | None) -> bool:
+        """Queue ``grammar`` for writing (off the request path); False when not queued."""
+
+
+def has_disk(adapter_class: object) -> bool:
+    """The adapter class offers ``DiskBackend``'s calls."""
+    return isinstance(adapter_class, type) and issubclass(adapter_class, DiskBackend)
+
+
+@runtime_checkable
+class Warnings(Protocol):
+    """A compiled grammar that reports what its backend ignored (llguidance's grammar
+    warnings): read only when asked, after a lenient compile, never on every compile's
+    path."""
+
+    def warnings(self) -> list[str]:
+        """What the backend ignored in the grammar, one message each."""
+
+
+def has_warnings(compiled_class: type | None) -> bool:
+    """The compiled-grammar class offers ``Warnings``."""
+    return compiled_class is not None and issubclass(compiled_class, Warnings)

@@ -378,3 +378,18 @@ def test_cold_stages_time_every_stage_and_put_the_functions_back(qwen25: Vocabul
     assert set(marks) == {label for _, _, label in _STAGES}, marks
     assert all(value > 0 for value in marks.values())
     assert [getattr(_resolve(owner), name) for owner, name, _ in _STAGES] == originals
+
+
+def test_gpu_step_cells_run_on_an_eager_cpu_forward(corpus: Path) -> None:
+    """``bench.gpu_step`` (the GPU script's decode-step cells) on the CPU with an eager
+    forward: every side runs, a ratio comes out, and the budget skips instead of running
+    on. Shape only: no timing is asserted."""
+    from bench.gpu_step import step_vs_vllm
+
+    out = step_vs_vllm([1, 4], ["eager1"], ["closed"], steps=2, repeats=1, device="cpu",
+                       corpus=corpus, budget_s=600)
+    assert [(c["batch"], c["forward"]) for c in out["cells"]] == [(1, "eager1"), (4, "eager1")]
+    assert all(c["ratio_to_better_vllm"] > 0 for c in out["cells"])
+    none = step_vs_vllm([1], ["eager1"], ["closed"], steps=2, repeats=1, device="cpu",
+                        corpus=corpus, budget_s=0)
+    assert none["cells"] == [] and none["skipped"] == ["closed B=1 eager1: out of time"]

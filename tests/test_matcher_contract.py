@@ -240,6 +240,21 @@ def test_batch_fill_still_drives_native_matchers(compiler: Compiler, qwen25: Voc
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad_row", [2, -1, True], ids=["past", "negative", "bool"])
+def test_batch_fill_refuses_a_bad_row_before_writing(compiler: Compiler, qwen25: Vocabulary,
+                                                     backend: BackendName,
+                                                     bad_row: object) -> None:
+    """A batch fill checks every row as ``fill`` does, and writes none when one is bad (the
+    backends write through raw pointers: a row past the tensor would be heap memory)."""
+    first, second = _matcher(compiler, backend), _matcher(compiler, backend)
+    bitmask = torch.zeros(2, (qwen25.vocab_size + 31) // 32, dtype=torch.int32)
+    with pytest.raises(ValueError, match="row"):
+        type(first).batch_fill([(first, 0), (second, bad_row)],  # type: ignore[list-item]
+                               bitmask, 1, {})
+    assert not bitmask.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_accept_is_accept_row_by_row(compiler: Compiler, qwen25: Vocabulary,
                                            backend: BackendName) -> None:
     """``batch_accept`` answers and leaves every matcher as ``accept`` one by one does: an

@@ -285,11 +285,8 @@ def check_batch(rows: Sequence[tuple[BackendMatcher, int]], bitmask: torch.Tenso
     if not rows:
         return
     first = rows[0][0]
-    height = bitmask.shape[0] if first._check_fill(bitmask, rows[0][1]) >= 0 else 0
-    words = first._words
+    first._check_fill(bitmask, rows[0][1])  # the tensor's checks, once
+    height, words = bitmask.shape[0], first._words
     for matcher, row in rows:
         if type(row) is not int or not 0 <= row < height or matcher._words != words:
             matcher._check_fill(bitmask, row)  # raises, naming what is wrong
-            if matcher._words != words:
-                raise ValueError(f"fill: a batch mixes vocabularies ({matcher._words} and "
-                                 f"{words} words a row)")

@@ -39,6 +39,8 @@ def _matcher(compiler: Compiler, backend: BackendName) -> AdapterMatcher:
 
 
 def _state(m: AdapterMatcher, vocab: Vocabulary) -> tuple[Any, ...]:
+    if isinstance(m, XGrammarMatcher):  # the adapter keeps termination itself: check it
+        assert m.is_terminated() == m.native.is_terminated()
     return (mask_of(m, vocab).clone().tolist(), m.accepted(), m.is_terminated(),
             m.can_terminate())
 
@@ -208,6 +210,46 @@ def test_fork_is_identical_and_independent(compiler: Compiler, qwen25: Vocabular
     assert _finishes(m, qwen25, rest)
 
 
+# ---------------------------------------------------------------------------- release
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prefix", ["", "ab", "abc<stop>"])
+def test_a_released_matcher_raises_and_the_next_one_starts_fresh(
+        compiler: Compiler, qwen25: Vocabulary, backend: BackendName, prefix: str) -> None:
+    """After ``release`` every call raises; the grammar's next matcher (xgrammar: the same
+    native matcher, reset) is at the start state, as a fresh one from another compiler."""
+    grammar = compiler.compile(GrammarSpec.regex(PATTERN, backend=backend))
+    m = grammar.matcher()
+    assert feed(m, qwen25, prefix.replace("<stop>", ""))
+    if prefix.endswith("<stop>"):
+        assert m.accept(qwen25.stop_ids[0])
+    native = m.native
+    m.release()
+    m.release()  # twice: still nothing handed out twice
+    for call in (lambda: m.accept(qwen25.encode("a")[0]), m.is_terminated,
+                 lambda: mask_of(m, qwen25)):
+        with pytest.raises(RuntimeError, match="released"):
+            call()
+    fresh = Compiler(qwen25, timeout_s=60).compile(
+        GrammarSpec.regex(PATTERN, backend=backend)).matcher()
+    again, other = grammar.matcher(), grammar.matcher()
+    if backend == "xgrammar":
+        assert again.native is native and other.native is not native
+    assert isinstance(again, XGrammarMatcher | GuidanceMatcher)
+    assert isinstance(fresh, XGrammarMatcher | GuidanceMatcher)
+    assert _state(again, qwen25) == _state(fresh, qwen25)
+    assert _finishes(again, qwen25, "abd")
+
+
+def test_released_matchers_kept_are_bounded(compiler: Compiler, qwen25: Vocabulary) -> None:
+    from grammask.backends.base import SPARE_MATCHERS
+
+    grammar = compiler.compile(GrammarSpec.regex("x+|y", backend="xgrammar"))
+    many = [grammar.matcher() for _ in range(SPARE_MATCHERS + 20)]
+    for m in many:
+        m.release()
+    assert len(grammar.backend_grammar._spare) == SPARE_MATCHERS  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------------------- empty language
 EMPTY: list[Callable[[], GrammarSpec]] = [
     lambda: GrammarSpec.grammar("root ::= root"),
@@ -229,10 +271,17 @@ def test_empty_language_is_refused_at_compile(compiler: Compiler, backend: Backe
 
 
 # ---------------------------------------------------------------------------- batch fill
+def _ended(compiler: Compiler, vocab: Vocabulary, backend: BackendName) -> AdapterMatcher:
+    m = _after_ab(compiler, vocab, backend)
+    assert m.accept(vocab.encode("c")[0]) and m.accept(vocab.stop_ids[0])
+    return m
+
+
 def test_batch_fill_still_drives_native_matchers(compiler: Compiler, qwen25: Vocabulary) -> None:
-    """``Filler`` fills through ``native``: same rows as the adapters' own fills."""
-    rows = [(_after_ab(compiler, qwen25, b) if i % 2 else _matcher(compiler, b), i)
-            for i, b in enumerate(BACKENDS * 2)]
+    """``Filler`` fills through ``native``: same rows as the adapters' own fills, ended
+    rows (copied in bulk) included."""
+    makers = [lambda c, v, b: _matcher(c, b), _after_ab, _ended]
+    rows = [(makers[i % 3](compiler, qwen25, b), i) for i, b in enumerate(BACKENDS * 4)]
     batch = allocate_bitmask(len(rows), qwen25.vocab_size)
     Filler(parallel_min=1, threads=1).fill(rows, batch)
     for m, i in rows:

@@ -743,3 +743,34 @@ def test_a_draft_failure_masks_the_committed_position_too(
         assert torch.equal(allowed(logits[0]), stops)
         assert torch.equal(allowed(logits[1]), stops)
         assert torch.equal(allowed(logits[2]), RawReference.of(choice, qwen25).allowed())
+
+
+def test_a_removed_rows_matcher_serves_the_next_request_from_the_start(
+        compiler: Compiler, qwen25: Vocabulary) -> None:
+    """A row that leaves gives its xgrammar matcher back (``Matcher.release``); the next
+    request of the grammar gets it reset: its masks follow its own reference from the start,
+    and the old row's matcher refuses any use."""
+    spec = GrammarSpec.choice(["alpha", "beta", "gamma"], backend="xgrammar")
+    grammar = compiler.compile(spec)
+    with BatchProcessor(compiler, max_batch=2, think_end=None, **PATIENT) as proc:
+        proc.add(0, spec, grammar=grammar)
+        proc.advance(0, qwen25.encode("beta"))
+        proc.step()
+        proc.wait_masks()
+        old = proc._rows[0].matcher
+        assert old is not None
+        native = old.native  # type: ignore[attr-defined]
+        proc.remove(0)
+        with pytest.raises(RuntimeError, match="released"):
+            old.accept(qwen25.stop_ids[0])
+        proc.add(1, spec, grammar=grammar)
+        ref = RawReference.of(grammar, qwen25)
+        for text in ["", "g", "amma"]:
+            if text:
+                proc.advance(1, qwen25.encode(text))
+                assert all(ref.accept(t) for t in qwen25.encode(text))
+            proc.step()
+            bitmask, rows = proc.wait_masks()
+            assert rows == [1]
+            assert torch.equal(bitmask[1], ref_words(ref, qwen25)), text
+        assert proc._rows[1].matcher.native is native  # type: ignore[union-attr]

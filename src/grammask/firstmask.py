@@ -100,6 +100,18 @@ class FirstMasks:
         ready[id(grammar)] = (grammar, pending)
         return pending
 
+    def attach_at_hand(self, rows: Sequence[Row]) -> None:
+        """One rank: rows whose grammar is at hand attach it now, before the step's tokens
+        come (they then advance with the batch's other rows, in one batch accept, not
+        through the backlog one by one); the rest wait for ``attach_all``. Several ranks
+        must agree on every attach, so there this does nothing."""
+        if self.agreement.world_size == 1 and rows:
+            now = time.monotonic()
+            for r in rows:
+                if r.need_since is None:
+                    r.need_since = now
+            _attach_ready(rows, now)
+
     def attach_all(self, rows: Sequence[Row]) -> None:
         """Give each row its grammar: wait (bounded by ``wait_s``, hedged), agreed by ranks.
 

@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from .backends.base import BatchCalls, Matcher, batch_calls
+from .backends.base import BackendMatcher, BatchCalls, Matcher, batch_calls, fill_stop_only
 from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
 T = TypeVar("T")
@@ -252,14 +252,19 @@ class Filler:
         class; a group goes through its ``batch_fill``, on the backend's threads from
         ``parallel_min`` rows, on this thread below that (one native call, the GIL
         released, still cheaper than a Python loop: the backend keeps the per-row choice).
-        Terminated matchers and lone rows take the adapters' own ``fill``."""
+        Terminated matchers of those classes (only stop tokens allowed) are copied in bulk
+        (``fill_stop_only``); lone rows and other classes take their own ``fill``."""
         groups: dict[type[BatchCalls], list[tuple[Matcher, int]]] = {}
+        ended: list[tuple[BackendMatcher, int]] = []
         rest: list[tuple[Matcher, int]] = []
         for matcher, row in entries:
             calls = batch_calls(type(matcher))
-            # terminated matchers take the adapters' stop-only path
-            if calls is not None and not matcher.is_terminated():
+            if calls is None:
+                rest.append((matcher, row))
+            elif not matcher.is_terminated():
                 groups.setdefault(calls, []).append((matcher, row))
+            elif isinstance(matcher, BackendMatcher) and len(entries) > 1:
+                ended.append((matcher, row))  # only stop tokens: copied in bulk below
             else:
                 rest.append((matcher, row))
         for calls, rows in groups.items():
@@ -268,6 +273,8 @@ class Filler:
                 calls.batch_fill(rows, bitmask, threads, self._pools)
             else:
                 rest.extend(rows)
+        if ended:
+            fill_stop_only(ended, bitmask)
         for matcher, row in rest:
             matcher.fill(bitmask, row)
 

@@ -348,8 +348,9 @@ class BatchProcessor:
     def _pop(self, row: int) -> None:
         """Drop the row's request, if any (the live-list count follows)."""
         r = self._rows.pop(row, None)
-        if r is not None and not r.owned:
-            self._live -= 1
+        if r is not None:
+            self._live -= not r.owned
+            r.release()
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_batch:

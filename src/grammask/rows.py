@@ -196,6 +196,12 @@ class Row:
         backlog, self.backlog = self.backlog, []
         self.feed(backlog)
 
+    def release(self) -> None:
+        """The row left the batch (settled: no fill job holds it): its matcher goes back to
+        its grammar for a later request (``Matcher.release``); any later use of it raises."""
+        if self.matcher is not None:
+            self.matcher.release()
+
     @property
     def status(self) -> RowStatus:
         if self.error is not None:

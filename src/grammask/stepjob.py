@@ -283,9 +283,14 @@ class StepJobs:
         by its new tokens, attach grammars that are needed now, fill; returns the rows to
         mask."""
         started = time.perf_counter()
+        first = self.first
+        # new rows with no thinking gate whose grammar is at hand: attached first, they
+        # advance with the others (a batch accept) instead of through their backlogs
+        first.attach_at_hand([r for _, r, _ in work
+                              if r.matcher is None and r.gate is None and r.error is None])
         advance_all([(r, tokens) for _, r, tokens in work])
         # the same rows on every rank: errors and gates follow the (shared) sampled tokens
-        self.first.attach_all([r for _, r, _ in work
+        first.attach_all([r for _, r, _ in work
                                if r.error is None and r.needs_mask and r.matcher is None])
         advanced = time.perf_counter()
         masks = self.masks

@@ -34,6 +34,7 @@ from ..schema.features import Feature
 from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from .base import (
+    RELEASED,
     BackendMatcher,
     FirstMask,
     check_batch,
@@ -141,6 +142,13 @@ class GuidanceMatcher(BackendMatcher):
         twin._stop_at = self._stop_at
         twin.failure = self.failure
         return twin
+
+    def release(self) -> None:
+        """Nothing is recycled (a copy of the template costs ~2 µs); any later use raises,
+        as ``Matcher.release`` promises."""
+        self._m = RELEASED
+        self._extra_stops = 0  # every path now reaches the native matcher, which raises
+        self._stop_at = None
 
     def _native_reset(self) -> None:
         self._m.reset()

@@ -21,6 +21,8 @@ from ..spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from . import xgrammar_disk
 from .base import (
+    RELEASED,
+    SPARE_MATCHERS,
     BackendMatcher,
     FirstMask,
     check_batch,
@@ -45,16 +47,21 @@ _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
 class XGrammarMatcher(BackendMatcher):
     def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...],
-                 vocab_size: int, first_mask: FirstMask | None = None) -> None:
+                 vocab_size: int, first_mask: FirstMask | None = None,
+                 owner: XGrammarCompiled | None = None) -> None:
         super().__init__(stop_ids, vocab_size)
         self._m = inner
         self._first_mask = first_mask  # the start state's mask, computed once per grammar
+        self._owner = owner  # takes the native matcher back on ``release``
+        #: xgrammar's ``is_terminated`` (a stop token accepted), kept here: asked for every
+        #: row of every step, a native call each (the batch fill must not see ended rows)
+        self._ended = bool(inner.is_terminated())
 
     def accept(self, token_id: int) -> bool:
         tid = self._token(token_id)  # xgrammar would wrap 2**32 + i to token i
         if tid is None:
             return False
-        if self._m.is_terminated():
+        if self._ended:
             if tid in self._stop_ids:
                 self._extra_stops += 1
                 return True
@@ -62,6 +69,7 @@ class XGrammarMatcher(BackendMatcher):
         if not self._m.accept_token(tid):
             return False
         self._depth += 1
+        self._ended = tid in self._stop_ids  # xgrammar ends on the stop token it accepts
         return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -69,26 +77,42 @@ class XGrammarMatcher(BackendMatcher):
         first = self._first_mask
         if self._depth == 0 and first is not None:  # the start state (a stop makes depth 1)
             self._copy_first(bitmask, index, first)
-        elif self._m.is_terminated():
+        elif self._ended:
             self._stop_only(bitmask, index)
         else:
             self._m.fill_next_token_bitmask(bitmask, index)
 
     def _native_rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+        self._ended = bool(self._m.is_terminated())
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        if self._m is RELEASED:
+            self._m.is_terminated()  # raises
+        return self._ended
 
     def can_terminate(self) -> bool:
-        return bool(self._m.is_terminated() or self._m.is_completed())
+        return self._ended or bool(self._m.is_completed())
 
     def _native_fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._m.fork(), self._stop_ids, self._vocab_size,
-                               self._first_mask)
+                               self._first_mask, self._owner)
+
+    def release(self) -> None:
+        """Give the native matcher back to its grammar (``XGrammarCompiled.matcher`` resets
+        it for the next request: 2 µs against 23 for a new one, which a batch whose short
+        requests end often pays on the fill thread for every new row)."""
+        owner, inner = self._owner, self._m
+        self._owner = None
+        self._m = RELEASED
+        self._ended = False  # every path now reaches the native matcher, which raises
+        self._first_mask = None
+        if owner is not None and inner is not RELEASED:
+            owner.recycle(inner)
 
     def _native_reset(self) -> None:
         self._m.reset()
+        self._ended = bool(self._m.is_terminated())
 
     @property
     def native(self) -> xgr.GrammarMatcher:
@@ -120,13 +144,15 @@ class XGrammarMatcher(BackendMatcher):
             return [m.accept(t) for m, t in zip(matchers, tokens, strict=True)]
         done = _accept_all([m._m for m in matchers], list(tokens))
         if done is None:
-            for m in matchers:
+            for m, t in zip(matchers, tokens, strict=True):
                 m._depth += 1
+                m._ended = t in m._stop_ids
             return [True] * len(matchers)
         out = []
         for m, t, ok in zip(matchers, tokens, done, strict=True):
             if ok:
                 m._depth += 1
+                m._ended = t in m._stop_ids
             else:
                 ok = m.accept(t)
             out.append(ok)
@@ -164,7 +190,9 @@ class XGrammarCompiled:
         self._vocab_size = vocab_size
         self.memory_bytes = int(compiled.memory_size_bytes)
         self._first_mask: FirstMask | None = None
-        # taken at most once: list.pop is atomic, so two threads never share the spare
+        #: native matchers to hand out again: the one the empty-language check made, and
+        #: those released by ended requests (``recycle``). list.pop and append are atomic, so
+        #: two threads never share one.
         self._spare: list[xgr.GrammarMatcher] = []
 
     def _native(self) -> xgr.GrammarMatcher:
@@ -175,7 +203,15 @@ class XGrammarCompiled:
             inner = self._spare.pop()
         except IndexError:
             inner = self._native()
-        return XGrammarMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask)
+        else:
+            inner.reset()
+        return XGrammarMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask, self)
+
+    def recycle(self, inner: xgr.GrammarMatcher) -> None:
+        """Keep a released native matcher for a later request, up to ``SPARE_MATCHERS``
+        (what a batch's ended requests give back in a step; more is only memory)."""
+        if len(self._spare) < SPARE_MATCHERS:
+            self._spare.append(inner)
 
 
 class XGrammarBackend:

@@ -241,13 +241,33 @@ def test_a_released_matcher_raises_and_the_next_one_starts_fresh(
 
 
 def test_released_matchers_kept_are_bounded(compiler: Compiler, qwen25: Vocabulary) -> None:
-    from grammask.backends.base import SPARE_MATCHERS
+    """A grammar keeps at most ``per_grammar`` released matchers, the process at most
+    ``limit``; they leave the budget when taken again or when the grammar is dropped."""
+    import gc
 
-    grammar = compiler.compile(GrammarSpec.regex("x+|y", backend="xgrammar"))
-    many = [grammar.matcher() for _ in range(SPARE_MATCHERS + 20)]
-    for m in many:
-        m.release()
-    assert len(grammar.backend_grammar._spare) == SPARE_MATCHERS  # type: ignore[attr-defined]
+    from grammask.backends.base import SPARES
+    from grammask.backends.xgrammar import XGrammarCompiled
+
+    native = compiler.compile(GrammarSpec.regex("x+|y", backend="xgrammar")).backend_grammar
+    before = SPARES.kept
+    old = (SPARES.limit, SPARES.per_grammar)
+    SPARES.limit, SPARES.per_grammar = before + 30, 20
+    try:
+        grammars = [XGrammarCompiled(native._compiled,  # type: ignore[attr-defined]
+                                     qwen25.stop_ids, qwen25.vocab_size) for _ in range(2)]
+        for g in grammars:
+            many = [g.matcher() for _ in range(25)]
+            for m in many:
+                m.release()
+        assert [len(g._spare) for g in grammars] == [20, 10]
+        assert SPARES.kept == before + 30
+        grammars[0].matcher()
+        assert SPARES.kept == before + 29
+    finally:
+        SPARES.limit, SPARES.per_grammar = old
+    del grammars, g, m, many
+    gc.collect()
+    assert SPARES.kept == before
 
 
 # ---------------------------------------------------------------------------- empty language

@@ -185,6 +185,6 @@ def _attach_ready(rows: Sequence[Row], now: float) -> list[Row]:
             continue
         if observe is None:
             observe = metrics.FIRST_MASK_WAIT.labels(outcome="ready").observe
-        observe(now - (r.need_since or now))
+        metrics.defer(observe, now - (r.need_since or now))
         r.attach(grammar)
     return waiting

@@ -29,6 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from . import metrics
 from .backends.base import BackendMatcher, BatchCalls, Matcher, batch_calls, fill_stop_only
 from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
@@ -190,12 +191,15 @@ def _work(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Ticket[Any]] | None],
         if item is None:
             return
         job, ticket = item
+        later = metrics.Later()  # the job's metric updates: after its result is handed over
         try:
-            value = job()
+            with later:
+                value = job()
         except BaseException as exc:  # handed to whoever waits on the ticket
             ticket._finish(None, exc)
         else:
             ticket._finish(value, None)
+        later.flush()
         del job, ticket, item
         owner = ref()
         if owner is not None and owner.spare is None:

@@ -116,6 +116,40 @@ _exporter_lock = threading.Lock()
 _exporter_port: int | None = None
 
 
+class Later:
+    """Metric updates a fill job defers until its masks are handed over (``defer``): a
+    Prometheus update takes a lock (~3 µs), and a step that starts 150 requests made ~0.5 ms
+    of them on the fill thread, inside the window the host waits on. A thread enters a
+    scope with ``with Later() as later`` and runs them with ``later.flush()``."""
+
+    _current = threading.local()
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, float]] = []
+
+    def __enter__(self) -> Later:
+        Later._current.scope = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Later._current.scope = None
+
+    def flush(self) -> None:
+        calls, self.calls = self.calls, []
+        for fn, value in calls:
+            fn(value)
+
+
+def defer(fn: Any, value: float) -> None:
+    """``fn(value)`` (a metric's ``observe`` or ``inc``) now, or at the end of the calling
+    thread's ``Later`` scope."""
+    scope = getattr(Later._current, "scope", None)
+    if scope is None:
+        fn(value)
+    else:
+        scope.calls.append((fn, value))
+
+
 def available() -> bool:
     return _prom is not None
 

@@ -320,7 +320,7 @@ class StepJobs:
         stats.last_advance_ms = (advanced - started) * 1000
         finished = time.perf_counter()
         stats.last_fill_ms = (finished - advanced) * 1000
-        metrics.FILL_SECONDS.observe(finished - started)
+        metrics.defer(metrics.FILL_SECONDS.observe, finished - started)
         return indices
 
     def _contain(self, work: list[Work], buffer: torch.Tensor,

@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import operator
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, Self
 
@@ -120,8 +121,35 @@ class Backend(Protocol):
         ``lenient`` as in ``compile``: a check must refuse exactly what a compile would."""
 
 
-#: released native matchers a grammar keeps for its next requests (``Matcher.release``)
-SPARE_MATCHERS = 128
+class SpareBudget:
+    """How many released native matchers (``Matcher.release``) the process keeps, across
+    every grammar: one xgrammar matcher holds ~40 KB after a JSON walk, so the default of
+    2,048 is ~80 MB at worst. A grammar keeps at most ``per_grammar`` (a 512-row batch of
+    short requests gives ~150 back a step). Past the budget a released matcher is freed:
+    the next request makes one, as without recycling."""
+
+    def __init__(self, limit: int = 2048, per_grammar: int = 512) -> None:
+        self.limit = limit
+        self.per_grammar = per_grammar
+        self.kept = 0
+        self._lock = threading.Lock()
+
+    def reserve(self) -> bool:
+        """One more kept matcher, if the budget allows."""
+        with self._lock:
+            if self.kept >= self.limit:
+                return False
+            self.kept += 1
+            return True
+
+    def free(self, count: int = 1) -> None:
+        """``count`` kept matchers were taken again or dropped with their grammar."""
+        with self._lock:
+            self.kept -= count
+
+
+#: the process's budget of kept matchers (``SpareBudget``)
+SPARES = SpareBudget()
 
 
 class _Released:

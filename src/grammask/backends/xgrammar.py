@@ -6,6 +6,7 @@ import json
 import os
 import re
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from ..vocab import Vocabulary
 from . import xgrammar_disk
 from .base import (
     RELEASED,
-    SPARE_MATCHERS,
+    SPARES,
     BackendMatcher,
     FirstMask,
     check_batch,
@@ -191,9 +192,11 @@ class XGrammarCompiled:
         self.memory_bytes = int(compiled.memory_size_bytes)
         self._first_mask: FirstMask | None = None
         #: native matchers to hand out again: the one the empty-language check made, and
-        #: those released by ended requests (``recycle``). list.pop and append are atomic, so
-        #: two threads never share one.
+        #: those released by ended requests (``recycle``), counted in ``SPARES`` until
+        #: taken or dropped with this grammar. list.pop and append are atomic, so two
+        #: threads never share one.
         self._spare: list[xgr.GrammarMatcher] = []
+        weakref.finalize(self, _drop_spares, self._spare)
 
     def _native(self) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(self._compiled, override_stop_tokens=list(self._stop_ids))
@@ -204,14 +207,21 @@ class XGrammarCompiled:
         except IndexError:
             inner = self._native()
         else:
+            SPARES.free()
             inner.reset()
         return XGrammarMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask, self)
 
     def recycle(self, inner: xgr.GrammarMatcher) -> None:
-        """Keep a released native matcher for a later request, up to ``SPARE_MATCHERS``
-        (what a batch's ended requests give back in a step; more is only memory)."""
-        if len(self._spare) < SPARE_MATCHERS:
+        """Keep a released (or unused) native matcher for a later request, within
+        ``SPARES``: per grammar and for the process."""
+        if len(self._spare) < SPARES.per_grammar and SPARES.reserve():
             self._spare.append(inner)
+
+
+def _drop_spares(spare: list[xgr.GrammarMatcher]) -> None:
+    """A grammar left memory: its kept matchers leave the budget with it."""
+    SPARES.free(len(spare))
+    spare.clear()
 
 
 class XGrammarBackend:
@@ -286,7 +296,7 @@ def _refuse_empty(compiled: XGrammarCompiled, spec: GrammarSpec, vocab: Vocabula
     native.fill_next_token_bitmask(first.tensor(), 0)
     refuse_empty_language(first, "xgrammar", where)
     compiled._first_mask = first
-    compiled._spare.append(native)
+    compiled.recycle(native)
 
 
 def json_options(spec: GrammarSpec) -> dict[str, Any]:

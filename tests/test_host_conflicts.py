@@ -123,3 +123,29 @@ def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
 
 def only_finite(row: torch.Tensor) -> list[int]:
     return sorted(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+def test_draft_positions_are_restored_too(compiler: Compiler, qwen25: Vocabulary) -> None:
+    """Speculative decoding (``apply_drafts``): at the committed position and at each draft
+    position of a ``host_masks`` row, logits the host left with no grammar token get the
+    grammar's tokens of that position back; a row without the flag is left as the host made
+    it."""
+    spec = GrammarSpec.regex("[a-c]{3}", backend="xgrammar")
+    grammar = compiler.compile(spec)
+    drafts = [qwen25.token_id("a"), qwen25.token_id("c")]
+    proc = BatchProcessor(compiler, max_batch=2)
+    try:
+        proc.add(0, spec, output_ids=[], grammar=grammar, host_masks=True)
+        proc.add(1, spec, output_ids=[], grammar=grammar, host_masks=False)
+        proc.step()
+        # row 0 at logits rows 0 (committed), 1 (after "a") and 2 (the bonus, after "ac");
+        # row 1 at logits row 3 (committed)
+        logits = torch.full((4, qwen25.vocab_size), float("-inf"))
+        proc.apply_drafts(logits, [0, 0, 0, 1], [0, 1, 2, 0], [0, *drafts, 0])
+        for at in range(3):
+            want = RawReference.of(grammar, qwen25)
+            assert all(want.accept(t) for t in drafts[:at])
+            assert torch.equal(torch.isfinite(logits[at]), want.allowed()), at
+        assert not torch.isfinite(logits[3]).any()
+    finally:
+        proc.close()

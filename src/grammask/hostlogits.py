@@ -69,18 +69,21 @@ class HostLogits:
         if at.size:
             self._pairs(table, logits, bitmask, at, mask_rows, plan, layout)
 
-    def apply_drafts(self, logits: torch.Tensor, step: StepMasks, placed: DraftMasks,
+    def apply_drafts(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
+                     placed: DraftMasks, owners: Sequence[int],
                      layout: LogitsLayout | None = None) -> None:
         """Masks at draft positions (``drafts.Drafts.place``): committed positions from the
-        step's bitmask (its plan moved to them), the others from the drafts' buffer. As this
-        path always has, it records no digests and skips the host-masks restore."""
+        step's bitmask as ``apply_mapped`` takes them (its plan moved to them, digests, the
+        restore), the others from the drafts' buffer, restored too. ``owners[i]``: the row
+        logits row ``i`` belongs to (-1: none)."""
         if placed.at.size:
-            apply_pairs(logits, step.bitmask, placed.at, placed.rows,
-                        vocab_size=self.vocab_size, buffers=self.buffers, plan=step.plan,
-                        layout=layout)
+            self._pairs(table, logits, step.bitmask, placed.at, placed.rows, step.plan, layout)
         if placed.drafted:
             apply_pairs(logits, placed.buffer, None, placed.drafted, vocab_size=self.vocab_size,
                         buffers=self._drafts)
+            if self.risky:  # the buffer is in logits order: mask row i is logits row i
+                self._restore(table, logits, placed.buffer,
+                              [(i, i, owners[i]) for i in placed.drafted])
 
     def draft_buffer(self, rows: int) -> torch.Tensor:
         """The next bitmask in the host's logits order (``drafts.Drafts.place`` writes it),
@@ -108,7 +111,8 @@ class HostLogits:
                     buffers=self.buffers, plan=plan, layout=layout)
         if self.risky:
             spots = listed if at is None else at.tolist()
-            self._restore(table, logits, bitmask, list(zip(spots, listed, strict=True)))
+            self._restore(table, logits, bitmask,
+                          [(a, r, r) for a, r in zip(spots, listed, strict=True)])
 
     def _record(self, table: dict[int, Row], bitmask: torch.Tensor,
                 rows: Sequence[int]) -> None:
@@ -119,11 +123,12 @@ class HostLogits:
             for i in rows for r in [table.get(i)]])
 
     def _restore(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
-                 pairs: Sequence[tuple[int, int]]) -> None:
-        """The grammar wins over the host's own processors (rows that asked for it)."""
+                 spots: Sequence[tuple[int, int, int]]) -> None:
+        """The grammar wins over the host's own processors (rows that asked for it);
+        ``spots``: (logits row, mask row, the row it belongs to)."""
         if not self.risky:
             return
-        risky = [(at, row) for at, row in pairs
+        risky = [(at, mask_row) for at, mask_row, row in spots
                  if (r := table.get(row)) is not None and r.host_masks]
         if not risky and not any(r.host_masks for r in table.values()):
             self.risky = False  # the rows that asked have left the batch

@@ -54,3 +54,12 @@ def test_a_fault_of_one_token_is_caught(compiler: Compiler, qwen25: Vocabulary,
         path.rename(tmp_path / path.name)
     found = compare(tmp_path)
     assert not found.agree and len(found.differing) == found.shared == 4, found
+
+
+def test_rows_served_by_two_backends_are_keyed_apart() -> None:
+    """A request served by the hedge or a fallback may be masked differently at the same
+    prefix than one served as routed: its digests must not be compared with the other's."""
+    from grammask.digests import row_key
+
+    assert row_key("spec", [1, 2], "xgrammar") != row_key("spec", [1, 2], "guidance")
+    assert row_key("spec", [1, 2], "xgrammar") == row_key("spec", [1, 2], "xgrammar")

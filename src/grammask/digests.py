@@ -51,9 +51,11 @@ class MaskDigests:
                 out.writelines(lines)
 
 
-def row_key(spec_key: str, tokens: Iterable[int]) -> str:
-    """What a row's mask is a function of: its spec and the output tokens it consumed."""
-    h = hashlib.blake2b(spec_key.encode(), digest_size=12)
+def row_key(spec_key: str, tokens: Iterable[int], backend: str = "") -> str:
+    """What a row's mask is a function of: its spec, the backend serving it and the output
+    tokens it consumed (two backends may allow different tokens at the same prefix: a
+    request served by the hedge or a fallback is keyed apart from one served as routed)."""
+    h = hashlib.blake2b(f"{spec_key}|{backend}".encode(), digest_size=12)
     h.update(b"|" + ",".join(str(int(t)) for t in tokens).encode())
     return h.hexdigest()
 

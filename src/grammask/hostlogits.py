@@ -119,7 +119,9 @@ class HostLogits:
         """Mask digests for comparing ranks (``digests.py``; a debug setting)."""
         assert self.digests is not None
         self.digests.observe(bitmask, [
-            (i, row_key(r.request.spec.key, r.output[:r.seen]) if r is not None else "?")
+            (i, row_key(r.request.spec.key, r.output[:r.seen],
+                        r.grammar.backend if r.grammar is not None else "")
+             if r is not None else "?")
             for i in rows for r in [table.get(i)]])
 
     def _restore(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,

@@ -49,14 +49,15 @@ _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 class XGrammarMatcher(BackendMatcher):
     def __init__(self, inner: xgr.GrammarMatcher, stop_ids: tuple[int, ...],
                  vocab_size: int, first_mask: FirstMask | None = None,
-                 owner: XGrammarCompiled | None = None) -> None:
+                 owner: XGrammarCompiled | None = None, ended: bool | None = None) -> None:
+        """``ended``: whether ``inner`` is terminated, when the caller knows (None: asked)."""
         super().__init__(stop_ids, vocab_size)
         self._m = inner
         self._first_mask = first_mask  # the start state's mask, computed once per grammar
         self._owner = owner  # takes the native matcher back on ``release``
         #: xgrammar's ``is_terminated`` (a stop token accepted), kept here: asked for every
         #: row of every step, a native call each (the batch fill must not see ended rows)
-        self._ended = bool(inner.is_terminated())
+        self._ended = bool(inner.is_terminated()) if ended is None else ended
 
     def accept(self, token_id: int) -> bool:
         tid = self._token(token_id)  # xgrammar would wrap 2**32 + i to token i
@@ -209,7 +210,10 @@ class XGrammarCompiled:
         else:
             SPARES.free()
             inner.reset()
-        return XGrammarMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask, self)
+        # a start state with a first mask is not terminated (``_refuse_empty``): no native
+        # call to ask (each one gives up the GIL, which a busy host thread then holds)
+        return XGrammarMatcher(inner, self._stop_ids, self._vocab_size, self._first_mask, self,
+                               False if self._first_mask is not None else None)
 
     def recycle(self, inner: xgr.GrammarMatcher) -> None:
         """Keep a released (or unused) native matcher for a later request, within

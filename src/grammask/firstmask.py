@@ -100,17 +100,19 @@ class FirstMasks:
         ready[id(grammar)] = (grammar, pending)
         return pending
 
-    def attach_at_hand(self, rows: Sequence[Row]) -> None:
-        """One rank: rows whose grammar is at hand attach it now, before the step's tokens
-        come (they then advance with the batch's other rows, in one batch accept, not
-        through the backlog one by one); the rest wait for ``attach_all``. Several ranks
-        must agree on every attach, so there this does nothing."""
+    def attach_at_hand(self, rows: Sequence[Row]) -> Sequence[Row]:
+        """Note when each row first needed its grammar; with one rank, rows whose grammar
+        is at hand attach it now (called before the step's tokens too, so they advance
+        with the batch's other rows in one batch accept, not through their backlogs).
+        Returns the rows still waiting: all of them with several ranks, which must agree
+        on every attach (``attach_all``)."""
+        now = time.monotonic()
+        for r in rows:
+            if r.need_since is None:
+                r.need_since = now
         if self.agreement.world_size == 1 and rows:
-            now = time.monotonic()
-            for r in rows:
-                if r.need_since is None:
-                    r.need_since = now
-            _attach_ready(rows, now)
+            return _attach_ready(rows, now)
+        return rows
 
     def attach_all(self, rows: Sequence[Row]) -> None:
         """Give each row its grammar: wait (bounded by ``wait_s``, hedged), agreed by ranks.
@@ -118,12 +120,7 @@ class FirstMasks:
         Every rank calls it with the same rows (errors and gates follow the shared sampled
         tokens), so every rank gathers the same number of times."""
         wait_s = self.wait_s
-        now = time.monotonic()
-        for r in rows:
-            if r.need_since is None:
-                r.need_since = now
-        if self.agreement.world_size == 1:
-            rows = _attach_ready(rows, now)
+        rows = self.attach_at_hand(rows)
         while rows:
             now = time.monotonic()
             views: list[int] = []

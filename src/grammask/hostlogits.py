@@ -83,7 +83,7 @@ class HostLogits:
                         buffers=self._drafts)
             if self.risky:  # the buffer is in logits order: mask row i is logits row i
                 self._restore(table, logits, placed.buffer,
-                              [(i, i, owners[i]) for i in placed.drafted])
+                              [(i, i, int(owners[i])) for i in placed.drafted])
 
     def draft_buffer(self, rows: int) -> torch.Tensor:
         """The next bitmask in the host's logits order (``drafts.Drafts.place`` writes it),

@@ -267,7 +267,7 @@ class Filler:
                 rest.append((matcher, row))
             elif not matcher.is_terminated():
                 groups.setdefault(calls, []).append((matcher, row))
-            elif isinstance(matcher, BackendMatcher) and len(entries) > 1:
+            elif isinstance(matcher, BackendMatcher):
                 ended.append((matcher, row))  # only stop tokens: copied in bulk below
             else:
                 rest.append((matcher, row))

@@ -276,8 +276,7 @@ class BatchProcessor:
         step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
         placed = self._drafts.place(self._rows, step, self._logits.draft_buffer(len(rows)),
                                     rows, positions, inputs, sampling)
-        self._logits.apply_drafts(self._rows, logits, step, placed, [int(r) for r in rows],
-                                  layout)
+        self._logits.apply_drafts(self._rows, logits, step, placed, rows, layout)
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:

@@ -5,8 +5,9 @@
                              [--workloads free,closed,corpus,choice] [--budget-s 240]
 
 The sides and workloads are ``bench.step``'s (grammask's ``BatchProcessor`` against vLLM's
-engine-core way with xgrammar and with llguidance, whose step is ``max(forward, fill)``);
-only the forward is a real one on the GPU:
+way with xgrammar and with llguidance, in both layouts: the fill in another process, whose
+step is ``max(forward, fill)``, and one GPU's in-process launch, fill, wait); only the
+forward is a real one on the GPU:
 
 - ``graphN``: a CUDA graph of small matmuls replayed, about N ms on the GPU; the host only
   waits (``synchronize`` releases the GIL): what a host running CUDA graphs sees.
@@ -36,12 +37,12 @@ import torch
 
 from bench.paths import DEFAULT_CORPUS
 from bench.stats import render_table, write_json
-from bench.step import grammask_steps, make_walks, vllm_steps, vllm_workers
+from bench.step import SIDES, Forward, grammask_steps, make_walks, vllm_steps, vllm_workers
 
 SIDE = 256  # small matmuls: launch-bound when eager, like a small model's decode kernels
 
 
-def cuda_forward(kind: str, device: str = "cuda") -> Callable[[], None]:
+def cuda_forward(kind: str, device: str = "cuda") -> Forward:
     """A forward of about N ms (``graphN`` or ``eagerN``), calibrated on ``device``."""
     ms = float(kind[5:])
     a = torch.randn(SIDE, SIDE, device=device) / SIDE**0.5
@@ -68,11 +69,10 @@ def cuda_forward(kind: str, device: str = "cuda") -> Callable[[], None]:
         per = statistics.median(timed(lambda: chain(64)) for _ in range(5)) / 64
         n = max(1, round(ms / per))
 
-        def eager() -> None:
+        def launch() -> None:
             chain(n)
-            sync()
 
-        return eager
+        return Forward(launch, sync)
     if device != "cuda":
         raise ValueError("graph forwards need CUDA")
     n = 64
@@ -81,11 +81,7 @@ def cuda_forward(kind: str, device: str = "cuda") -> Callable[[], None]:
     n = max(1, round(ms / per))
     graph = _capture(chain, n)
 
-    def replay() -> None:
-        graph.replay()
-        torch.cuda.synchronize()
-
-    return replay
+    return Forward(graph.replay, torch.cuda.synchronize)
 
 
 def _capture(chain: Callable[[int], torch.Tensor], n: int) -> Any:
@@ -130,21 +126,25 @@ def step_vs_vllm(batches: Sequence[int], forwards: Sequence[str], workloads: Seq
                         skipped.append(f"{workload} B={batch} {kind}: out of time")
                         continue
                     forward = made[kind]
-                    runs: dict[str, list[float]] = {"grammask": [], "vllm-xgrammar": [],
-                                                    "vllm-llguidance": []}
+                    runs: dict[str, list[float]] = {side: [] for side in SIDES}
                     for _ in range(repeats):
                         runs["grammask"].append(statistics.median(
                             grammask_steps(compiler, walks, batch, forward, steps)))
-                        for engine, key in (("xgrammar", "vllm-xgrammar"),
-                                            ("guidance", "vllm-llguidance")):
-                            runs[key].append(statistics.median(vllm_steps(
-                                engine, walks, vocab, batch, forward, steps, pool)))
+                        for side, (engine, layout) in SIDES.items():
+                            if side != "grammask":
+                                runs[side].append(statistics.median(vllm_steps(
+                                    engine, walks, vocab, batch, forward, steps, pool,
+                                    layout)))
                     med = {k: statistics.median(v) for k, v in runs.items()}
                     ratio = med["grammask"] / min(med["vllm-xgrammar"], med["vllm-llguidance"])
+                    inproc = med["grammask"] / min(med["vllm-inproc-xgrammar"],
+                                                   med["vllm-inproc-llguidance"])
                     cells.append({"workload": workload, "batch": batch, "forward": kind,
-                                  "steps_ms": med, "ratio_to_better_vllm": round(ratio, 3)})
+                                  "steps_ms": med, "ratio_to_better_vllm": round(ratio, 3),
+                                  "ratio_to_better_vllm_inproc": round(inproc, 3)})
                     print(f"step {workload} B={batch} {kind}: grammask {med['grammask']:.2f} "
-                          f"ms, ratio {ratio:.2f}", file=sys.stderr, flush=True)
+                          f"ms, ratio {ratio:.2f}, in-process {inproc:.2f}", file=sys.stderr,
+                          flush=True)
     finally:
         pool.shutdown()
         for c in (compiler, *raw.values()):
@@ -167,9 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = step_vs_vllm([int(b) for b in args.batch_sizes.split(",")],
                           args.forwards.split(","), args.workloads.split(","),
                           budget_s=args.budget_s, device=args.device)
-    print(render_table(["workload", "B", "forward", "grammask_ms", "ratio"], [
+    print(render_table(["workload", "B", "forward", "grammask_ms", "ratio", "ratio_inproc"], [
         [c["workload"], c["batch"], c["forward"], f"{c['steps_ms']['grammask']:.2f}",
-         f"{c['ratio_to_better_vllm']:.2f}"] for c in result["cells"]]))
+         f"{c['ratio_to_better_vllm']:.2f}", f"{c['ratio_to_better_vllm_inproc']:.2f}"]
+        for c in result["cells"]]))
     if args.json:
         write_json(args.json, result)
     return 0

@@ -14,8 +14,17 @@ kernel either way, measured by ``bench/gpu.py``):
   core accepts each row's token and fills its row, serially up to 128 rows, above that in
   chunks of 16 rows on ``min(cores // 2, 8)`` threads; llguidance matchers are made from
   the grammar per request, as vLLM does (a new request's matcher is made in the step, as
-  the engine core does when it schedules it). That runs in the engine core, another process,
-  while the GPU works: its step is ``max(forward, fill)``, both measured in the same step.
+  the engine core does when it schedules it). Two layouts, both measured in every cell:
+  - the issue's model (``vllm-*``, ``ratio``): the fill runs in the engine core, another
+    process than the model runner's, while the GPU works: the step is
+    ``max(accept + fill, forward)``. This is vLLM with a multi-process executor (tensor
+    parallel > 1, or ``--distributed-executor-backend mp``);
+  - one GPU (``vllm-inproc-*``, ``ratio_inproc``): vLLM's default executor at tensor
+    parallel 1 is ``uni`` (``ParallelConfig``), which runs the model runner inside the
+    engine core's process and thread. ``EngineCore.step`` launches the forward
+    (``execute_model``), then fills (``get_grammar_bitmask``), then waits for the output
+    (``sample_tokens``): the step is accept + launch + fill + what is left of the forward.
+    With an eager forward the launch is all host work, so the fill comes after it.
 
 Forwards: ``waitN`` a GIL-free wait of N ms (a CUDA-graph replay: the host only waits);
 ``busyN`` N ms of Python issuing tiny torch ops (an eager launch loop: the model runner's
@@ -26,7 +35,7 @@ booleans), ``corpus`` (a mix of ``../shared/corpus`` maskbench schemas walking v
 instances), ``regex``, ``choice``. Every row walks its text one token a step; a row that
 ends starts a new request. Reported per (workload, B, forward): median step ms of each
 side over ``--repeats`` runs of ``--steps`` steps, and grammask's ratio to the better of
-vLLM's ways (<= 1.0: never slower).
+vLLM's ways in each layout (<= 1.0: never slower).
 """
 
 from __future__ import annotations
@@ -62,6 +71,12 @@ from grammask.bitmask import allocate_bitmask
 from grammask.processor import BatchProcessor
 
 VLLM_CHUNK = 16
+#: each side: (engine, layout) for ``vllm_steps``; grammask's own side has none
+SIDES: dict[str, tuple[str, str]] = {
+    "grammask": ("", ""),
+    "vllm-xgrammar": ("xgrammar", "engine"), "vllm-llguidance": ("guidance", "engine"),
+    "vllm-inproc-xgrammar": ("xgrammar", "inproc"),
+    "vllm-inproc-llguidance": ("guidance", "inproc")}
 VLLM_SERIAL_MAX = 128
 
 CLOSED = {"type": "object", "properties": {
@@ -160,12 +175,37 @@ def _xgr_matcher(walk: Walk, vocab: Vocabulary) -> Any:
     return xgr.GrammarMatcher(walk.xgr, override_stop_tokens=list(vocab.stop_ids))
 
 
-def make_forward(kind: str) -> Callable[[], None]:
-    """``waitN``: sleep N ms (no GIL, no CPU). ``busyN``: N ms of Python launching tiny
-    torch ops (the GIL mostly held, as an eager model runner's launch loop)."""
+@dataclass
+class Forward:
+    """A forward in two parts, as a host runs one: ``launch`` (the host's share: a CUDA-graph
+    replay is ~nothing, an eager launch loop is all of it) and ``finish`` (waiting for the
+    device). Calling it runs both."""
+
+    launch: Callable[[], None]
+    finish: Callable[[], None]
+
+    def __call__(self) -> None:
+        self.launch()
+        self.finish()
+
+
+def make_forward(kind: str) -> Forward:
+    """``waitN``: N ms of device work from the launch, the host only waits (no GIL, no CPU:
+    a CUDA-graph replay). ``busyN``: N ms of Python launching tiny torch ops (the GIL mostly
+    held, as an eager model runner's launch loop; the device keeps up)."""
     ms = float(kind[4:]) / 1000
     if kind.startswith("wait"):
-        return lambda: time.sleep(ms)
+        launched = [0.0]
+
+        def launch() -> None:
+            launched[0] = time.perf_counter()
+
+        def finish() -> None:
+            left = launched[0] + ms - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
+        return Forward(launch, finish)
     x = torch.zeros(4)
 
     def busy() -> None:
@@ -174,7 +214,7 @@ def make_forward(kind: str) -> Callable[[], None]:
             for _ in range(20):
                 x.add_(1)
 
-    return busy
+    return Forward(busy, lambda: None)
 
 
 class Positions:
@@ -197,7 +237,7 @@ class Positions:
 
 
 def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
-                   forward: Callable[[], None], steps: int) -> list[float]:
+                   forward: Forward, steps: int) -> list[float]:
     proc = BatchProcessor(compiler, max_batch=batch, think_end=None)
     at = Positions(walks, batch)
     for row, w in enumerate(at.walks):
@@ -224,10 +264,17 @@ def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
 
 
 def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
-               forward: Callable[[], None], steps: int, pool: ThreadPoolExecutor
-               ) -> list[float]:
-    """vLLM's engine core: accept each row's token, then fill (serial, or 16-row chunks on
-    the pool above 128 rows); the step is max(forward, that)."""
+               forward: Forward, steps: int, pool: ThreadPoolExecutor,
+               layout: str = "engine") -> list[float]:
+    """vLLM's way: accept each row's token, then fill (serial, or 16-row chunks on the pool
+    above 128 rows).
+
+    ``layout="engine"`` (the issue's model: the fill runs in the engine core, another
+    process than the model runner's, as with ``--tensor-parallel-size`` > 1): the step is
+    max(accept + fill, forward), each measured on its own. ``layout="inproc"`` (one GPU:
+    vLLM's default ``uni`` executor runs the model runner inside the engine core, and
+    ``EngineCore.step`` launches the forward, then fills, then waits for the output): the
+    step is accept + launch + fill + the rest of the forward, measured end to end."""
     at = Positions(walks, batch)
     bitmask = allocate_bitmask(batch, vocab.vocab_size)
 
@@ -253,6 +300,15 @@ def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
                 if not ended[i]:
                     llg_torch.fill_next_token_bitmask(matchers[i], bitmask, i)
 
+    def fill() -> None:
+        if batch <= VLLM_SERIAL_MAX:
+            fill_rows(range(batch))
+        else:
+            futures = [pool.submit(fill_rows, range(i, min(i + VLLM_CHUNK, batch)))
+                       for i in range(0, batch, VLLM_CHUNK)]
+            for f in futures:
+                f.result()
+
     times = []
     for _ in range(steps + 2):
         sampled, restarts = at.next()
@@ -262,13 +318,13 @@ def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
             matchers[row] = new(at.walks[row])
         for m, tok in zip(matchers, sampled, strict=True):
             (m.accept_token if engine == "xgrammar" else m.consume_token)(tok)
-        if batch <= VLLM_SERIAL_MAX:
-            fill_rows(range(batch))
-        else:
-            futures = [pool.submit(fill_rows, range(i, min(i + VLLM_CHUNK, batch)))
-                       for i in range(0, batch, VLLM_CHUNK)]
-            for f in futures:
-                f.result()
+        if layout == "inproc":
+            forward.launch()
+            fill()
+            forward.finish()
+            times.append((time.perf_counter() - t0) * 1000)
+            continue
+        fill()
         t1 = time.perf_counter()
         forward()
         t2 = time.perf_counter()
@@ -310,34 +366,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         for batch in batches:
             for fwd in forwards:
                 forward = make_forward(fwd)
-                runs: dict[str, list[float]] = {"grammask": [], "vllm-xgrammar": [],
-                                                "vllm-llguidance": []}
+                runs: dict[str, list[float]] = {side: [] for side in SIDES}
                 for _ in range(args.repeats):  # sides take turns: load hits them alike
                     runs["grammask"].append(statistics.median(
                         grammask_steps(compiler, walks, batch, forward, args.steps)))
-                    runs["vllm-xgrammar"].append(statistics.median(
-                        vllm_steps("xgrammar", walks, vocab, batch, forward, args.steps,
-                                   pool)))
-                    runs["vllm-llguidance"].append(statistics.median(
-                        vllm_steps("guidance", walks, vocab, batch, forward, args.steps,
-                                   pool)))
+                    for side, (engine, layout) in SIDES.items():
+                        if side != "grammask":
+                            runs[side].append(statistics.median(vllm_steps(
+                                engine, walks, vocab, batch, forward, args.steps, pool,
+                                layout)))
                 med = {k: statistics.median(v) for k, v in runs.items()}
-                best = min(med["vllm-xgrammar"], med["vllm-llguidance"])
-                ratio = med["grammask"] / best
+                ratio = med["grammask"] / min(med["vllm-xgrammar"], med["vllm-llguidance"])
+                ratio_inproc = med["grammask"] / min(med["vllm-inproc-xgrammar"],
+                                                     med["vllm-inproc-llguidance"])
                 results.append({"workload": workload, "batch": batch, "forward": fwd,
                                 "grammask_backends": backends, "steps_ms": med,
-                                "runs_ms": runs, "ratio_to_better_vllm": ratio})
+                                "runs_ms": runs, "ratio_to_better_vllm": ratio,
+                                "ratio_to_better_vllm_inproc": ratio_inproc})
                 table.append([workload, batch, fwd, f"{med['grammask']:.2f}",
                               f"{med['vllm-xgrammar']:.2f}", f"{med['vllm-llguidance']:.2f}",
-                              f"{ratio:.2f}"])
+                              f"{ratio:.2f}", f"{med['vllm-inproc-xgrammar']:.2f}",
+                              f"{med['vllm-inproc-llguidance']:.2f}", f"{ratio_inproc:.2f}"])
                 print(" ".join(str(c) for c in table[-1]), file=sys.stderr, flush=True)
     pool.shutdown()
     for c in (compiler, *raw.values()):
         c.close()
     print(render_table(["workload", "B", "forward", "grammask_ms", "vllm_xgr_ms",
-                        "vllm_llg_ms", "ratio"], table))
+                        "vllm_llg_ms", "ratio", "inproc_xgr_ms", "inproc_llg_ms",
+                        "ratio_inproc"], table))
     print("(median step ms over repeats of median steps; ratio: grammask / the better of "
-          "vLLM's ways, <= 1.00 is never slower)")
+          "vLLM's ways with the fill in another process (the issue's model), <= 1.00 is never "
+          "slower; ratio_inproc: the same against vLLM's one-GPU layout, fill after launch)")
     if args.json:
         write_json(args.json, {"machine": machine_info(), "args": vars(args) | {
             "corpus": str(args.corpus)}, "results": results})

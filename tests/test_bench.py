@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -389,7 +390,56 @@ def test_gpu_step_cells_run_on_an_eager_cpu_forward(corpus: Path) -> None:
     out = step_vs_vllm([1, 4], ["eager1"], ["closed"], steps=2, repeats=1, device="cpu",
                        corpus=corpus, budget_s=600)
     assert [(c["batch"], c["forward"]) for c in out["cells"]] == [(1, "eager1"), (4, "eager1")]
-    assert all(c["ratio_to_better_vllm"] > 0 for c in out["cells"])
+    assert all(c["ratio_to_better_vllm"] > 0 and c["ratio_to_better_vllm_inproc"] > 0
+               for c in out["cells"])
     none = step_vs_vllm([1], ["eager1"], ["closed"], steps=2, repeats=1, device="cpu",
                         corpus=corpus, budget_s=0)
     assert none["cells"] == [] and none["skipped"] == ["closed B=1 eager1: out of time"]
+
+
+@pytest.mark.parametrize("layout", ["engine", "inproc"])
+def test_vllm_step_layouts_order_the_fill_as_vllm_does(layout: str, corpus: Path) -> None:
+    """``bench.step``'s model of vLLM: with the fill in another process (``engine``) the
+    forward runs after the fill, timed on its own; in one process (``inproc``, vLLM's
+    ``uni`` executor) ``EngineCore.step`` launches the forward, fills, then waits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench import step as step_bench
+
+    from grammask import Compiler, load_vocabulary
+
+    vocab = load_vocabulary("qwen2.5")
+    compiler = Compiler(vocab, timeout_s=60)
+    raw = {n: Compiler(vocab, backend=n, timeout_s=60, tune_fill=False)
+           for n in ("xgrammar", "guidance")}
+    events: list[str] = []
+    walks = step_bench.make_walks("closed", compiler, raw, vocab, corpus, 1)
+    real = step_bench._xgr_matcher
+    step_bench._xgr_matcher = lambda w, v: _FillSpy(real(w, v), events)  # type: ignore
+    try:
+        forward = step_bench.Forward(lambda: events.append("launch"),
+                                     lambda: events.append("finish"))
+        with ThreadPoolExecutor(1) as pool:
+            step_bench.vllm_steps("xgrammar", walks, vocab, 1, forward, 1, pool, layout)
+    finally:
+        step_bench._xgr_matcher = real
+        for c in (compiler, *raw.values()):
+            c.close()
+    one_step = events[-3:]
+    assert one_step == (["launch", "fill", "finish"] if layout == "inproc"
+                        else ["fill", "launch", "finish"])
+
+
+class _FillSpy:
+    """An xgrammar matcher whose fills are noted in ``events``."""
+
+    def __init__(self, inner: Any, events: list[str]) -> None:
+        self._inner = inner
+        self._events = events
+
+    def fill_next_token_bitmask(self, *args: Any) -> Any:
+        self._events.append("fill")
+        return self._inner.fill_next_token_bitmask(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -52,6 +52,39 @@ def test_pairs_match_the_reference(planned: bool, dtype: torch.dtype) -> None:
         assert torch.equal(logits, expected), trial
 
 
+def test_a_plan_serves_its_rows_among_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pairs of the plan's rows and others (speculative decoding: committed positions and
+    draft positions in one bitmask): the plan moves to its rows' logits rows, the kernel
+    masks the rest, and every row matches the reference."""
+    import grammask.apply as apply_module
+
+    moved: list[int] = []
+    real = apply_module._apply_plan_moved
+
+    def counted(*args: object) -> None:
+        moved.append(len(args[3]))  # type: ignore[arg-type]
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(apply_module, "_apply_plan_moved", counted)
+    rng = np.random.default_rng(11)
+    for trial in range(10):
+        bitmask = torch.from_numpy(rng.integers(-2**31, 2**31, (16, 32), dtype=np.int64)
+                                   .astype(np.int32))
+        bitmask[2] = 0
+        bitmask[2, 0] = 0b101  # a wiped row
+        planned = np.array([1, 2, 5], dtype=np.intp)  # the step's rows
+        drafts = np.array([8, 9, 10, 11], dtype=np.intp)  # rows after the batch's
+        rows = np.concatenate([planned, drafts])
+        at = rng.permutation(7).astype(np.intp)
+        logits = torch.randn(7, WIDTH)
+        plan = plan_cpu_apply(bitmask, planned.tolist(), vocab_size=VOCAB, width=WIDTH,
+                              stride=WIDTH)
+        expected = _reference(logits, bitmask, at, rows)
+        apply_pairs(logits, bitmask, at, rows, vocab_size=VOCAB, plan=plan)
+        assert torch.equal(logits, expected), trial
+    assert moved == [3] * 10
+
+
 def test_a_plan_for_other_rows_is_not_used() -> None:
     bitmask = torch.zeros(4, 32, dtype=torch.int32)
     bitmask[:, 0] = 1  # token 0 only

@@ -675,6 +675,31 @@ def test_apply_mapped_and_apply_drafts_place_masks_in_the_hosts_row_order(
         assert torch.equal(allowed(logits[0]), RawReference.of(regex, qwen25).allowed())
 
 
+def test_drafts_outgrowing_the_step_bitmask_keep_every_mask(
+        compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary) -> None:
+    """Draft positions live in the step's bitmask after the batch's rows. More drafts than
+    it has room for: that step takes a larger copy, later steps grown buffers, and every
+    position (committed, drafts, bonus) still gets the reference's mask, in logits rows
+    the host chose."""
+    regex = grammars[2]
+    drafts = qwen25.encode("ab") + qwen25.encode("1")  # two draft tokens the regex takes
+    with BatchProcessor(compiler, max_batch=2, **PATIENT) as proc:
+        proc.add(0, regex.spec, grammar=regex)
+        proc.add(1, regex.spec, grammar=regex)
+        for _ in range(3):
+            proc.step()
+            logits = torch.zeros(6, qwen25.vocab_size)
+            # row 1 at logits rows 5, 3, 1; row 0 at 0, 2, 4 (positions 0, 1, 2)
+            proc.apply_drafts(logits, [0, 1, 0, 1, 0, 1], [0, 2, 1, 1, 2, 0],
+                              [0, drafts[1], drafts[0], drafts[0], drafts[1], 0])
+            for at, fed in ((0, []), (2, drafts[:1]), (4, drafts), (5, []),
+                            (3, drafts[:1]), (1, drafts)):
+                expected = RawReference.of(regex, qwen25)
+                assert all(expected.accept(t) for t in fed)
+                assert torch.equal(allowed(logits[at]), expected.allowed()), at
+        assert proc.errors == {}
+
+
 def test_apply_drafts_masks_committed_positions_through_the_steps_plan(
         compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary,
         monkeypatch: pytest.MonkeyPatch) -> None:

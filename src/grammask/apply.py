@@ -244,10 +244,15 @@ def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any,
         if (plan is not None and layout is not None and plan.stride == layout.stride
                 and plan.width == layout.width
                 and plan.covered == min(layout.width, vocab_size, bitmask.shape[1] * 32)
-                and int(at.max()) < layout.rows
-                and plan.rows == tuple(np.sort(rows).tolist())):
-            _apply_plan_moved(logits, plan, layout, at, rows)
-            return
+                and int(at.max()) < layout.rows):
+            if plan.rows == tuple(np.sort(rows).tolist()):
+                _apply_plan_moved(logits, plan, layout, at, rows)
+                return
+            # the plan's rows and others (draft positions): the plan serves its own
+            planned = np.isin(rows, plan.rows)
+            if plan.rows == tuple(np.sort(rows[planned]).tolist()):
+                _apply_plan_moved(logits, plan, layout, at[planned], rows[planned])
+                at, rows = at[~planned], rows[~planned]
         ordered = np.full((logits.shape[0], bitmask.shape[1]), -1, dtype=np.int32)
         ordered[at] = bitmask.numpy()[rows]
         apply_bitmask(logits, torch.from_numpy(ordered), vocab_size=vocab_size,

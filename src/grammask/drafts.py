@@ -7,9 +7,9 @@ the last valid mask (which already refuses that token, so the rejection sampler 
 there and no later row is used); after a placeholder (negative id) positions are free; an
 errored row gets its error mask everywhere.
 
-``Drafts.place`` lays a batch's masks out for the apply (``hostlogits``): committed positions
-as (logits row, step bitmask row) pairs, so the step's CPU plan serves them; draft and bonus
-positions in a buffer in the host's logits order, applied row for row.
+``Drafts.place`` lays a batch's masks out for the apply (``hostlogits``) as one row map into
+the step's bitmask: committed positions at their rows' own masks, so the step's CPU plan
+serves them, and draft and bonus positions in rows after the batch's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from .firstmask import FirstMasks
 from .rowmasks import RowMasks
 from .rows import Row
-from .steptypes import DraftMasks, FillStats, StepMasks
+from .steptypes import DraftMasks, FillStats
 
 
 class Drafts:
@@ -33,43 +33,47 @@ class Drafts:
         self.row_masks = row_masks
         self.stats = stats
 
-    def place(self, table: dict[int, Row], step: StepMasks, out: torch.Tensor,
-              rows: Sequence[int], positions: Sequence[int], inputs: Sequence[int],
-              sampling: set[int]) -> DraftMasks:
+    def place(self, table: dict[int, Row], masked: Sequence[int], bitmask: torch.Tensor,
+              base: int, rows: Sequence[int], positions: Sequence[int],
+              inputs: Sequence[int], sampling: set[int]) -> DraftMasks:
         """Each row's masks along its drafts (``BatchProcessor.apply_drafts``: logits row
-        ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``),
-        written to ``out`` (a bitmask in the logits' order) where the step's bitmask has
-        none; ``sampling``: the rows of ``rows`` in ``table`` (the others are left alone)."""
-        bitmask, masked, _ = step
+        ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``), in
+        the step's ``bitmask``: a committed position at its row's own mask (``masked``: the
+        rows the step masked), the draft positions in rows ``base``, ``base + 1``, ... (the
+        bitmask has one for each logits row). ``sampling``: the rows of ``rows`` in
+        ``table`` (the others are left alone)."""
         ready = set(masked)
         placed: dict[int, list[tuple[int, int]]] = {}
         for at, (row, pos) in enumerate(zip(rows, positions, strict=True)):
             if int(row) in sampling:
                 placed.setdefault(int(row), []).append((int(pos), at))
         committed: list[tuple[int, int]] = []  # (mask row, logits row)
-        drafted: list[int] = []
+        others: list[tuple[int, int, int]] = []  # (logits row, mask row, owner)
+        spare = base
+        stale = False
         for row, spots in placed.items():
-            out_rows = [at for _, at in sorted(spots)]
-            first = out_rows[0]
-            if len(out_rows) > 1:
+            ats = [at for _, at in sorted(spots)]
+            if len(ats) > 1:
                 r = table[row]
                 errored = r.error is not None
-                # ``fill`` reads the committed mask here (a refused draft repeats it)
-                if row in ready:
-                    out[first].copy_(bitmask[row])
-                else:
-                    out[first].fill_(-1)
-                self.fill(r, [int(inputs[at]) for at in out_rows[1:]], out, out_rows)
-                drafted += out_rows[1:]
+                if row not in ready:
+                    bitmask[row].fill_(-1)  # ``fill`` reads the committed mask here
+                mask_rows = [row, *range(spare, spare + len(ats) - 1)]
+                spare += len(ats) - 1
+                self.fill(r, [int(inputs[at]) for at in ats[1:]], bitmask, mask_rows)
+                others += [(at, m, row) for at, m in zip(ats[1:], mask_rows[1:], strict=True)]
                 if row not in ready or (r.error is not None) != errored:
-                    drafted.append(first)  # unmasked by the step, or rewritten by ``fill``
+                    others.append((ats[0], row, row))  # unmasked by the step, or rewritten
+                    stale = stale or row in ready
                     continue
             if row in ready:
-                committed.append((row, first))
+                committed.append((row, ats[0]))
         committed.sort()
-        return DraftMasks(np.fromiter((at for _, at in committed), np.intp, len(committed)),
-                          np.fromiter((row for row, _ in committed), np.intp, len(committed)),
-                          out, sorted(drafted))
+        pairs = [(at, row, row) for row, at in committed] + others
+        n = len(pairs)
+        return DraftMasks(np.fromiter((p[0] for p in pairs), np.intp, n),
+                          np.fromiter((p[1] for p in pairs), np.intp, n),
+                          np.fromiter((p[2] for p in pairs), np.intp, n), len(committed), stale)
 
     def fill(self, r: Row, drafts: Sequence[int], out: torch.Tensor,
              out_rows: Sequence[int]) -> None:

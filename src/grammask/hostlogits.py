@@ -1,7 +1,8 @@
 """A step's masks into the host's logits: in batch-row order (``apply``), in the host's own
 order (``apply_mapped``: vLLM's V2 runner, where rows are request slots and logits are in
-batch order) and at speculative draft positions (``apply_drafts``), each as (logits row, mask
-row) pairs through ``apply.apply_pairs``: one apply, with the step's CPU plan where it holds.
+batch order) and at speculative draft positions (``apply_drafts``: draft positions in the
+step's bitmask after the batch's rows), each as (logits row, mask row) pairs through
+``apply.apply_pairs``: one apply, with the step's CPU plan where it holds.
 
 The grammar wins over the host's own processors for rows that asked for it
 (``apply.restore_empty_rows``), and with mask digests on each applied row is recorded first.
@@ -17,6 +18,7 @@ import torch
 
 from . import metrics
 from .apply import apply_pairs, restore_empty_rows
+from .bitmask import allocate_bitmask
 from .digests import MaskDigests, row_key
 from .masks import MaskBuffers
 from .rows import Row
@@ -36,9 +38,7 @@ class HostLogits:
         #: some row of the table may have ``host_masks`` (set by the facade's ``add``, cleared
         #: by ``_restore`` once none has): while False, the apply skips the restore's pass
         self.risky = False
-        # mask rows in the host's logits order (drafts), made on first use
-        self._drafts: MaskBuffers | None = None
-        self._retired: list[MaskBuffers] = []
+        self._outgrown: torch.Tensor | None = None  # ``draft_room``'s last larger copy
 
     def apply(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
               layout: LogitsLayout | None = None) -> None:
@@ -69,50 +69,51 @@ class HostLogits:
         if at.size:
             self._pairs(table, logits, bitmask, at, mask_rows, plan, layout)
 
-    def apply_drafts(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
-                     placed: DraftMasks, owners: Sequence[int],
+    def apply_drafts(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
+                     plan: CpuPlan | None, placed: DraftMasks,
                      layout: LogitsLayout | None = None) -> None:
-        """Masks at draft positions (``drafts.Drafts.place``): committed positions from the
-        step's bitmask as ``apply_mapped`` takes them (its plan moved to them, digests, the
-        restore), the others from the drafts' buffer, restored too. ``owners[i]``: the row
-        logits row ``i`` belongs to (-1: none)."""
+        """Masks at draft positions (``drafts.Drafts.place``: pairs into ``bitmask``, the
+        step's from ``draft_room``), in one apply as ``apply_mapped``'s: the step's ``plan``
+        for the committed positions, digests of those, the restore of every pair."""
         if placed.at.size:
-            self._pairs(table, logits, step.bitmask, placed.at, placed.rows, step.plan, layout)
-        if placed.drafted:
-            apply_pairs(logits, placed.buffer, None, placed.drafted, vocab_size=self.vocab_size,
-                        buffers=self._drafts)
-            if self.risky:  # the buffer is in logits order: mask row i is logits row i
-                self._restore(table, logits, placed.buffer,
-                              [(i, i, int(owners[i])) for i in placed.drafted])
+            self._pairs(table, logits, bitmask, placed.at, placed.rows,
+                        None if placed.stale else plan, layout, placed.owners,
+                        placed.committed)
 
-    def draft_buffer(self, rows: int) -> torch.Tensor:
-        """The next bitmask in the host's logits order (``drafts.Drafts.place`` writes it),
-        of at least ``rows`` rows; valid until the next call but one."""
-        out = self._drafts
-        if out is None or out.max_batch < rows:
-            if out is not None:  # a device copy may still read it: kept, never reused
-                self._retired.append(out)
-            out = self._drafts = MaskBuffers(max(rows, self.max_batch), self.vocab_size)
-        return out.acquire()
+    def draft_room(self, bitmask: torch.Tensor, positions: int) -> torch.Tensor:
+        """The step's ``bitmask`` with ``positions`` rows after the batch's for draft
+        positions: itself when it has them; else (the drafts outgrew the buffers, which grow
+        for the next steps) a larger copy of its batch rows."""
+        need = self.max_batch + positions
+        if bitmask.shape[0] >= need:
+            return bitmask
+        self.buffers.grow(need)
+        room = allocate_bitmask(need, self.vocab_size, pin=self.buffers.pinned)
+        room[:self.max_batch].copy_(bitmask[:self.max_batch])
+        self._outgrown = room  # a device copy may still read it after the apply
+        return room
 
     def _pairs(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
                at: np.ndarray[Any, np.dtype[np.intp]] | None,
                rows: list[int] | np.ndarray[Any, np.dtype[np.intp]], plan: CpuPlan | None,
-               layout: LogitsLayout | None) -> None:
-        """The apply of committed masks (``at`` None: at their own rows): digests,
-        ``apply_pairs``, the restore."""
+               layout: LogitsLayout | None,
+               owners: np.ndarray[Any, np.dtype[np.intp]] | None = None,
+               committed: int | None = None) -> None:
+        """``apply_pairs`` with the hooks: digests of the committed masks (the first
+        ``committed`` pairs; None: all), then the restore (``owners[i]``: pair ``i``'s row;
+        None: its mask row)."""
         # rows as a list only for the per-row hooks (the V2 path has none by default)
         hooks = self.digests is not None or self.risky
         listed = (rows if isinstance(rows, list) else rows.tolist()) if hooks else []
         if self.digests is not None:
-            self._record(table, bitmask, listed)
+            self._record(table, bitmask, listed if committed is None else listed[:committed])
             plan = None if self.digests.fault else plan
         apply_pairs(logits, bitmask, at, rows, vocab_size=self.vocab_size,
                     buffers=self.buffers, plan=plan, layout=layout)
         if self.risky:
             spots = listed if at is None else at.tolist()
-            self._restore(table, logits, bitmask,
-                          [(a, r, r) for a, r in zip(spots, listed, strict=True)])
+            belong = listed if owners is None else owners.tolist()
+            self._restore(table, logits, bitmask, list(zip(spots, listed, belong, strict=True)))
 
     def _record(self, table: dict[int, Row], bitmask: torch.Tensor,
                 rows: Sequence[int]) -> None:

@@ -43,11 +43,14 @@ class MaskBuffers:
         if max_batch < 1 or count < 1:
             raise ValueError(f"need max_batch >= 1 and count >= 1, got {max_batch}, {count}")
         self.max_batch = max_batch
+        #: each buffer's rows: the batch's, then room for draft positions (``grow``)
+        self.rows = max_batch
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self.pinned = torch.cuda.is_available()
         self._buffers = [allocate_bitmask(max_batch, vocab_size, pin=self.pinned)
                          for _ in range(count)]
+        self._retired: list[torch.Tensor] = []  # outgrown: a device copy may still read one
         # GPU only (untested here): the copy of buffer i to the device, recorded by apply().
         self._copy_done: list[Any | None] = [None] * count
         self._events: list[Any | None] = [None] * count  # made once, recorded per copy
@@ -67,6 +70,19 @@ class MaskBuffers:
             event.synchronize()
             self._copy_done[index] = None
         return self._buffers[index]
+
+    def grow(self, rows: int) -> None:
+        """Buffers of at least ``rows`` rows from the next ``acquire`` on (speculative
+        decoding writes draft positions after the batch's rows); at least doubles, so a
+        host's growing drafts reallocate a few times, not every step."""
+        if rows <= self.rows:
+            return
+        self.rows = max(rows, 2 * self.rows)
+        self._retired = list(self._buffers)
+        self._buffers = [allocate_bitmask(self.rows, self.vocab_size, pin=self.pinned)
+                         for _ in self._buffers]
+        self._copy_done = [None] * len(self._buffers)
+        self._events = [None] * len(self._buffers)
 
     def to_device(self, bitmask: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
         """Copy the first ``rows`` rows to ``device`` without blocking the host, into a device

@@ -274,9 +274,10 @@ class BatchProcessor:
         does. The three sequences have one entry per logits row."""
         sampling = {int(r) for r in rows if int(r) in self._rows}
         step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
-        placed = self._drafts.place(self._rows, step, self._logits.draft_buffer(len(rows)),
-                                    rows, positions, inputs, sampling)
-        self._logits.apply_drafts(self._rows, logits, step, placed, rows, layout)
+        bitmask = self._logits.draft_room(step.bitmask, len(rows))
+        placed = self._drafts.place(self._rows, step.rows, bitmask, self.max_batch, rows,
+                                    positions, inputs, sampling)
+        self._logits.apply_drafts(self._rows, logits, bitmask, step.plan, placed, layout)
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:

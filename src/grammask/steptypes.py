@@ -78,14 +78,17 @@ class FillStats:
 
 class DraftMasks(NamedTuple):
     """A batch's masks at its speculative draft positions, as the apply takes them
-    (``drafts.Drafts.place``).
+    (``drafts.Drafts.place``): one row map into one bitmask, the step's.
 
-    Logits row ``at[i]`` takes row ``rows[i]`` of the step's bitmask (committed positions the
-    step masked, so its CPU plan serves them); logits row ``i`` of ``drafted`` takes row
-    ``i`` of ``buffer`` (a bitmask in the logits' order: draft and bonus positions, and the
-    committed position of a row the step did not mask or whose drafts failed)."""
+    Logits row ``at[i]`` takes bitmask row ``rows[i]`` and belongs to processor row
+    ``owners[i]``. The first ``committed`` pairs are committed positions as the step masked
+    them (its CPU plan serves them); the others are draft and bonus positions (bitmask rows
+    after the batch's), and committed positions the step did not mask or whose drafts
+    rewrote them. ``stale``: a mask the step planned was rewritten (the plan no longer
+    holds)."""
 
     at: np.ndarray[Any, np.dtype[np.intp]]
     rows: np.ndarray[Any, np.dtype[np.intp]]
-    buffer: torch.Tensor
-    drafted: list[int]
+    owners: np.ndarray[Any, np.dtype[np.intp]]
+    committed: int
+    stale: bool

@@ -3,10 +3,11 @@
 
 Where each piece runs in a decode step:
 
-- ``MaskBuffers``: int32 ``(max_batch, ceil(V/32))`` buffers allocated once and reused. Two of
-  them alternate step by step, so a fill never writes a buffer whose host-to-device copy of the
-  previous step may still be in flight (pinned memory, non-blocking copy). On CPU the second
-  buffer is idle but keeps a single code path.
+- ``MaskBuffers``: int32 ``(max_batch, ceil(V/32))`` buffers allocated once and reused (grown
+  when speculative decoding needs rows for draft positions). Two of them alternate step by
+  step, so a fill never writes a buffer whose host-to-device copy of the previous step may
+  still be in flight (pinned memory, non-blocking copy). On CPU the second buffer is idle but
+  keeps a single code path.
 - ``FillWorker``: one dedicated daemon thread that runs the step's fill job while the caller's
   thread runs the model forward. Both backends release the GIL inside their fill, so the forward
   (which releases it inside torch kernels) and the fill really run at once.

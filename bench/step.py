@@ -13,8 +13,12 @@ kernel either way, measured by ``bench/gpu.py``):
 - vLLM's way, with xgrammar and with llguidance (``vllm/v1/structured_output``): the engine
   core accepts each row's token and fills its row, serially up to 128 rows, above that in
   chunks of 16 rows on ``min(cores // 2, 8)`` threads; llguidance matchers are made from
-  the grammar per request, as vLLM does (a new request's matcher is made in the step, as
-  the engine core does when it schedules it). Two layouts, both measured in every cell:
+  the grammar per request, as vLLM does. A new request's matcher is made outside the
+  timed step: vLLM makes it when the request arrives (``StructuredOutputManager.grammar_init``,
+  on its compile thread pool), not in the step. grammask's ``proc.add`` of a new request is
+  timed: vLLM's runners hand new requests to a logits processor on the model runner's
+  thread before the forward (``update_state``, ``add_request``). Two layouts, both
+  measured in every cell:
   - the issue's model (``vllm-*``, ``ratio``): the fill runs in the engine core, another
     process than the model runner's, while the GPU works: the step is
     ``max(accept + fill, forward)``. This is vLLM with a multi-process executor (tensor
@@ -250,10 +254,12 @@ def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
     try:
         for _ in range(steps + 2):
             sampled, restarts = at.next()
-            for row in restarts:  # a new request in the row: its first token comes below
+            # a new request in the row (its first token comes below): the host's thread
+            # adds it before the forward (vLLM's runners: ``update_state`` / ``add_request``)
+            t0 = time.perf_counter()
+            for row in restarts:
                 w = at.walks[row]
                 proc.add(row, w.spec, grammar=w.grammar)
-            t0 = time.perf_counter()
             proc.step(every, sampled)
             forward()
             proc.wait_masks()
@@ -313,9 +319,9 @@ def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
     for _ in range(steps + 2):
         sampled, restarts = at.next()
         ended[:] = [p >= len(w.tokens) for p, w in zip(at.pos, at.walks, strict=True)]
-        t0 = time.perf_counter()
-        for row in restarts:  # the engine core makes a new request's matcher as it schedules
+        for row in restarts:  # made at admission (``grammar_init``, in a thread pool): untimed
             matchers[row] = new(at.walks[row])
+        t0 = time.perf_counter()
         for m, tok in zip(matchers, sampled, strict=True):
             (m.accept_token if engine == "xgrammar" else m.consume_token)(tok)
         if layout == "inproc":

@@ -700,6 +700,37 @@ def test_drafts_outgrowing_the_step_bitmask_keep_every_mask(
         assert proc.errors == {}
 
 
+def test_draft_positions_sit_right_above_the_rows_in_use(
+        compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse batch (one request in slot 1 of 64) with drafts: the draft positions take
+    the bitmask rows right above slot 1, so the apply (and a device copy of the rows it
+    reads) spans 4 rows, not the 64 of every slot; the masks match the reference."""
+    import grammask.hostlogits as hostlogits_module
+
+    seen: list[list[int]] = []
+    real = hostlogits_module.apply_pairs
+
+    def spy(logits: torch.Tensor, bitmask: torch.Tensor, at: Any, rows: Any,
+            **kwargs: Any) -> None:
+        seen.append([int(r) for r in rows])
+        real(logits, bitmask, at, rows, **kwargs)
+
+    monkeypatch.setattr(hostlogits_module, "apply_pairs", spy)
+    regex = grammars[2]
+    drafts = qwen25.encode("ab") + qwen25.encode("1")
+    with BatchProcessor(compiler, max_batch=64, **PATIENT) as proc:
+        proc.add(1, regex.spec, grammar=regex)
+        proc.step()
+        logits = torch.zeros(3, qwen25.vocab_size)
+        proc.apply_drafts(logits, [1, 1, 1], [0, 1, 2], [0, *drafts])
+        for at, fed in enumerate([[], drafts[:1], drafts]):
+            expected = RawReference.of(regex, qwen25)
+            assert all(expected.accept(t) for t in fed)
+            assert torch.equal(allowed(logits[at]), expected.allowed()), at
+    assert seen == [[1, 2, 3]]
+
+
 def test_apply_drafts_masks_committed_positions_through_the_steps_plan(
         compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ errored row gets its error mask everywhere.
 
 ``Drafts.place`` lays a batch's masks out for the apply (``hostlogits``) as one row map into
 the step's bitmask: committed positions at their rows' own masks, so the step's CPU plan
-serves them, and draft and bonus positions in rows after the batch's.
+serves them, and draft and bonus positions in rows above those the step uses.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class Drafts:
         """Each row's masks along its drafts (``BatchProcessor.apply_drafts``: logits row
         ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``), in
         the step's ``bitmask``: a committed position at its row's own mask (``masked``: the
-        rows the step masked), the draft positions in rows ``base``, ``base + 1``, ... (the
-        bitmask has one for each logits row). ``sampling``: the rows of ``rows`` in
-        ``table`` (the others are left alone)."""
+        rows the step masked), the draft positions in rows ``base``, ``base + 1``, ... (above
+        every row of ``masked`` and ``rows``; the bitmask has one for each logits row).
+        ``sampling``: the rows of ``rows`` in ``table`` (the others are left alone)."""
         ready = set(masked)
         placed: dict[int, list[tuple[int, int]]] = {}
         for at, (row, pos) in enumerate(zip(rows, positions, strict=True)):

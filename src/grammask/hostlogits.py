@@ -1,7 +1,7 @@
 """A step's masks into the host's logits: in batch-row order (``apply``), in the host's own
 order (``apply_mapped``: vLLM's V2 runner, where rows are request slots and logits are in
 batch order) and at speculative draft positions (``apply_drafts``: draft positions in the
-step's bitmask after the batch's rows), each as (logits row, mask row) pairs through
+step's bitmask above the rows it uses), each as (logits row, mask row) pairs through
 ``apply.apply_pairs``: one apply, with the step's CPU plan where it holds.
 
 The grammar wins over the host's own processors for rows that asked for it
@@ -80,16 +80,17 @@ class HostLogits:
                         None if placed.stale else plan, layout, placed.owners,
                         placed.committed)
 
-    def draft_room(self, bitmask: torch.Tensor, positions: int) -> torch.Tensor:
-        """The step's ``bitmask`` with ``positions`` rows after the batch's for draft
-        positions: itself when it has them; else (the drafts outgrew the buffers, which grow
-        for the next steps) a larger copy of its batch rows."""
-        need = self.max_batch + positions
+    def draft_room(self, bitmask: torch.Tensor, base: int, positions: int) -> torch.Tensor:
+        """The step's ``bitmask`` with ``positions`` rows from row ``base`` on (above every
+        row the step uses) for draft positions: itself when it has them; else (the drafts
+        outgrew the buffers, which grow for the next steps) a larger copy of its rows below
+        ``base``."""
+        need = base + positions
         if bitmask.shape[0] >= need:
             return bitmask
-        self.buffers.grow(need)
+        self.buffers.grow(max(need, self.max_batch + positions))
         room = allocate_bitmask(need, self.vocab_size, pin=self.buffers.pinned)
-        room[:self.max_batch].copy_(bitmask[:self.max_batch])
+        room[:base].copy_(bitmask[:base])
         self._outgrown = room  # a device copy may still read it after the apply
         return room
 

@@ -74,7 +74,7 @@ class MaskBuffers:
 
     def grow(self, rows: int) -> None:
         """Buffers of at least ``rows`` rows from the next ``acquire`` on (speculative
-        decoding writes draft positions after the batch's rows); at least doubles, so a
+        decoding writes draft positions above the batch's rows); at least doubles, so a
         host's growing drafts reallocate a few times, not every step."""
         if rows <= self.rows:
             return

@@ -274,9 +274,12 @@ class BatchProcessor:
         does. The three sequences have one entry per logits row."""
         sampling = {int(r) for r in rows if int(r) in self._rows}
         step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
-        bitmask = self._logits.draft_room(step.bitmask, len(rows))
-        placed = self._drafts.place(self._rows, step.rows, bitmask, self.max_batch, rows,
-                                    positions, inputs, sampling)
+        # draft positions right after the highest row this step uses: a device copy of the
+        # bitmask then spans the rows in use, not every row of a sparse batch
+        base = max(step.rows[-1] if step.rows else -1, max(sampling, default=-1)) + 1
+        bitmask = self._logits.draft_room(step.bitmask, base, len(rows))
+        placed = self._drafts.place(self._rows, step.rows, bitmask, base, rows, positions,
+                                    inputs, sampling)
         self._logits.apply_drafts(self._rows, logits, bitmask, step.plan, placed, layout)
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,

@@ -83,8 +83,8 @@ class DraftMasks(NamedTuple):
     Logits row ``at[i]`` takes bitmask row ``rows[i]`` and belongs to processor row
     ``owners[i]``. The first ``committed`` pairs are committed positions as the step masked
     them (its CPU plan serves them); the others are draft and bonus positions (bitmask rows
-    after the batch's), and committed positions the step did not mask or whose drafts
-    rewrote them. ``stale``: a mask the step planned was rewritten (the plan no longer
+    above every row the step uses), and committed positions the step did not mask or whose
+    drafts rewrote them. ``stale``: a mask the step planned was rewritten (the plan no longer
     holds)."""
 
     at: np.ndarray[Any, np.dtype[np.intp]]

@@ -398,7 +398,8 @@ def test_gpu_step_cells_run_on_an_eager_cpu_forward(corpus: Path) -> None:
 
 
 @pytest.mark.parametrize("layout", ["engine", "inproc"])
-def test_vllm_step_layouts_order_the_fill_as_vllm_does(layout: str, corpus: Path) -> None:
+def test_vllm_step_layouts_order_the_fill_as_vllm_does(
+        layout: str, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench.step``'s model of vLLM: with the fill in another process (``engine``) the
     forward runs after the fill, timed on its own; in one process (``inproc``, vLLM's
     ``uni`` executor) ``EngineCore.step`` launches the forward, fills, then waits."""
@@ -415,14 +416,14 @@ def test_vllm_step_layouts_order_the_fill_as_vllm_does(layout: str, corpus: Path
     events: list[str] = []
     walks = step_bench.make_walks("closed", compiler, raw, vocab, corpus, 1)
     real = step_bench._xgr_matcher
-    step_bench._xgr_matcher = lambda w, v: _FillSpy(real(w, v), events)  # type: ignore
+    monkeypatch.setattr(step_bench, "_xgr_matcher",
+                        lambda w, v: _FillSpy(real(w, v), events))
+    forward = step_bench.Forward(lambda: events.append("launch"),
+                                 lambda: events.append("finish"))
     try:
-        forward = step_bench.Forward(lambda: events.append("launch"),
-                                     lambda: events.append("finish"))
         with ThreadPoolExecutor(1) as pool:
             step_bench.vllm_steps("xgrammar", walks, vocab, 1, forward, 1, pool, layout)
     finally:
-        step_bench._xgr_matcher = real
         for c in (compiler, *raw.values()):
             c.close()
     one_step = events[-3:]

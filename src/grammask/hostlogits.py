@@ -18,7 +18,6 @@ import torch
 
 from . import metrics
 from .apply import apply_pairs, restore_empty_rows
-from .bitmask import allocate_bitmask
 from .digests import MaskDigests, row_key
 from .masks import MaskBuffers
 from .rows import Row
@@ -38,7 +37,6 @@ class HostLogits:
         #: some row of the table may have ``host_masks`` (set by the facade's ``add``, cleared
         #: by ``_restore`` once none has): while False, the apply skips the restore's pass
         self.risky = False
-        self._outgrown: torch.Tensor | None = None  # ``draft_room``'s last larger copy
 
     def apply(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
               layout: LogitsLayout | None = None) -> None:
@@ -73,26 +71,13 @@ class HostLogits:
                      plan: CpuPlan | None, placed: DraftMasks,
                      layout: LogitsLayout | None = None) -> None:
         """Masks at draft positions (``drafts.Drafts.place``: pairs into ``bitmask``, the
-        step's from ``draft_room``), in one apply as ``apply_mapped``'s: the step's ``plan``
-        for the committed positions, digests of those, the restore of every pair."""
+        step's with room for them, ``MaskBuffers.room``), in one apply as ``apply_mapped``'s:
+        the step's ``plan`` for the committed positions, digests of those, the restore of
+        every pair."""
         if placed.at.size:
             self._pairs(table, logits, bitmask, placed.at, placed.rows,
                         None if placed.stale else plan, layout, placed.owners,
                         placed.committed)
-
-    def draft_room(self, bitmask: torch.Tensor, base: int, positions: int) -> torch.Tensor:
-        """The step's ``bitmask`` with ``positions`` rows from row ``base`` on (above every
-        row the step uses) for draft positions: itself when it has them; else (the drafts
-        outgrew the buffers, which grow for the next steps) a larger copy of its rows below
-        ``base``."""
-        need = base + positions
-        if bitmask.shape[0] >= need:
-            return bitmask
-        self.buffers.grow(max(need, self.max_batch + positions))
-        room = allocate_bitmask(need, self.vocab_size, pin=self.buffers.pinned)
-        room[:base].copy_(bitmask[:base])
-        self._outgrown = room  # a device copy may still read it after the apply
-        return room
 
     def _pairs(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
                at: np.ndarray[Any, np.dtype[np.intp]] | None,

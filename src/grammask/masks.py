@@ -85,6 +85,21 @@ class MaskBuffers:
         self._copy_done = [None] * len(self._buffers)
         self._events = [None] * len(self._buffers)
 
+    def room(self, bitmask: torch.Tensor, base: int, extra: int) -> torch.Tensor:
+        """``bitmask`` (one of these buffers) with ``extra`` rows from row ``base`` on (draft
+        positions above the rows a step uses): itself when it has them; else a larger copy
+        of its first ``base`` rows, kept with the outgrown buffers (a device copy may still
+        read it), and from the next ``acquire`` on buffers with ``extra`` rows above every
+        batch row (``grow``)."""
+        need = base + extra
+        if bitmask.shape[0] >= need:
+            return bitmask
+        self.grow(self.max_batch + extra)
+        larger = allocate_bitmask(need, self.vocab_size, pin=self.pinned)
+        larger[:base].copy_(bitmask[:base])
+        self._retired.append(larger)
+        return larger
+
     def to_device(self, bitmask: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
         """Copy the first ``rows`` rows to ``device`` without blocking the host, into a device
         buffer kept across steps (stream order keeps it safe), and mark the host buffer busy

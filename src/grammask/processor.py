@@ -277,7 +277,7 @@ class BatchProcessor:
         # draft positions right after the highest row this step uses: a device copy of the
         # bitmask then spans the rows in use, not every row of a sparse batch
         base = max(step.rows[-1] if step.rows else -1, max(sampling, default=-1)) + 1
-        bitmask = self._logits.draft_room(step.bitmask, base, len(rows))
+        bitmask = self._jobs.buffers.room(step.bitmask, base, len(rows))
         placed = self._drafts.place(self._rows, step.rows, bitmask, base, rows, positions,
                                     inputs, sampling)
         self._logits.apply_drafts(self._rows, logits, bitmask, step.plan, placed, layout)

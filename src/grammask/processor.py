@@ -50,11 +50,12 @@ lifecycle (``rows.py``), the per-step fill job (``stepjob.py``), first masks
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 
 import torch
 
+from .admissions import Admission, Admissions, Queued, Resolve
 from .agreement import Agreement, Solo
 from .compiler import Compiler, Grammar
 from .digests import MaskDigests
@@ -62,6 +63,7 @@ from .drafts import Drafts
 from .firstmask import FirstMasks
 from .hostlogits import HostLogits
 from .masks import Filler
+from .pending import PendingGrammar
 from .request import ConstraintRequest
 from .rowmasks import ErrorPolicy, RowMasks
 from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
@@ -69,7 +71,11 @@ from .spec import GrammarSpec
 from .stepjob import StepJobs
 from .steptypes import FillStats
 
-__all__ = ["BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
+__all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
+
+#: the request of a row that could not be made (it only ever reports its error)
+_STAND_IN = ConstraintRequest(GrammarSpec.json_object(), thinking=False)
+
 
 class BatchProcessor:
     """Masks for a batch of up to ``max_batch`` rows, filled on a worker thread.
@@ -122,15 +128,18 @@ class BatchProcessor:
         self._first = FirstMasks(compiler, wait_s=wait_s, hedge_s=hedge_s,
                                  agreement=agreement or Solo())
         self._row_masks = RowMasks(self.vocab, on_error)
+        self._admissions = Admissions(self._make)
         self._jobs = StepJobs(max_batch=max_batch, vocab_size=self.vocab_size,
                               filler=filler or Filler(), first=self._first, masks=self._row_masks,
-                              stats=self.stats)
+                              stats=self.stats, admissions=self._admissions)
         self._drafts = Drafts(self._first, self._row_masks, self.stats)
         self._new_row = RowMaker(self.vocab, self._first.pending, think_end).make
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, digests=digests)
         self._rows: dict[int, Row] = {}
-        self._live = 0  # rows reading a live list (``step(rows, tokens)`` refuses them)
+        # rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which
+        # may count an add that turned out unconstrained until its row is reused
+        self._live = 0
 
     # ------------------------------------------------------------------ batch membership
     def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
@@ -138,26 +147,36 @@ class BatchProcessor:
             grammar: Grammar | Future[Grammar] | None = None, host_masks: bool = False) -> None:
         """Put a request in ``row`` (replacing whatever was there); None = unconstrained.
 
-        The compile starts now unless ``grammar`` (compiled, or a future of one) is given.
-        ``output_ids``: a live list the host appends to, or None to use ``advance``.
+        The row is made by the next step's fill job, on the fill thread (``admissions.py``:
+        the host's share is a table entry), or at once when the host asks about the row
+        first. The compile starts then unless ``grammar`` (compiled, or a future of one) is
+        given. ``output_ids``: a live list the host appends to, or None to use ``advance``.
         ``host_masks``: the host's own processors forbid tokens of this request before ours
         (vLLM's min_tokens, allowed_token_ids, bad_words, logit_bias): when they leave none of
         the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
         Raises only for host mistakes: IndexError (row out of range), TypeError (another
         request type); a request's own faults (a bad grammar) error its row instead."""
         self._check_row(row)
-        self._jobs.drop(row)
-        self._pop(row)
-        if request is not None:
-            self._rows[row] = self._new_row(request, prompt_ids, output_ids, grammar,
-                                            host_masks)
-            self._live += output_ids is not None
-            if host_masks:
-                self._logits.risky = True
+        if request is not None and not isinstance(request, ConstraintRequest | GrammarSpec):
+            raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
+                            f"{type(request).__name__}")
+        self._queue(row, None if request is None else Admission(request, grammar, host_masks),
+                    prompt_ids, output_ids)
+
+    def add_later(self, row: int, resolve: Callable[[], Admission],
+                  prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None) -> None:
+        """``add(row, *resolve(), prompt_ids, output_ids)``, with ``resolve`` called by the
+        fill job that makes the row: a host's own per-request work (parsing its parameters,
+        starting the compile) leaves the forward's critical path too. ``resolve`` runs on
+        the fill thread, or on the host's when the host asks about the row first; its
+        exception errors the row alone. Raises IndexError for a row out of range."""
+        self._check_row(row)
+        self._queue(row, resolve, prompt_ids, output_ids)
 
     def fail(self, row: int, message: str, cause: str = "host") -> None:
         """Put ``row`` into the sticky error state (adapters that lose track of a row's
         tokens); ``cause``: the metric label. An unconstrained row is left alone."""
+        self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is not None:
             self._jobs.discard()
@@ -180,6 +199,7 @@ class BatchProcessor:
         self._pop(dst)
         if moved is not None:
             self._rows[dst] = moved
+        self._admissions.move(src, dst)
 
     def swap(self, a: int, b: int) -> None:
         """Rows ``a`` and ``b`` trade requests. Raises IndexError for a row out of range."""
@@ -191,10 +211,12 @@ class BatchProcessor:
             self._rows[b] = ra
         if rb is not None:
             self._rows[a] = rb
+        self._admissions.swap(a, b)
 
     def advance(self, row: int, tokens: Sequence[int]) -> None:
         """Append sampled tokens to a row whose output list the processor owns (an
         unconstrained row ignores them). Raises ValueError for a row reading a live list."""
+        self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is None:
             return
@@ -210,6 +232,7 @@ class BatchProcessor:
         Owned lists lose them here (unread ones first); for a live list the host truncates
         its list itself and this rewinds what was already read. Never raises: a rewind the
         matcher refuses errors the row."""
+        self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is None or num_tokens <= 0:
             return
@@ -272,6 +295,7 @@ class BatchProcessor:
         1.. are the inputs of the rows before them). Each row's masks follow its drafts
         (``fill_drafts``); the committed positions take the step's masks as ``apply_mapped``
         does. The three sequences have one entry per logits row."""
+        self._jobs.admit_now(self._rows)
         sampling = {int(r) for r in rows if int(r) in self._rows}
         step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
         # draft positions right after the highest row this step uses: a device copy of the
@@ -300,6 +324,7 @@ class BatchProcessor:
         if len(out_rows) != len(drafts) + 1:
             raise ValueError(f"{len(drafts)} draft tokens need {len(drafts) + 1} output rows, "
                              f"got {len(out_rows)}")
+        self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is not None and drafts:
             self._drafts.fill(r, drafts, out, out_rows)
@@ -308,6 +333,7 @@ class BatchProcessor:
     def info(self, row: int) -> RowInfo:
         """A snapshot of ``row`` (status, error, backend, gaps, token counts); waits for an
         in-flight fill, which may change them."""
+        self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is None:
             return RowInfo("unconstrained")
@@ -325,13 +351,22 @@ class BatchProcessor:
     @property
     def errors(self) -> dict[int, str]:
         """Every errored row and why (waits for an in-flight fill)."""
+        self._jobs.admit_now(self._rows)
         self._jobs.settle()
         return {i: r.error for i, r in self._rows.items() if r.error is not None}
 
     @property
     def rows(self) -> list[int]:
-        """The constrained rows."""
-        return sorted(self._rows)
+        """The constrained rows, those added but not yet made by a fill job included (an
+        add whose ``resolve`` turns out unconstrained among them until then)."""
+        return sorted(self._rows.keys() | self._admissions.queued.keys()
+                      | set(self._jobs.handed_rows()))
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether any row is constrained (``rows``, without sorting them)."""
+        return (bool(self._rows) or bool(self._admissions.queued)
+                or bool(self._jobs.handed_rows()))
 
     @property
     def fill_thread_id(self) -> int | None:
@@ -342,6 +377,7 @@ class BatchProcessor:
         """Wait for an in-flight fill and stop the fill thread; compiles go on in the
         compiler, which the caller owns."""
         self._jobs.close()
+        self._admissions.close()
 
     def __enter__(self) -> BatchProcessor:
         return self
@@ -349,12 +385,54 @@ class BatchProcessor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _queue(self, row: int, resolve: Resolve | None, prompt_ids: Sequence[int],
+               output_ids: list[int] | None) -> None:
+        """The row's previous request leaves; ``resolve`` (None: none) waits for a fill job
+        to make its row."""
+        self._jobs.drop(row)
+        self._pop(row)
+        if resolve is not None:
+            self._admissions.put(row, Queued(resolve, prompt_ids, output_ids))
+            self._live += output_ids is not None
+
     def _pop(self, row: int) -> None:
-        """Drop the row's request, if any (the live-list count follows)."""
+        """Drop the row's request, made or queued, if any (the live-list count follows); a
+        made row's matcher is released by the next fill job (``Admissions.retired``)."""
         r = self._rows.pop(row, None)
         if r is not None:
             self._live -= not r.owned
-            r.release()
+            self._admissions.retired.append(r)
+        queued = self._admissions.drop(row)
+        if queued is not None:
+            self._live -= queued.output_ids is not None
+
+    def _make(self, entry: Queued) -> Row | None:
+        """A queued add's row (None: unconstrained). Every failure stays in the row: an
+        exception of the host's ``resolve`` or of making the row errors it."""
+        resolve = entry.resolve
+        try:
+            admission = resolve if isinstance(resolve, Admission) else resolve()
+            if admission.request is None:
+                return None
+            r = self._new_row(admission.request, entry.prompt_ids, entry.output_ids,
+                              admission.grammar, admission.host_masks)
+        except Exception as exc:
+            r = self._failed_row(entry, f"adding the request failed: {type(exc).__name__}: "
+                                        f"{exc}")
+            return r
+        if admission.host_masks:
+            self._logits.risky = True
+        return r
+
+    def _failed_row(self, entry: Queued, message: str) -> Row:
+        """An errored row in place of one that could not be made (stop-only masks)."""
+        failed: Future[Grammar] = Future()
+        failed.set_exception(RuntimeError(message))
+        output = entry.output_ids
+        r = Row(_STAND_IN, PendingGrammar(failed, None, hedge_s=0.0),
+                [] if output is None else output, output is None, self.vocab.tokens)
+        r.fail(message, cause="host")
+        return r
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_batch:

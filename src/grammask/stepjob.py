@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from . import metrics
+from .admissions import Admissions, Queued
 from .apply import cpu_layout, plan_cpu_apply
 from .backends.base import Matcher
 from .firstmask import FirstMasks
@@ -47,14 +48,20 @@ class Step:
     rows: frozenset[int] | None = None
     #: rows replaced or removed after the job read them: their masks are not handed out
     dropped: set[int] | None = None
+    #: the queued adds the job makes into rows first, and the rows it releases
+    #: (``admissions.py``); None: none
+    admits: tuple[dict[int, Queued], list[Row]] | None = None
 
 
 class StepJobs:
     """Runs one fill job per step on the worker thread, and hands its masks to the host."""
 
     def __init__(self, *, max_batch: int, vocab_size: int, filler: Filler,
-                 first: FirstMasks, masks: RowMasks, stats: FillStats) -> None:
+                 first: FirstMasks, masks: RowMasks, stats: FillStats,
+                 admissions: Admissions | None = None) -> None:
         self.vocab_size = vocab_size
+        self.admissions = admissions if admissions is not None else Admissions(
+            lambda entry: None)
         self.buffers = MaskBuffers(max_batch, vocab_size)
         self.first = first
         self.masks = masks
@@ -105,12 +112,15 @@ class StepJobs:
             assert order is not None
             handed = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
             if live_rows:
-                live = next((i for i in order if i in table and not table[i].owned), None)
+                queued = self.admissions.queued
+                live = next((i for i in order if (i in table and not table[i].owned) or (
+                    i in queued and queued[i].output_ids is not None)), None)
         step = Step(None, self.buffers.acquire(), [],
-                    rows=frozenset(order) if order is not None else None)
+                    rows=frozenset(order) if order is not None else None,
+                    admits=self.admissions.hand_over())
         self._stepped_at = time.perf_counter()
         self._steps += 1
-        if table:
+        if table or step.admits is not None:
             step.future = self._worker.run(
                 partial(self._job, step, self.cpu_layout, table, order, handed))
         self.pending = step
@@ -159,16 +169,30 @@ class StepJobs:
 
     def drop(self, row: int) -> None:
         """``row`` is removed or replaced: the pending fill holds for the other rows. A job
-        over named rows that does not name ``row`` never touches it; one that does is
-        waited for and ``row``'s mask left out. A job over every row is discarded."""
+        over named rows that neither names nor makes ``row`` never touches it; one that does
+        is waited for and ``row``'s mask left out. A job over every row is discarded."""
         step = self.pending
         if step is None:
             return
         if step.rows is None:
             self.discard()
-        elif row in step.rows:
+        elif row in step.rows or (step.admits is not None and row in step.admits[0]):
             self.settle()
             step.dropped = (step.dropped or set()) | {row}
+
+    def admit_now(self, table: dict[int, Row]) -> None:
+        """Every added row in ``table`` now: an in-flight job that makes some is waited for
+        (the table then has one writer at a time), and rows added since are made on the
+        host's thread (the host asks about a row, or masks it, before a fill job made it)."""
+        step = self.pending
+        if self.admissions.queued or (step is not None and step.admits is not None):
+            self.settle()
+            self.admissions.admit_now(table)
+
+    def handed_rows(self) -> Collection[int]:
+        """The rows whose adds the in-flight job is making."""
+        step = self.pending
+        return () if step is None or step.admits is None else step.admits[0].keys()
 
     def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor,
                        rows: Collection[int] | None = None
@@ -204,6 +228,8 @@ class StepJobs:
                         rows is None or (step.rows is not None and step.rows.issuperset(rows))):
                     return result
                 indices = set(result.rows)
+        if rows is not None:  # rows added since the step, which the host masks now
+            self.admissions.admit_now(table)
         dropped = step.dropped or set()
         if dropped:  # rows the job filled for an occupant that left: not theirs now
             indices.difference_update(dropped)
@@ -256,6 +282,8 @@ class StepJobs:
         The rows come back sorted and distinct (``step(rows, tokens)`` may list a row twice),
         so ``wait`` has nothing left to do but return them."""
         try:
+            if step.admits is not None:
+                self.admissions.admit(table, step.admits)
             self._read(step, table, rows, tokens)
         except BaseException:  # a bug in the read: every row it was to read fails
             step.work[:] = [(i, r, []) for i, r in table.items()

@@ -48,6 +48,15 @@ def _parsed(key: str) -> ConstraintRequest | None:
     return parse_extra_args(json.loads(key))
 
 
+def carries_request(extra_args: Mapping[str, Any] | None) -> bool:
+    """Whether ``request_of`` would find a grammask key (and so not answer None), from the
+    keys alone: what a model runner's thread asks per new request before the forward."""
+    if not extra_args:
+        return False
+    return any(k != OPT_OUT_KEY and (k in REQUEST_KEYS or (
+        isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY))) for k in extra_args)
+
+
 def request_of(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None:
     """The request's constraint, or None when it carries no grammask key (cheap then).
 

@@ -29,7 +29,7 @@ from ..cpu_placement import fill_cpus
 from ..digests import MaskDigests
 from ..errors import CompileFailure, GrammarError, ServerFault
 from ..masks import Filler
-from ..processor import BatchProcessor
+from ..processor import Admission, BatchProcessor
 from ..request import ConstraintRequest
 from ..spec import GrammarSpec
 from .vllm_admission import (  # re-exported: the adapters' (and tests') one import point
@@ -40,6 +40,7 @@ from .vllm_admission import (  # re-exported: the adapters' (and tests') one imp
     _parsed,
     _request_key,
     _settings_of,
+    carries_request,
     request_of,
     validate_sampling_params,
 )
@@ -138,7 +139,7 @@ class PluginCore:
 
     @property
     def has_rows(self) -> bool:
-        return self._proc is not None and bool(self._proc.rows)
+        return self._proc is not None and self._proc.has_rows
 
     @property
     def proc_or_none(self) -> BatchProcessor | None:
@@ -188,12 +189,7 @@ class PluginCore:
         row alone errors (stop-only mask) and the batch goes on."""
         if not self.active:
             return None, None
-        if (self.dropin.on and not self._foreign_warned
-                and getattr(sampling_params, "structured_outputs", None) is not None
-                and OPT_OUT_KEY not in (getattr(sampling_params, "extra_args", None) or {})):
-            self._foreign_warned = True  # validate_params did not run on it (another path)
-            log.warning("grammask: a request reached the engine with vLLM structured_outputs "
-                        "still set; vLLM's engine serves it, not grammask")
+        self._check_foreign(sampling_params)
         try:
             request = request_of(getattr(sampling_params, "extra_args", None))
         except GrammarError as exc:
@@ -207,6 +203,30 @@ class PluginCore:
             return request, self.compiler.compile_async(request.spec)
         except CompileFailure as exc:  # a closed compiler: this row alone fails
             return _invalid(exc)
+
+    def claims(self, sampling_params: Any) -> bool:
+        """Whether grammask serves this request, from its keys alone (``request`` parses
+        them): the model runner's thread asks this per new request, before the forward."""
+        if not self.active:
+            return False
+        self._check_foreign(sampling_params)
+        return carries_request(getattr(sampling_params, "extra_args", None))
+
+    def admission(self, sampling_params: Any, resumed: bool) -> Admission:
+        """``request`` and ``host_masks`` as one ``Admission``: what a fill job makes the
+        row from (``BatchProcessor.add_later``), off the runner's thread."""
+        request, grammar = self.request(sampling_params, resumed=resumed)
+        return Admission(request, grammar, host_masks(sampling_params))
+
+    def _check_foreign(self, sampling_params: Any) -> None:
+        """Warn once when vLLM's own structured outputs reach the engine with the drop-in
+        on (``validate_params`` did not run on the request: another path)."""
+        if (self.dropin.on and not self._foreign_warned
+                and getattr(sampling_params, "structured_outputs", None) is not None
+                and OPT_OUT_KEY not in (getattr(sampling_params, "extra_args", None) or {})):
+            self._foreign_warned = True
+            log.warning("grammask: a request reached the engine with vLLM structured_outputs "
+                        "still set; vLLM's engine serves it, not grammask")
 
     def deactivate(self) -> None:
         self.active = False

@@ -15,12 +15,13 @@ V1 runner, as vLLM drives it (``InputBatch``):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from .vllm_common import FQCN, PluginCore, host_masks
+from .vllm_common import FQCN, PluginCore
 
 __all__ = ["FQCN", "V1Batch"]
 
@@ -53,10 +54,12 @@ class V1Batch:
                 for index in batch_update.removed:
                     proc.remove(index)
             for index, params, prompt, output in batch_update.added:
-                request, grammar = core.request(params, resumed=bool(output))
-                if request is not None:
-                    core.processor().add(index, request, prompt or (), output,
-                                         grammar=grammar, host_masks=host_masks(params))
+                # the parse, the compile's start and the row are the fill job's, off this
+                # thread: here a new request costs a key check and a table entry
+                if core.claims(params):
+                    core.processor().add_later(
+                        index, partial(core.admission, params, bool(output)), prompt or (),
+                        output)
                 elif proc is not None:
                     proc.remove(index)  # the row may still hold a previous occupant
             proc = core.proc_or_none

@@ -149,3 +149,25 @@ def test_an_add_after_a_named_step_is_masked_in_its_apply(
         proc.apply_mapped(logits, [1, 0], [0, 2])
         expect(logits, 1, grammars[0], qwen25)
         expect(logits, 0, grammars[2], qwen25)
+
+
+def test_many_zero_waits_observe_as_many_single_waits() -> None:
+    """``metrics.observe_many`` (a step's new rows' first-mask waits in one update) leaves
+    a histogram exactly as the same observations one by one would."""
+    prom = pytest.importorskip("prometheus_client")
+    from grammask import metrics
+
+    registry = prom.CollectorRegistry()
+    one = prom.Histogram("one_by_one", "", ["outcome"], registry=registry)
+    many = prom.Histogram("in_one_update", "", ["outcome"], registry=registry)
+    for value, count in ((0.0, 150), (0.02, 3), (7.5, 2), (1e9, 1)):
+        for _ in range(count):
+            one.labels(outcome="ready").observe(value)
+        metrics.observe_many(many.labels(outcome="ready"), value, count)
+
+    def samples(name: str) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name.replace(name, ""), s.labels, s.value) for m in registry.collect()
+                if m.name == name for s in m.samples if not s.name.endswith("_created")]
+
+    assert samples("one_by_one") == samples("in_one_update")
+    assert samples("one_by_one")[-2][2] == 156  # _count

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from functools import partial
 
 from . import metrics
 from .agreement import Agreement
@@ -174,14 +175,21 @@ def _attach_ready(rows: Sequence[Row], now: float) -> list[Row]:
     would have them (``use=0``), without views or futures (a step that starts many requests
     pays microseconds a row for them on the fill thread); the rest are returned."""
     waiting = []
-    observe = None
+    child = None
+    at_once = 0  # rows that needed their grammar first now: a zero wait each, observed once
     for r in rows:
         grammar = r.pending.ready
         if grammar is None:
             waiting.append(r)
             continue
-        if observe is None:
-            observe = metrics.FIRST_MASK_WAIT.labels(outcome="ready").observe
-        metrics.defer(observe, now - (r.need_since or now))
+        if child is None:
+            child = metrics.FIRST_MASK_WAIT.labels(outcome="ready")
+        waited = now - (r.need_since or now)
+        if waited == 0.0:
+            at_once += 1
+        else:
+            metrics.defer(child.observe, waited)
         r.attach(grammar)
+    if at_once:
+        metrics.defer(partial(metrics.observe_many, child, 0.0), at_once)
     return waiting

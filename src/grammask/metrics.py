@@ -150,6 +150,28 @@ def defer(fn: Any, value: float) -> None:
         scope.calls.append((fn, value))
 
 
+def observe_many(child: Any, value: float, count: int) -> None:
+    """``child.observe(value)`` ``count`` times as one update: a step that starts 150 rows
+    observes 150 zero first-mask waits, ~3 µs of locks each on the fill thread, which then
+    takes turns with the host's apply. prometheus_client's histogram child takes the sum
+    and the one bucket in one ``inc`` each; anything else (another client version, the
+    no-op) gets the loop."""
+    buckets = getattr(child, "_buckets", None)
+    bounds = getattr(child, "_upper_bounds", None)
+    total = getattr(child, "_sum", None)
+    if buckets is None or bounds is None or total is None:
+        for _ in range(count):
+            child.observe(value)
+        return
+    if count <= 0:
+        return
+    total.inc(value * count)
+    for bucket, bound in zip(buckets, bounds, strict=True):
+        if value <= bound:
+            bucket.inc(count)
+            break
+
+
 def available() -> bool:
     return _prom is not None
 

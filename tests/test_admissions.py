@@ -171,3 +171,14 @@ def test_many_zero_waits_observe_as_many_single_waits() -> None:
 
     assert samples("one_by_one") == samples("in_one_update")
     assert samples("one_by_one")[-2][2] == 156  # _count
+
+
+def test_add_later_refuses_what_it_cannot_call(compiler: Compiler) -> None:
+    """A host that hands ``add_later`` a request instead of a callable hears it at once,
+    and the batch is as before."""
+    with BatchProcessor(compiler, max_batch=2, think_end=None, **PATIENT) as proc:
+        with pytest.raises(TypeError, match="callable"):
+            proc.add_later(0, Admission(CHOICES[0]))  # type: ignore[arg-type]
+        with pytest.raises(IndexError):
+            proc.add_later(2, lambda: Admission(None))
+        assert proc.rows == [] and not proc.has_rows

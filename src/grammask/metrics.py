@@ -156,14 +156,14 @@ def observe_many(child: Any, value: float, count: int) -> None:
     takes turns with the host's apply. prometheus_client's histogram child takes the sum
     and the one bucket in one ``inc`` each; anything else (another client version, the
     no-op) gets the loop."""
+    if count <= 0:
+        return
     buckets = getattr(child, "_buckets", None)
     bounds = getattr(child, "_upper_bounds", None)
     total = getattr(child, "_sum", None)
     if buckets is None or bounds is None or total is None:
         for _ in range(count):
             child.observe(value)
-        return
-    if count <= 0:
         return
     total.inc(value * count)
     for bucket, bound in zip(buckets, bounds, strict=True):

@@ -64,7 +64,7 @@ from .firstmask import FirstMasks
 from .hostlogits import HostLogits
 from .masks import Filler
 from .pending import PendingGrammar
-from .request import ConstraintRequest
+from .request import STAND_IN, ConstraintRequest
 from .rowmasks import ErrorPolicy, RowMasks
 from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
 from .spec import GrammarSpec
@@ -72,10 +72,6 @@ from .stepjob import StepJobs
 from .steptypes import FillStats
 
 __all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
-
-#: the request of a row that could not be made (it only ever reports its error)
-_STAND_IN = ConstraintRequest(GrammarSpec.json_object(), thinking=False)
-
 
 class BatchProcessor:
     """Masks for a batch of up to ``max_batch`` rows, filled on a worker thread.
@@ -169,8 +165,12 @@ class BatchProcessor:
         fill job that makes the row: a host's own per-request work (parsing its parameters,
         starting the compile) leaves the forward's critical path too. ``resolve`` runs on
         the fill thread, or on the host's when the host asks about the row first; its
-        exception errors the row alone. Raises IndexError for a row out of range."""
+        exception errors the row alone. Raises IndexError for a row out of range, TypeError
+        when ``resolve`` is not callable."""
         self._check_row(row)
+        if not callable(resolve):
+            raise TypeError(f"resolve must be callable (returning an Admission), got "
+                            f"{type(resolve).__name__}")
         self._queue(row, resolve, prompt_ids, output_ids)
 
     def fail(self, row: int, message: str, cause: str = "host") -> None:
@@ -417,9 +417,8 @@ class BatchProcessor:
             r = self._new_row(admission.request, entry.prompt_ids, entry.output_ids,
                               admission.grammar, admission.host_masks)
         except Exception as exc:
-            r = self._failed_row(entry, f"adding the request failed: {type(exc).__name__}: "
-                                        f"{exc}")
-            return r
+            return self._failed_row(entry, f"adding the request failed: "
+                                           f"{type(exc).__name__}: {exc}")
         if admission.host_masks:
             self._logits.risky = True
         return r
@@ -429,7 +428,7 @@ class BatchProcessor:
         failed: Future[Grammar] = Future()
         failed.set_exception(RuntimeError(message))
         output = entry.output_ids
-        r = Row(_STAND_IN, PendingGrammar(failed, None, hedge_s=0.0),
+        r = Row(STAND_IN, PendingGrammar(failed, None, hedge_s=0.0),
                 [] if output is None else output, output is None, self.vocab.tokens)
         r.fail(message, cause="host")
         return r

@@ -43,6 +43,11 @@ class ConstraintRequest:
     source: str = "grammask"
 
 
+#: the request of a row that carries only an error (a request that could not be parsed or
+#: made): it is never compiled
+STAND_IN = ConstraintRequest(GrammarSpec.json_object(), thinking=False)
+
+
 def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None:
     """None when the request carries no grammask constraint (it is then left untouched).
 

@@ -271,10 +271,6 @@ def _advance_one(r: Row, tokens: list[int]) -> None:
 Compiles = Callable[[GrammarSpec, Grammar | Future[Grammar] | None], PendingGrammar]
 
 
-#: specs whose default request ``RowMaker`` keeps
-KNOWN_SPECS = 256
-
-
 class RowMaker:
     """Rows for requests added to the batch: the compile (``pending``) and the thinking gate
     (one marker per ``think_end``, made once)."""
@@ -287,26 +283,12 @@ class RowMaker:
                          else None if think_end is None
                          else ThinkMarker.for_vocab(vocab, think_end))
         self._markers: dict[str, ThinkMarker | None] = {}
-        self._requests: dict[int, tuple[GrammarSpec, ConstraintRequest]] = {}
-
-    def _request(self, spec: GrammarSpec) -> ConstraintRequest:
-        """The default request of ``spec``, one per spec object (rows of one spec after
-        another share it: it is immutable). Bounded: the oldest go first; an entry holds
-        its spec, so its ``id`` is not reused meanwhile."""
-        known = self._requests.get(id(spec))
-        if known is not None:
-            return known[1]
-        request = ConstraintRequest(spec)
-        if len(self._requests) >= KNOWN_SPECS:
-            self._requests.pop(next(iter(self._requests)), None)
-        self._requests[id(spec)] = (spec, request)
-        return request
 
     def make(self, request: ConstraintRequest | GrammarSpec, prompt_ids: Sequence[int],
              output_ids: list[int] | None, grammar: Grammar | Future[Grammar] | None,
              host_masks: bool) -> Row:
         if isinstance(request, GrammarSpec):
-            request = self._request(request)
+            request = ConstraintRequest(request)
         if not isinstance(request, ConstraintRequest):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")

@@ -58,10 +58,9 @@ class StepJobs:
 
     def __init__(self, *, max_batch: int, vocab_size: int, filler: Filler,
                  first: FirstMasks, masks: RowMasks, stats: FillStats,
-                 admissions: Admissions | None = None) -> None:
+                 admissions: Admissions) -> None:
         self.vocab_size = vocab_size
-        self.admissions = admissions if admissions is not None else Admissions(
-            lambda entry: None)
+        self.admissions = admissions
         self.buffers = MaskBuffers(max_batch, vocab_size)
         self.first = first
         self.masks = masks

@@ -33,11 +33,16 @@ REQUEST_KEYS = (EXTRA_ARGS_KEY, *FLAT_KEYS)
 
 
 # ---------------------------------------------------------------------- requests
+def _is_request_key(key: object) -> bool:
+    """A key grammask reads, or one with its prefix it does not know (to be refused)."""
+    return key != OPT_OUT_KEY and (key in REQUEST_KEYS or (
+        isinstance(key, str) and key.startswith(EXTRA_ARGS_KEY)))
+
+
 def _request_key(extra_args: Mapping[str, Any]) -> str | None:
     """A hashable rendering of the grammask keys of ``extra_args`` (None: not ours); keys
     with the ``grammask`` prefix that grammask does not know are kept, to be refused."""
-    present = {k: v for k, v in extra_args.items() if k != OPT_OUT_KEY and (
-        k in REQUEST_KEYS or (isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY)))}
+    present = {k: v for k, v in extra_args.items() if _is_request_key(k)}
     if not present:
         return None
     return json.dumps(present, sort_keys=True, default=repr)
@@ -51,10 +56,7 @@ def _parsed(key: str) -> ConstraintRequest | None:
 def carries_request(extra_args: Mapping[str, Any] | None) -> bool:
     """Whether ``request_of`` would find a grammask key (and so not answer None), from the
     keys alone: what a model runner's thread asks per new request before the forward."""
-    if not extra_args:
-        return False
-    return any(k != OPT_OUT_KEY and (k in REQUEST_KEYS or (
-        isinstance(k, str) and k.startswith(EXTRA_ARGS_KEY))) for k in extra_args)
+    return bool(extra_args) and any(map(_is_request_key, extra_args or ()))
 
 
 def request_of(extra_args: Mapping[str, Any] | None) -> ConstraintRequest | None:

@@ -30,8 +30,7 @@ from ..digests import MaskDigests
 from ..errors import CompileFailure, GrammarError, ServerFault
 from ..masks import Filler
 from ..processor import Admission, BatchProcessor
-from ..request import ConstraintRequest
-from ..spec import GrammarSpec
+from ..request import STAND_IN, ConstraintRequest
 from .vllm_admission import (  # re-exported: the adapters' (and tests') one import point
     REQUEST_KEYS,
     _checked,
@@ -249,5 +248,4 @@ def host_masks(sampling_params: Any) -> bool:
 def _invalid(exc: GrammarError | ServerFault) -> tuple[ConstraintRequest, Future[Grammar]]:
     failed: Future[Grammar] = Future()
     failed.set_exception(exc)
-    # a stand-in spec: the row only ever reports the failure above
-    return ConstraintRequest(GrammarSpec.json_object(), thinking=False), failed
+    return STAND_IN, failed  # the row only ever reports the failure above

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                    "apply_host_within_vllm_plus_10us": all(r["excess_us"] <= 10
                                                            for r in host),
                    "no_row_errors_in_overlap": all(r["errors"] == 0 for r in overlapped),
-                   "step_worst_ratio_to_vllm": stepped["worst_ratio"]}}
+                   "step_worst_ratio_to_vllm": stepped["worst_ratio"],
+                   "step_worst_ratio_to_vllm_rpc": stepped["worst_ratio_rpc"]}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["proved"]))

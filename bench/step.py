@@ -69,18 +69,19 @@ from bench.cases import load_maskbench
 from bench.fillscale import FREE_TEXT, instances
 from bench.paths import DEFAULT_CORPUS
 from bench.stats import machine_info, render_table, write_json
+from bench.vllm_rpc import GrammarOutput, Trip
 from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
 from grammask.backends.guidance import tokenizer as llg_tokenizer
 from grammask.bitmask import allocate_bitmask
 from grammask.processor import BatchProcessor
 
 VLLM_CHUNK = 16
-#: each side: (engine, layout) for ``vllm_steps``; grammask's own side has none
-SIDES: dict[str, tuple[str, str]] = {
-    "grammask": ("", ""),
-    "vllm-xgrammar": ("xgrammar", "engine"), "vllm-llguidance": ("guidance", "engine"),
-    "vllm-inproc-xgrammar": ("xgrammar", "inproc"),
-    "vllm-inproc-llguidance": ("guidance", "inproc")}
+ENGINES = {"xgrammar": "xgrammar", "llguidance": "guidance"}
+#: vLLM's models (``vllm_steps``' keys) and the series name prefix each is reported under
+MODELS = {"engine": "vllm", "rpc": "vllm-rpc", "inproc": "vllm-inproc"}
+#: the ratio each model gives grammask, as named in the JSON
+RATIOS = {"engine": "ratio_to_better_vllm", "rpc": "ratio_to_better_vllm_rpc",
+          "inproc": "ratio_to_better_vllm_inproc"}
 VLLM_SERIAL_MAX = 128
 
 CLOSED = {"type": "object", "properties": {
@@ -261,8 +262,12 @@ def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
                 w = at.walks[row]
                 proc.add(row, w.spec, grammar=w.grammar)
             proc.step(every, sampled)
-            forward()
+            # the runner's apply comes right after the launch (vLLM's sampler runs the
+            # logits processors on logits the device is still computing): the host waits
+            # for the masks while the device works, and for the device after
+            forward.launch()
             proc.wait_masks()
+            forward.finish()
             times.append((time.perf_counter() - t0) * 1000)
     finally:
         proc.close()
@@ -271,18 +276,28 @@ def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
 
 def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
                forward: Forward, steps: int, pool: ThreadPoolExecutor,
-               layout: str = "engine") -> list[float]:
+               layout: str = "engine") -> dict[str, list[float]]:
     """vLLM's way: accept each row's token, then fill (serial, or 16-row chunks on the pool
-    above 128 rows).
+    above 128 rows). Returns each model's step times (ms) from the same steps.
 
-    ``layout="engine"`` (the issue's model: the fill runs in the engine core, another
-    process than the model runner's, as with ``--tensor-parallel-size`` > 1): the step is
-    max(accept + fill, forward), each measured on its own. ``layout="inproc"`` (one GPU:
-    vLLM's default ``uni`` executor runs the model runner inside the engine core, and
-    ``EngineCore.step`` launches the forward, then fills, then waits for the output): the
-    step is accept + launch + fill + the rest of the forward, measured end to end."""
+    ``layout="engine"``: the fill runs in the engine core, another process than the model
+    runner's, as with ``--tensor-parallel-size`` > 1. Each part is timed on its own and
+    two models are made of them:
+    - ``engine`` (the issue's model): ``max(accept + fill, forward)``;
+    - ``rpc``: the same, with the bitmask's trip to the worker (``vllm_rpc.Trip``: the
+      ``sample_tokens`` RPC's pickling and copy into shared memory after the fill, and the
+      worker's copy out and unpickling once its thread is free of the launch):
+      ``max(launch + finish, max(launch, accept + fill + send) + receive)``. With a CUDA-graph
+      forward (launch ~0) the receive hides under the device's work when there is room;
+      with an eager one it comes after the launch loop.
+    ``layout="inproc"`` (one GPU: vLLM's default ``uni`` executor runs the model runner
+    inside the engine core, and ``EngineCore.step`` launches the forward, then fills, then
+    waits for the output): ``inproc``, accept + launch + fill + the rest of the forward,
+    measured end to end."""
     at = Positions(walks, batch)
     bitmask = allocate_bitmask(batch, vocab.vocab_size)
+    trip = Trip() if layout == "engine" else None
+    ids = [f"req-{i}" for i in range(batch)]
 
     def new(w: Walk) -> Any:
         if engine == "xgrammar":
@@ -315,27 +330,61 @@ def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
             for f in futures:
                 f.result()
 
-    times = []
-    for _ in range(steps + 2):
-        sampled, restarts = at.next()
-        ended[:] = [p >= len(w.tokens) for p, w in zip(at.pos, at.walks, strict=True)]
-        for row in restarts:  # made at admission (``grammar_init``, in a thread pool): untimed
-            matchers[row] = new(at.walks[row])
-        t0 = time.perf_counter()
-        for m, tok in zip(matchers, sampled, strict=True):
-            (m.accept_token if engine == "xgrammar" else m.consume_token)(tok)
-        if layout == "inproc":
-            forward.launch()
+    times: dict[str, list[float]] = {"engine": [], "rpc": []} if trip else {"inproc": []}
+    try:
+        for _ in range(steps + 2):
+            sampled, restarts = at.next()
+            ended[:] = [p >= len(w.tokens) for p, w in zip(at.pos, at.walks, strict=True)]
+            for row in restarts:  # made at admission (``grammar_init``, a thread pool): untimed
+                matchers[row] = new(at.walks[row])
+            t0 = time.perf_counter()
+            for m, tok in zip(matchers, sampled, strict=True):
+                (m.accept_token if engine == "xgrammar" else m.consume_token)(tok)
+            if trip is None:
+                forward.launch()
+                fill()
+                forward.finish()
+                times["inproc"].append((time.perf_counter() - t0) * 1000)
+                continue
             fill()
+            t1 = time.perf_counter()
+            trip.send(GrammarOutput(ids, bitmask.numpy()))
+            t2 = time.perf_counter()
+            forward.launch()
+            t3 = time.perf_counter()
             forward.finish()
-            times.append((time.perf_counter() - t0) * 1000)
-            continue
-        fill()
-        t1 = time.perf_counter()
-        forward()
-        t2 = time.perf_counter()
-        times.append(max(t1 - t0, t2 - t1) * 1000)
-    return times[2:]
+            t4 = time.perf_counter()
+            trip.receive()
+            t5 = time.perf_counter()
+            fill_s, send_s, launch_s, fwd_s, receive_s = t1 - t0, t2 - t1, t3 - t2, t4 - t2, t5 - t4
+            times["engine"].append(max(fill_s, fwd_s) * 1000)
+            times["rpc"].append(max(fwd_s, max(launch_s, fill_s + send_s) + receive_s) * 1000)
+    finally:
+        if trip is not None:
+            trip.close()
+    return {k: v[2:] for k, v in times.items()}
+
+
+def cell(compiler: Compiler, walks: list[Walk], vocab: Vocabulary, batch: int,
+         forward: Forward, steps: int, repeats: int, pool: ThreadPoolExecutor
+         ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, float]]:
+    """One (workload, B, forward) cell: each series' median step ms over ``repeats`` runs
+    of ``steps`` steps (the sides take turns, so load hits them alike), the runs, and
+    grammask's ratio to the better engine in each of vLLM's models."""
+    runs: dict[str, list[float]] = {"grammask": []}
+    for _ in range(repeats):
+        runs["grammask"].append(statistics.median(
+            grammask_steps(compiler, walks, batch, forward, steps)))
+        for name, engine in ENGINES.items():
+            for layout in ("engine", "inproc"):
+                for model, times in vllm_steps(engine, walks, vocab, batch, forward, steps,
+                                               pool, layout).items():
+                    runs.setdefault(f"{MODELS[model]}-{name}", []).append(
+                        statistics.median(times))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ratios = {m: med["grammask"] / min(med[f"{prefix}-{e}"] for e in ENGINES)
+              for m, prefix in MODELS.items()}
+    return med, runs, ratios
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -372,37 +421,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         for batch in batches:
             for fwd in forwards:
                 forward = make_forward(fwd)
-                runs: dict[str, list[float]] = {side: [] for side in SIDES}
-                for _ in range(args.repeats):  # sides take turns: load hits them alike
-                    runs["grammask"].append(statistics.median(
-                        grammask_steps(compiler, walks, batch, forward, args.steps)))
-                    for side, (engine, layout) in SIDES.items():
-                        if side != "grammask":
-                            runs[side].append(statistics.median(vllm_steps(
-                                engine, walks, vocab, batch, forward, args.steps, pool,
-                                layout)))
-                med = {k: statistics.median(v) for k, v in runs.items()}
-                ratio = med["grammask"] / min(med["vllm-xgrammar"], med["vllm-llguidance"])
-                ratio_inproc = med["grammask"] / min(med["vllm-inproc-xgrammar"],
-                                                     med["vllm-inproc-llguidance"])
+                med, runs, ratios = cell(compiler, walks, vocab, batch, forward, args.steps,
+                                         args.repeats, pool)
                 results.append({"workload": workload, "batch": batch, "forward": fwd,
                                 "grammask_backends": backends, "steps_ms": med,
-                                "runs_ms": runs, "ratio_to_better_vllm": ratio,
-                                "ratio_to_better_vllm_inproc": ratio_inproc})
-                table.append([workload, batch, fwd, f"{med['grammask']:.2f}",
-                              f"{med['vllm-xgrammar']:.2f}", f"{med['vllm-llguidance']:.2f}",
-                              f"{ratio:.2f}", f"{med['vllm-inproc-xgrammar']:.2f}",
-                              f"{med['vllm-inproc-llguidance']:.2f}", f"{ratio_inproc:.2f}"])
+                                "runs_ms": runs} | {RATIOS[m]: r for m, r in ratios.items()})
+                table.append([workload, batch, fwd, f"{med['grammask']:.2f}"] + [
+                    f"{v:.2f}" for m in MODELS for v in (
+                        min(med[f"{MODELS[m]}-{e}"] for e in ENGINES), ratios[m])])
                 print(" ".join(str(c) for c in table[-1]), file=sys.stderr, flush=True)
     pool.shutdown()
     for c in (compiler, *raw.values()):
         c.close()
-    print(render_table(["workload", "B", "forward", "grammask_ms", "vllm_xgr_ms",
-                        "vllm_llg_ms", "ratio", "inproc_xgr_ms", "inproc_llg_ms",
-                        "ratio_inproc"], table))
-    print("(median step ms over repeats of median steps; ratio: grammask / the better of "
-          "vLLM's ways with the fill in another process (the issue's model), <= 1.00 is never "
-          "slower; ratio_inproc: the same against vLLM's one-GPU layout, fill after launch)")
+    print(render_table(["workload", "B", "forward", "grammask_ms", "vllm_ms", "ratio",
+                        "rpc_ms", "ratio_rpc", "inproc_ms", "ratio_inproc"], table))
+    print("(median step ms over repeats of median steps; vllm_ms: the better of vLLM's ways "
+          "(xgrammar, llguidance) in each model; ratio: grammask / that, <= 1.00 is never "
+          "slower. The models: the fill in another process, free (the issue's); the same "
+          "with the bitmask's trip to the worker (rpc); one GPU, the fill after the launch "
+          "(inproc))")
     if args.json:
         write_json(args.json, {"machine": machine_info(), "args": vars(args) | {
             "corpus": str(args.corpus)}, "results": results})

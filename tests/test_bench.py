@@ -431,6 +431,68 @@ def test_vllm_step_layouts_order_the_fill_as_vllm_does(
                         else ["fill", "launch", "finish"])
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_bitmask_trip_round_trips_as_vllms_queue(rows: int) -> None:
+    """``bench.vllm_rpc.Trip`` hands the worker what vLLM's ``MessageQueue`` does: an equal
+    ``GrammarOutput`` whose bitmask (out of band from 1 MiB: 64 rows) no longer reads the
+    reused slot, so the next send cannot change it."""
+    import numpy as np
+    from bench.vllm_rpc import GrammarOutput, Trip
+
+    bitmask = np.arange(rows * 4748, dtype=np.int32).reshape(rows, 4748)
+    trip = Trip()
+    try:
+        trip.send(GrammarOutput([f"r{i}" for i in range(rows)], bitmask))
+        got = trip.receive()
+        trip.send(GrammarOutput(["x"], np.zeros((rows, 4748), dtype=np.int32)))
+        assert got.structured_output_request_ids == [f"r{i}" for i in range(rows)]
+        assert np.array_equal(got.grammar_bitmask, bitmask)
+        assert not np.shares_memory(got.grammar_bitmask, bitmask)
+    finally:
+        trip.close()
+
+
+def test_step_models_order_the_parts(corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """grammask's side waits for its masks between the forward's launch and its end (the
+    runner's apply follows the launch); vLLM's ``rpc`` model is never cheaper than the
+    issue's ``engine`` model of the same steps, and with a forward whose host part is all
+    of it, charges the worker's receive after the launch loop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench import step as step_bench
+
+    from grammask import Compiler, load_vocabulary
+
+    vocab = load_vocabulary("qwen2.5")
+    compiler = Compiler(vocab, timeout_s=60)
+    raw = {n: Compiler(vocab, backend=n, timeout_s=60, tune_fill=False)
+           for n in ("xgrammar", "guidance")}
+    events: list[str] = []
+    walks = step_bench.make_walks("closed", compiler, raw, vocab, corpus, 1)
+    monkeypatch.setattr(step_bench.BatchProcessor, "wait_masks",
+                        _spied(step_bench.BatchProcessor.wait_masks, events, "wait"))
+    forward = step_bench.Forward(lambda: events.append("launch"),
+                                 lambda: events.append("finish"))
+    busy = step_bench.make_forward("busy2")
+    try:
+        step_bench.grammask_steps(compiler, walks, 2, forward, 1)
+        with ThreadPoolExecutor(1) as pool:
+            times = step_bench.vllm_steps("xgrammar", walks, vocab, 64, busy, 3, pool)
+    finally:
+        for c in (compiler, *raw.values()):
+            c.close()
+    assert events[-3:] == ["launch", "wait", "finish"]
+    assert all(r > e for r, e in zip(times["rpc"], times["engine"], strict=True))
+    assert all(e >= 2.0 for e in times["engine"])
+
+
+def _spied(method: Any, events: list[str], name: str) -> Any:
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append(name)
+        return method(self, *args, **kwargs)
+    return spy
+
+
 class _FillSpy:
     """An xgrammar matcher whose fills are noted in ``events``."""
 

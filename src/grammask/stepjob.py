@@ -51,6 +51,9 @@ class Step:
     #: the queued adds the job makes into rows first, and the rows it releases
     #: (``admissions.py``); None: none
     admits: tuple[dict[int, Queued], list[Row]] | None = None
+    #: the step before, ended: dropped by this step's job, so that freeing its work (a
+    #: tuple and a token list per row) costs the fill thread, not the host's ``wait``
+    spent: Step | None = None
 
 
 class StepJobs:
@@ -68,6 +71,7 @@ class StepJobs:
         self._filler = filler
         self._worker = FillWorker(cpus=filler.cpus)
         self.pending: Step | None = None
+        self._spent: Step | None = None  # the last step waited for (``Step.spent``)
         #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
         #: or planning would not fit in the forward: see ``_plan_fits``)
         self.cpu_layout: LogitsLayout | None = None
@@ -116,7 +120,8 @@ class StepJobs:
                     i in queued and queued[i].output_ids is not None)), None)
         step = Step(None, self.buffers.acquire(), [],
                     rows=frozenset(order) if order is not None else None,
-                    admits=self.admissions.hand_over())
+                    admits=self.admissions.hand_over(), spent=self._spent)
+        self._spent = None
         self._stepped_at = time.perf_counter()
         self._steps += 1
         if table or step.admits is not None:
@@ -215,6 +220,7 @@ class StepJobs:
         step = self.pending
         assert step is not None
         self.pending = None
+        self._spent = step
         if step.future is None:
             indices: set[int] = set()
         else:
@@ -280,6 +286,7 @@ class StepJobs:
         rows, so the apply on the host's critical path is only gather / memset / scatter.
         The rows come back sorted and distinct (``step(rows, tokens)`` may list a row twice),
         so ``wait`` has nothing left to do but return them."""
+        step.spent = None
         try:
             if step.admits is not None:
                 self.admissions.admit(table, step.admits)

@@ -60,7 +60,7 @@ def test_the_watch_reads_exactly_the_committed_tokens(rows: int) -> None:
     rng = random.Random(rows)
     slots = list(range(rows))
     for s in slots:
-        st = _Slot(request=None, grammar=None, prompt_len=prompt,  # type: ignore[arg-type]
+        st = _Slot(params=None, resumed=False, prompt_len=prompt,
                    prefill_len=prompt, wants_prompt=False, fetched=True, known=prompt,
                    added=True)
         b._slots[s] = st

@@ -278,6 +278,41 @@ def test_recycled_slots_start_afresh(runner: Any, compiler: Compiler, vocab: Voc
     assert torch.equal(allowed(r.step(["c"])[0]), ref_allowed(fresh))
 
 
+def test_new_requests_are_parsed_off_the_runners_thread(
+        runner: Any, compiler: Compiler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add_request`` only checks the keys: the parse and the compile's start run on the
+    helper thread, handed over in ``apply_staged_writes`` (before the forward). A request
+    whose admission fails for a reason not its own errors alone (stop tokens only); the
+    other request of the same step is masked as its reference."""
+    import threading
+
+    from grammask.integrations.vllm_common import PluginCore
+
+    r = runner()
+    real = PluginCore.admission
+    threads: list[int] = []
+
+    def admission(self: PluginCore, params: Any, resumed: bool) -> Any:
+        threads.append(threading.get_ident())
+        if (params.extra_args or {}).get("grammask_source") == "tools":
+            raise RuntimeError("boom")
+        return real(self, params, resumed)
+
+    monkeypatch.setattr(PluginCore, "admission", admission)
+    good = r.add("good", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
+    bad = r.add("bad", xargs(CONSTRAINTS[3][0], thinking="off") | {"grammask_source": "tools"},
+                [1, 2])
+    assert r.sampler.needs_logits_processing[good] and r.sampler.needs_logits_processing[bad]
+    assert threads == []  # nothing parsed on the runner's thread in add_request
+    logits = r.step(["good", "bad"])
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
+    assert torch.equal(allowed(logits[0]), ref_allowed(ref))
+    stops = sorted(compiler.vocab.stop_ids)
+    assert sorted(allowed(logits[1]).nonzero().flatten().tolist()) == stops
+    assert list(r.plugin.core.processor().errors) == [bad]
+
+
 def test_resumed_request_replays_its_output(runner: Any, compiler: Compiler,
                                             vocab: Vocabulary) -> None:
     r = runner()

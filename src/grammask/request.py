@@ -80,12 +80,11 @@ def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest 
     if "grammask_strict" in extra_args:
         obj["strict"] = _flag(extra_args["grammask_strict"], "grammask_strict")
     spec = from_vllm(obj)
-    thinking_value = extra_args.get("grammask_thinking", "auto")
-    if thinking_value not in ("auto", "off", "on", 0, 1, True, False):
+    if extra_args.get("grammask_thinking", "auto") not in ("auto", "off", "on", 0, 1, True,
+                                                           False):
         raise InvalidSpecError("grammask_thinking must be 'auto' or 'off'",
                                where="grammask_thinking")
-    thinking = thinking_value not in ("off", 0, False)
-    think_end = extra_args.get("grammask_think_end")
+    thinking, think_end = thinking_of(extra_args)
     if think_end is not None and (not isinstance(think_end, str) or not think_end):
         raise InvalidSpecError("grammask_think_end must be a non-empty string",
                                where="grammask_think_end")
@@ -94,6 +93,15 @@ def parse_extra_args(extra_args: Mapping[str, Any] | None) -> ConstraintRequest 
         raise InvalidSpecError(f"grammask_source must be one of {', '.join(SOURCES)}",
                                where="grammask_source")
     return ConstraintRequest(spec, thinking=thinking, think_end=think_end, source=source)
+
+
+def thinking_of(extra_args: Mapping[str, Any]) -> tuple[bool, Any]:
+    """The thinking gate a request asks for, from its keys alone: (gated, its own end marker
+    or None), unchecked (``parse_extra_args`` checks them). For a model runner that must
+    decide before the forward whether to copy the prompt (the gate reads it), without the
+    parse."""
+    return (extra_args.get("grammask_thinking", "auto") not in ("off", 0, False),
+            extra_args.get("grammask_think_end"))
 
 
 def _flag(value: object, what: str) -> bool:

@@ -7,11 +7,13 @@ matchers is the adapter's job, done without stalling the GPU. vLLM 0.34 calls
 ``apply_staged_writes`` only on steps that admit requests, so the only hook of every step is
 ``apply``; the adapter therefore works from ``apply`` to ``apply``:
 
-1. ``add_request(slot, params)``: parse, start the compile, note the slot; True for ours
-   (0.34: ``may_mask_logits``). The processor is not touched: the previous step's token
-   watch may be running, and the slot's old occupant leaves the processor in ``apply``.
+1. ``add_request(slot, params)``: a key check, note the slot; True for ours (0.34:
+   ``may_mask_logits``). The processor is not touched: the previous step's token watch may
+   be running, and the slot's old occupant leaves the processor in ``apply``.
 2. ``apply_staged_writes()`` (admission steps, before the forward): start non-blocking
-   copies of a new slot's prompt / resumed output to the host.
+   copies of a new slot's prompt / resumed output to the host, and hand the step's new
+   requests to the helper thread, which parses them and starts their compiles while the
+   forward runs (the runner's thread pays a key check per new request, not the parse).
 3. ``apply(logits, ctx)``: join the token watch, admit the new slots, mask the logits rows
    of the sampling slots (the processor maps slots to batch rows: ``apply_mapped``), then
    start the *token watch* for the slots that sample now: a helper thread polls the device's
@@ -44,11 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..admissions import Admission
 from ..bitmask import normal_tensors
 from ..compiler import Grammar
+from ..errors import InternalCompileError
 from ..processor import BatchProcessor
-from ..request import ConstraintRequest
-from .vllm_common import PluginCore, host_masks
+from ..request import STAND_IN, thinking_of
+from .vllm_common import PluginCore
 
 log = logging.getLogger("grammask")
 
@@ -65,11 +69,13 @@ POLL_MAX_S = 1e-3
 
 @dataclass
 class _Slot:
-    request: ConstraintRequest
-    grammar: Future[Grammar]
+    params: Any  # the request's sampling params, parsed off the runner's thread (``_admit``)
+    resumed: bool  # a preempted request added again (its output is prefilled again)
     prompt_len: int
     prefill_len: int
-    wants_prompt: bool
+    wants_prompt: bool  # its thinking gate reads the prompt (from its keys: ``thinking_of``)
+    admission: Admission | None = None  # the parse's result: request, compile, host_masks
+    parsing: Future[None] | None = None  # the helper's parse of this slot's step's requests
     output: list[int] = field(default_factory=list)  # the processor's live list
     prompt: list[int] = field(default_factory=list)
     fetched: bool = False  # prompt / resumed output copied to the host
@@ -78,7 +84,6 @@ class _Slot:
     added: bool = False  # in the processor
     missing: tuple[int, int] | None = None  # positions left as placeholders (slow path)
     failed: str | None = None  # the helper lost this slot's tokens: fail it in the processor
-    host_masks: bool = False  # vLLM's own processors may forbid its tokens (grammar wins)
 
 
 @dataclass
@@ -167,6 +172,7 @@ class V2Batch:
         self._leaving: set[int] = set()  # slots whose old occupant leaves the processor
         self._unjoined: set[int] = set()  # constrained slots not in the processor yet
         self._missing: set[int] = set()  # slots with placeholders to read before masking
+        self._unparsed: list[_Slot] = []  # added this step: parsed by the helper (``_admit``)
         self._tracked = np.zeros(n, dtype=bool)
         self._prefill = np.zeros(n, dtype=np.int64)
         self._helper: ThreadPoolExecutor | None = None
@@ -186,16 +192,16 @@ class V2Batch:
             self._tracked[slot] = False
             self._leaving.add(slot)
             self._unjoined.discard(slot)
+        if not core.claims(sampling_params):
+            return False
         prompt_len = int(self.rs.prompt_len.np[slot])
         prefill_len = int(self.rs.prefill_len.np[slot])
+        thinking, think_end = thinking_of(sampling_params.extra_args)
         # a preempted request comes back with its output to prefill again
-        request, grammar = core.request(sampling_params, resumed=prefill_len > prompt_len)
-        if request is None or grammar is None:
-            return False
-        wants_prompt = request.thinking and (request.think_end is not None
-                                             or core.default_marker)
-        self._slots[slot] = _Slot(request, grammar, prompt_len, prefill_len, wants_prompt,
-                                  host_masks=host_masks(sampling_params))
+        st = _Slot(sampling_params, prefill_len > prompt_len, prompt_len, prefill_len,
+                   thinking and (think_end is not None or core.default_marker))
+        self._slots[slot] = st
+        self._unparsed.append(st)
         self._tracked[slot] = True
         self._prefill[slot] = prefill_len
         self._unjoined.add(slot)
@@ -206,6 +212,11 @@ class V2Batch:
         and resumed outputs to the host, so ``apply`` need not wait for them."""
         if not self.core.active:
             return
+        if self._unparsed:
+            new, self._unparsed = self._unparsed, []
+            parsing = self._helper_pool().submit(self._admit, new)
+            for st in new:
+                st.parsing = parsing
         all_ids = self.rs.all_token_ids.gpu
         for slot in self._unjoined:  # only slots not in the processor yet can need a fetch
             st = self._slots[slot]
@@ -312,10 +323,14 @@ class V2Batch:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         watch = _Watch(items, index, start, (event, snap_tokens))
+        watch.future = self._helper_pool().submit(self._read_step, watch, True)
+        self._watch = watch
+
+    def _helper_pool(self) -> ThreadPoolExecutor:
+        """The helper thread: token watches and new requests' parses, in order."""
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammask-v2-tokens")
-        watch.future = self._helper.submit(self._read_step, watch, True)
-        self._watch = watch
+        return self._helper
 
     def _sync(self) -> None:
         """The last step's tokens read and its fill started (here, in stream order, when
@@ -392,13 +407,38 @@ class V2Batch:
         if st.added and proc is not None:
             proc.fail(slot, message)
 
+    def _admit(self, slots: list[_Slot]) -> None:
+        """The helper's parse of a step's new requests (their compiles start here). A
+        request that cannot be parsed for a reason not its own fails its slot alone."""
+        for st in slots:
+            st.admission = self._admission(st)
+
+    def _admission(self, st: _Slot) -> Admission:
+        try:
+            return self.core.admission(st.params, st.resumed)
+        except Exception as exc:  # a bug of ours: this slot errors, the others go on
+            log.exception("grammask: admitting a request failed")
+            failed: Future[Grammar] = Future()
+            failed.set_exception(InternalCompileError(
+                f"admitting the request failed: {type(exc).__name__}: {exc}"))
+            return Admission(STAND_IN, failed)
+
     def _join(self, slot: int, st: _Slot) -> None:
         """Put the slot in the processor (its live list replays what it holds)."""
         if not st.fetched:
             self._fetch(slot, st)
+        if st.parsing is not None:
+            try:
+                st.parsing.result()
+            except Exception:  # the helper's own failure: parsed here instead
+                log.exception("grammask: the helper's parse failed; parsing here")
+            st.parsing = None
+        admission = st.admission
+        if admission is None:  # no staged writes came between add_request and here
+            admission = st.admission = self._admission(st)
         proc = self.core.processor()
-        proc.add(slot, st.request, st.prompt, st.output, grammar=st.grammar,
-                 host_masks=st.host_masks)
+        proc.add(slot, admission.request, st.prompt, st.output, grammar=admission.grammar,
+                 host_masks=admission.host_masks)
         st.added = True
         if st.failed is not None:
             proc.fail(slot, st.failed)

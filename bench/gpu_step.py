@@ -5,9 +5,9 @@
                              [--workloads free,closed,corpus,choice] [--budget-s 240]
 
 The sides and workloads are ``bench.step``'s (grammask's ``BatchProcessor`` against vLLM's
-way with xgrammar and with llguidance, in both layouts: the fill in another process, whose
-step is ``max(forward, fill)``, and one GPU's in-process launch, fill, wait); only the
-forward is a real one on the GPU:
+way with xgrammar and with llguidance, in its three models: the fill in another process,
+whose step is ``max(forward, fill)``; the same with the bitmask's trip to the worker; one
+GPU's in-process launch, fill, wait); only the forward is a real one on the GPU:
 
 - ``graphN``: a CUDA graph of small matmuls replayed, about N ms on the GPU; the host only
   waits (``synchronize`` releases the GIL): what a host running CUDA graphs sees.

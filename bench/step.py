@@ -9,7 +9,9 @@ One step, as each host runs it (the masks' apply is left out on both sides: on a
 kernel either way, measured by ``bench/gpu.py``):
 
 - grammask: ``proc.step(rows, tokens)`` (the sampled tokens handed over; advance and fill
-  start on the fill thread) -> the forward -> ``proc.wait_masks()``.
+  start on the fill thread) -> the forward's launch -> ``proc.wait_masks()`` -> the rest of
+  the forward (vLLM's sampler runs the logits processors on logits the device is still
+  computing, so the host waits for the masks while the device works).
 - vLLM's way, with xgrammar and with llguidance (``vllm/v1/structured_output``): the engine
   core accepts each row's token and fills its row, serially up to 128 rows, above that in
   chunks of 16 rows on ``min(cores // 2, 8)`` threads; llguidance matchers are made from
@@ -17,12 +19,17 @@ kernel either way, measured by ``bench/gpu.py``):
   timed step: vLLM makes it when the request arrives (``StructuredOutputManager.grammar_init``,
   on its compile thread pool), not in the step. grammask's ``proc.add`` of a new request is
   timed: vLLM's runners hand new requests to a logits processor on the model runner's
-  thread before the forward (``update_state``, ``add_request``). Two layouts, both
+  thread before the forward (``update_state``, ``add_request``). Three models, all
   measured in every cell:
   - the issue's model (``vllm-*``, ``ratio``): the fill runs in the engine core, another
     process than the model runner's, while the GPU works: the step is
     ``max(accept + fill, forward)``. This is vLLM with a multi-process executor (tensor
-    parallel > 1, or ``--distributed-executor-backend mp``);
+    parallel > 1, or ``--distributed-executor-backend mp``), with the bitmask's way to the
+    worker left out;
+  - the same with that way (``vllm-rpc-*``, ``ratio_rpc``): the engine core sends the
+    bitmask with the ``sample_tokens`` RPC through its shared-memory ``MessageQueue``
+    (pickled, copied into the ring), and the worker copies it out and unpickles it once its
+    thread is free of the launch (``bench/vllm_rpc.py``; vLLM's own queue costs more);
   - one GPU (``vllm-inproc-*``, ``ratio_inproc``): vLLM's default executor at tensor
     parallel 1 is ``uni`` (``ParallelConfig``), which runs the model runner inside the
     engine core's process and thread. ``EngineCore.step`` launches the forward
@@ -39,7 +46,7 @@ booleans), ``corpus`` (a mix of ``../shared/corpus`` maskbench schemas walking v
 instances), ``regex``, ``choice``. Every row walks its text one token a step; a row that
 ends starts a new request. Reported per (workload, B, forward): median step ms of each
 side over ``--repeats`` runs of ``--steps`` steps, and grammask's ratio to the better of
-vLLM's ways in each layout (<= 1.0: never slower).
+vLLM's ways in each model (<= 1.0: never slower).
 """
 
 from __future__ import annotations

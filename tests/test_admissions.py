@@ -182,3 +182,26 @@ def test_add_later_refuses_what_it_cannot_call(compiler: Compiler) -> None:
         with pytest.raises(IndexError):
             proc.add_later(2, lambda: Admission(None))
         assert proc.rows == [] and not proc.has_rows
+
+
+def test_a_step_is_freed_by_the_next_job_and_steps_never_chain(
+        compiler: Compiler, grammars: list[Grammar]) -> None:
+    """The step a host waited for is dropped by the next step's job (its per-row work is
+    freed on the fill thread, not in the host's wait); a step with no job (an empty batch)
+    drops it at once, so an idle processor stepped on and on holds one step, not a chain."""
+    with BatchProcessor(compiler, max_batch=2, think_end=None, **PATIENT) as proc:
+        jobs = proc._jobs
+        proc.add(0, CHOICES[0], grammar=grammars[0])
+        proc.step()
+        proc.wait_masks()
+        waited = jobs._spent
+        assert waited is not None and waited.work  # the host keeps it until the next job
+        proc.step()
+        proc.wait_masks()
+        assert jobs._spent is not None and jobs._spent is not waited
+        assert jobs._spent.spent is None  # the job dropped the one before
+        proc.remove(0)
+        for _ in range(5):  # no rows: no job
+            proc.step()
+            proc.wait_masks()
+            assert jobs._spent is not None and jobs._spent.spent is None

@@ -127,6 +127,8 @@ class StepJobs:
         if table or step.admits is not None:
             step.future = self._worker.run(
                 partial(self._job, step, self.cpu_layout, table, order, handed))
+        else:  # no job to drop it: steps of an empty batch must not chain
+            step.spent = None
         self.pending = step
         if live is not None:  # the other rows' job runs: the host's mistake is this row's
             raise ValueError(f"row {live} reads a live output list; append to it instead")

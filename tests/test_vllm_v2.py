@@ -282,8 +282,9 @@ def test_new_requests_are_parsed_off_the_runners_thread(
         runner: Any, compiler: Compiler, monkeypatch: pytest.MonkeyPatch) -> None:
     """``add_request`` only checks the keys: the parse and the compile's start run on the
     helper thread, handed over in ``apply_staged_writes`` (before the forward). A request
-    whose admission fails for a reason not its own errors alone (stop tokens only); the
-    other request of the same step is masked as its reference."""
+    whose admission fails for a reason not its own (tried again where its row is made)
+    errors alone (stop tokens only); the other request of the same step is masked as its
+    reference."""
     import threading
 
     from grammask.integrations.vllm_common import PluginCore
@@ -305,12 +306,14 @@ def test_new_requests_are_parsed_off_the_runners_thread(
     assert r.sampler.needs_logits_processing[good] and r.sampler.needs_logits_processing[bad]
     assert threads == []  # nothing parsed on the runner's thread in add_request
     logits = r.step(["good", "bad"])
-    assert len(threads) == 2 and threading.get_ident() not in threads
+    helper = threads[:2]  # both parsed there; the failed one once more where it is made
+    assert len(threads) == 3 and threading.get_ident() not in helper
     ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
     assert torch.equal(allowed(logits[0]), ref_allowed(ref))
     stops = sorted(compiler.vocab.stop_ids)
     assert sorted(allowed(logits[1]).nonzero().flatten().tolist()) == stops
-    assert list(r.plugin.core.processor().errors) == [bad]
+    errors = r.plugin.core.processor().errors
+    assert list(errors) == [bad] and "boom" in errors[bad]
 
 
 def test_resumed_request_replays_its_output(runner: Any, compiler: Compiler,

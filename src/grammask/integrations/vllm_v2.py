@@ -41,6 +41,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -48,10 +49,8 @@ import torch
 
 from ..admissions import Admission
 from ..bitmask import normal_tensors
-from ..compiler import Grammar
-from ..errors import InternalCompileError
 from ..processor import BatchProcessor
-from ..request import STAND_IN, thinking_of
+from ..request import thinking_of
 from .vllm_common import PluginCore
 
 log = logging.getLogger("grammask")
@@ -408,37 +407,35 @@ class V2Batch:
             proc.fail(slot, message)
 
     def _admit(self, slots: list[_Slot]) -> None:
-        """The helper's parse of a step's new requests (their compiles start here). A
-        request that cannot be parsed for a reason not its own fails its slot alone."""
+        """The helper's parse of a step's new requests (their compiles start here). A parse
+        that raises leaves the admission to ``_admitted``, where the processor makes the
+        row: raising again there errors that row alone."""
         for st in slots:
-            st.admission = self._admission(st)
+            try:
+                st.admission = self.core.admission(st.params, st.resumed)
+            except Exception:
+                log.exception("grammask: admitting a request failed")
 
-    def _admission(self, st: _Slot) -> Admission:
-        try:
-            return self.core.admission(st.params, st.resumed)
-        except Exception as exc:  # a bug of ours: this slot errors, the others go on
-            log.exception("grammask: admitting a request failed")
-            failed: Future[Grammar] = Future()
-            failed.set_exception(InternalCompileError(
-                f"admitting the request failed: {type(exc).__name__}: {exc}"))
-            return Admission(STAND_IN, failed)
+    def _admitted(self, st: _Slot) -> Admission:
+        """The slot's admission (``BatchProcessor.add_later``'s resolve): the helper's, or
+        made now when none came (no staged writes before this step, or its parse raised)."""
+        return (st.admission if st.admission is not None
+                else self.core.admission(st.params, st.resumed))
 
     def _join(self, slot: int, st: _Slot) -> None:
-        """Put the slot in the processor (its live list replays what it holds)."""
+        """Put the slot in the processor (its live list replays what it holds). The helper's
+        parse is waited for here, on the runner's thread: a fill job that waited for the
+        helper could deadlock with the helper's own ``step``."""
         if not st.fetched:
             self._fetch(slot, st)
         if st.parsing is not None:
             try:
                 st.parsing.result()
-            except Exception:  # the helper's own failure: parsed here instead
+            except Exception:  # the helper's own failure: ``_admitted`` parses instead
                 log.exception("grammask: the helper's parse failed; parsing here")
             st.parsing = None
-        admission = st.admission
-        if admission is None:  # no staged writes came between add_request and here
-            admission = st.admission = self._admission(st)
         proc = self.core.processor()
-        proc.add(slot, admission.request, st.prompt, st.output, grammar=admission.grammar,
-                 host_masks=admission.host_masks)
+        proc.add_later(slot, partial(self._admitted, st), st.prompt, st.output)
         st.added = True
         if st.failed is not None:
             proc.fail(slot, st.failed)

@@ -255,20 +255,25 @@ def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
     for row, w in enumerate(at.walks):
         proc.add(row, w.spec, grammar=w.grammar)
         proc.advance(row, w.tokens[:at.pos[row]])
-    every = list(range(batch))
     proc.step()  # the first masks (not timed)
     proc.wait_masks()
     times = []
     try:
         for _ in range(steps + 2):
             sampled, restarts = at.next()
+            # a request that just sampled its stop token has finished: its row leaves the
+            # step (vLLM's scheduler finishes the request, and its runner's next batch has
+            # no row for it), as vLLM's side below does not fill it either
+            going = [i for i, (p, w) in enumerate(zip(at.pos, at.walks, strict=True))
+                     if p < len(w.tokens)]
+            tokens = [sampled[i] for i in going]
             # a new request in the row (its first token comes below): the host's thread
             # adds it before the forward (vLLM's runners: ``update_state`` / ``add_request``)
             t0 = time.perf_counter()
             for row in restarts:
                 w = at.walks[row]
                 proc.add(row, w.spec, grammar=w.grammar)
-            proc.step(every, sampled)
+            proc.step(going, tokens)
             # the runner's apply comes right after the launch (vLLM's sampler runs the
             # logits processors on logits the device is still computing): the host waits
             # for the masks while the device works, and for the device after

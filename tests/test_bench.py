@@ -481,6 +481,30 @@ def test_step_models_order_the_parts(compiler: Compiler, closed_walks: list[Any]
     assert all(r > e for r, e in zip(times["rpc"], times["engine"], strict=True))
 
 
+def test_a_finished_request_leaves_grammasks_step(compiler: Compiler, closed_walks: list[Any],
+                                                  qwen25: Vocabulary,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row that just sampled its stop token is not stepped (vLLM's side does not fill it:
+    its request finished, and the runner's next batch has no row for it); its next request
+    comes with the next step."""
+    from bench import step as step_bench
+
+    stepped: list[tuple[list[int], list[int]]] = []
+    real_step = step_bench.BatchProcessor.step
+
+    def step(self: Any, rows: Any = None, tokens: Any = None) -> None:
+        if rows is not None:
+            stepped.append((list(rows), list(tokens)))
+        real_step(self, rows, tokens)
+
+    monkeypatch.setattr(step_bench.BatchProcessor, "step", step)
+    forward = step_bench.Forward(lambda: None, lambda: None)
+    length = len(closed_walks[0].tokens)
+    step_bench.grammask_steps(compiler, closed_walks, 3, forward, length)
+    assert stepped and not any(t in qwen25.stop_ids for _, tokens in stepped for t in tokens)
+    assert any(len(rows) < 3 for rows, _ in stepped)
+
+
 def _spied(method: Any, events: list[str], name: str) -> Any:
     def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
         events.append(name)

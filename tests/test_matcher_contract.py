@@ -374,11 +374,19 @@ def test_rows_advance_together_as_alone(compiler: Compiler, qwen25: Vocabulary) 
 
     work = [[a], [x], [a, b], [b]]
     together, alone = rows(), rows()
-    advance_all(list(zip(together, work, strict=True)))
+    fills, rest = advance_all([(i, r, tokens) for i, (r, tokens)
+                               in enumerate(zip(together, work, strict=True))])
     for r, tokens in zip(alone, work, strict=True):
         r.advance(tokens)
     assert [(r.fed, r.error) for r in together] == [(r.fed, r.error) for r in alone]
     assert [r.error is None for r in together] == [True, False, True, False]
+    # each row comes back once: those that took one token in a batch accept for the batch
+    # fill (their own matcher, their index), the rest (a refusal, two tokens) for the caller
+    batched = sorted(i for group in fills.values() for _, i in group)
+    assert batched == [i for i, (r, t) in enumerate(zip(together, work, strict=True))
+                       if len(t) == 1 and r.error is None]
+    assert all(together[i].matcher is m for group in fills.values() for m, i in group)
+    assert sorted(batched + [i for i, _, _ in rest]) == list(range(len(together)))
 
 
 # ------------------------------------------------------------ adapters vs the raw backends

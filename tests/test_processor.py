@@ -15,6 +15,7 @@ import torch
 
 from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary
 from grammask.backends import Matcher
+from grammask.backends.base import BatchFills
 from grammask.masks import Filler
 from grammask.processor import BatchProcessor
 
@@ -550,11 +551,12 @@ class SpyFiller(Filler):
         self.thread: int | None = None
         self.saw_host_busy = False
 
-    def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+    def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor,
+             grouped: BatchFills | None = None) -> None:
         self.thread = threading.get_ident()
         # a fill run inline by step() would wait here in vain: the host is not busy yet
         self.saw_host_busy = self.host_busy.wait(timeout=20)
-        super().fill(entries, bitmask)
+        super().fill(entries, bitmask, grouped)
         self.done.set()
 
 

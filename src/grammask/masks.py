@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from . import metrics
-from .backends.base import BackendMatcher, BatchCalls, Matcher, batch_calls, fill_stop_only
+from .backends.base import BackendMatcher, BatchFills, Matcher, batch_calls, fill_stop_only
 from .bitmask import allocate_bitmask, bitmask_words, normal_tensors
 
 T = TypeVar("T")
@@ -281,34 +281,44 @@ class Filler:
         self.cpus = cpus
         self._pools: dict[str, Any] = {}  # the backends' batch-fill pools, made on first use
 
-    def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """Write ``bitmask[row]`` for every ``(matcher, row)``; rows must be distinct.
+    def fill(self, entries: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor,
+             grouped: BatchFills | None = None) -> None:
+        """Write ``bitmask[row]`` for every ``(matcher, row)`` of ``entries`` and ``grouped``;
+        rows must be distinct.
 
         Matchers whose class has batch calls (``backends.base.batch_calls``) are grouped by
-        class; a group goes through its ``batch_fill``, on the backend's threads from
-        ``parallel_min`` rows, on this thread below that (one native call, the GIL
-        released, still cheaper than a Python loop: the backend keeps the per-row choice).
-        Terminated matchers of those classes (only stop tokens allowed) are copied in bulk
-        (``fill_stop_only``); lone rows and other classes take their own ``fill``."""
-        groups: dict[type[BatchCalls], list[tuple[Matcher, int]]] = {}
-        ended: list[tuple[BackendMatcher, int]] = []
+        class (``grouped``: rows the caller grouped so already, ``rows.advance_all``; left
+        as given); a group goes through its ``batch_fill``, on the backend's
+        threads from ``parallel_min`` rows, on this thread below that (one native call, the
+        GIL released, still cheaper than a Python loop: the backend keeps the per-row
+        choice). Terminated matchers of those classes (only stop tokens allowed) are copied
+        in bulk (``fill_stop_only``); lone rows and other classes take their own ``fill``."""
+        groups: BatchFills = {}
         rest: list[tuple[Matcher, int]] = []
         for matcher, row in entries:
             calls = batch_calls(type(matcher))
             if calls is None:
                 rest.append((matcher, row))
-            elif not matcher.is_terminated():
+            else:
                 groups.setdefault(calls, []).append((matcher, row))
-            elif isinstance(matcher, BackendMatcher):
-                ended.append((matcher, row))  # only stop tokens: copied in bulk below
-            else:
-                rest.append((matcher, row))
+        for calls, given in (grouped or {}).items():
+            groups[calls] = given + groups[calls] if calls in groups else given
+        ended: list[tuple[BackendMatcher, int]] = []
         for calls, rows in groups.items():
-            if len(rows) > 1:
-                threads = self.threads if len(rows) >= self.parallel_min else 1
-                calls.batch_fill(rows, bitmask, threads, self._pools)
+            live = [entry for entry in rows if not entry[0].is_terminated()]
+            if len(live) < len(rows):
+                for entry in rows:
+                    matcher = entry[0]
+                    if matcher.is_terminated():  # only stop tokens: copied in bulk below
+                        if isinstance(matcher, BackendMatcher):
+                            ended.append((matcher, entry[1]))
+                        else:
+                            rest.append(entry)
+            if len(live) > 1:
+                threads = self.threads if len(live) >= self.parallel_min else 1
+                calls.batch_fill(live, bitmask, threads, self._pools)
             else:
-                rest.extend(rows)
+                rest.extend(live)
         if ended:
             fill_stop_only(ended, bitmask)
         for matcher, row in rest:

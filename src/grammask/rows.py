@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import metrics
-from .backends.base import BatchCalls, Matcher, batch_calls
+from .backends.base import BatchCalls, BatchFills, Matcher, batch_calls
 from .compiler import Grammar
 from .pending import PendingGrammar
 from .reasoning import ThinkGate, ThinkMarker
@@ -27,6 +27,8 @@ log = logging.getLogger("grammask")
 RowStatus = Literal["unconstrained", "thinking", "compiling", "active", "ended", "error"]
 #: ``think_end``'s default: the vocabulary's own marker
 FROM_VOCAB = "vocab"
+#: requests kept for specs added as they are (``RowMaker._request_of``)
+KNOWN_SPECS = 256
 
 
 @dataclass(frozen=True)
@@ -193,8 +195,9 @@ class Row:
             return
         self.grammar = grammar
         self.matcher = matcher
-        backlog, self.backlog = self.backlog, []
-        self.feed(backlog)
+        if self.backlog:
+            backlog, self.backlog = self.backlog, []
+            self.feed(backlog)
 
     def release(self) -> None:
         """The row left the batch (settled: no fill job holds it): its matcher goes back to
@@ -222,14 +225,25 @@ class Row:
             thinking_tokens=self.gate.thinking_tokens if self.gate else 0)
 
 
-def advance_all(work: Sequence[tuple[Row, list[int]]]) -> None:
-    """``Row.advance`` for each ``(row, new tokens)``; a row's failure stays its own.
+#: one row's share of a step: (batch row, the row, its new tokens); a plain tuple, since one
+#: is made per row per step on the host's critical path
+Work = tuple[int, Row, list[int]]
+
+
+def advance_all(work: Sequence[Work]) -> tuple[BatchFills, list[Work]]:
+    """``Row.advance`` for each row's new tokens; a row's failure stays its own.
 
     Rows taking one token into a matcher past its gate go together, one ``batch_accept``
     per matcher class (``backends.base.batch_calls``): a few native calls instead of Python
-    per row, so a model runner's busy thread, which shares the GIL, delays the fill less."""
-    groups: dict[type[BatchCalls], tuple[list[Matcher], list[int], list[Row]]] = {}
-    for r, tokens in work:
+    per row, so a model runner's busy thread, which shares the GIL, delays the fill less.
+    Returns those rows that took their token, grouped by class for the batch fill (each one
+    fillable: no error, past its gate), and the rest of ``work`` (new rows, rows with several
+    tokens or none, refusals, failures), which the caller attaches and fills one by one:
+    the batch's common rows are looked at once, not again for the fill."""
+    groups: dict[type[BatchCalls], tuple[list[Matcher], list[int], list[Work]]] = {}
+    rest: list[Work] = []
+    for item in work:
+        _, r, tokens = item
         matcher = r.matcher
         if len(tokens) == 1 and matcher is not None and r.error is None and (
                 r.gate is None or not r.gate.thinking):
@@ -240,23 +254,33 @@ def advance_all(work: Sequence[tuple[Row, list[int]]]) -> None:
                     group = groups[calls] = ([], [], [])
                 group[0].append(matcher)
                 group[1].append(tokens[0])
-                group[2].append(r)
+                group[2].append(item)
                 continue
         _advance_one(r, tokens)
-    for calls, (matchers, tokens, rows) in groups.items():
+        rest.append(item)
+    fills: BatchFills = {}
+    for calls, (matchers, tokens, items) in groups.items():
         try:
             accepted = calls.batch_accept(matchers, tokens)
         except Exception:  # find the row: each alone, as if there were no batch call
-            for r, tid in zip(rows, tokens, strict=True):
-                _advance_one(r, [tid])
+            for item, tid in zip(items, tokens, strict=True):
+                _advance_one(item[1], [tid])
+            rest.extend(items)
             continue
-        for r, tid, ok in zip(rows, tokens, accepted, strict=True):
+        filled = fills[calls] = []
+        for (index, r, _), matcher, tid, ok in zip(items, matchers, tokens, accepted,
+                                                    strict=True):
             if not ok:
                 r.refused(tid)
+                rest.append((index, r, []))
                 continue
             r.fed += 1
-            if getattr(r.matcher, "failure", None) is not None:
+            if getattr(matcher, "failure", None) is not None:
                 r.check_dead_end([tid])
+                rest.append((index, r, []))
+                continue
+            filled.append((matcher, index))
+    return fills, rest
 
 
 def _advance_one(r: Row, tokens: list[int]) -> None:
@@ -283,12 +307,13 @@ class RowMaker:
                          else None if think_end is None
                          else ThinkMarker.for_vocab(vocab, think_end))
         self._markers: dict[str, ThinkMarker | None] = {}
+        self._requests: dict[int, tuple[GrammarSpec, ConstraintRequest]] = {}  # _request_of's
 
     def make(self, request: ConstraintRequest | GrammarSpec, prompt_ids: Sequence[int],
              output_ids: list[int] | None, grammar: Grammar | Future[Grammar] | None,
              host_masks: bool) -> Row:
         if isinstance(request, GrammarSpec):
-            request = ConstraintRequest(request)
+            request = self._request_of(request)
         if not isinstance(request, ConstraintRequest):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
@@ -301,6 +326,20 @@ class RowMaker:
         except Exception as exc:  # a bad marker or prompt: this row alone fails
             r.fail(f"thinking gate failed: {type(exc).__name__}: {exc}", cause="gate")
         return r
+
+    def _request_of(self, spec: GrammarSpec) -> ConstraintRequest:
+        """``ConstraintRequest(spec)``, one per spec object (a frozen dataclass takes ~0.7 µs
+        to make, and a batch of short requests makes ~150 rows a step). Bounded: the oldest
+        go first; an entry holds its spec, so its ``id`` is not reused meanwhile."""
+        known = self._requests
+        entry = known.get(id(spec))
+        if entry is not None:
+            return entry[1]
+        request = ConstraintRequest(spec)
+        if len(known) >= KNOWN_SPECS:
+            del known[next(iter(known))]
+        known[id(spec)] = (spec, request)
+        return request
 
     def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int]) -> ThinkGate | None:
         if not request.thinking:

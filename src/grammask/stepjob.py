@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 
 import torch
 
@@ -23,14 +24,11 @@ from .backends.base import Matcher
 from .firstmask import FirstMasks
 from .masks import Filler, FillWorker, MaskBuffers, Ticket
 from .rowmasks import RowMasks
-from .rows import Row, advance_all
+from .rows import Row, Work, advance_all
 from .steptypes import CpuPlan, FillStats, LogitsLayout, StepMasks
 
 log = logging.getLogger("grammask")
 
-#: one row's share of a step: (batch row, the row, its new tokens); a plain tuple, since one
-#: is made per row per step on the host's critical path
-Work = tuple[int, Row, list[int]]
 
 
 @dataclass
@@ -324,15 +322,17 @@ class StepJobs:
         # advance with the others (a batch accept) instead of through their backlogs
         first.attach_at_hand([r for _, r, _ in work
                               if r.matcher is None and r.gate is None and r.error is None])
-        advance_all([(r, tokens) for _, r, tokens in work])
+        # rows that took their token in a batch accept come back grouped for the batch
+        # fill; only the rest are looked at again here
+        batched, rest = advance_all(work)
         # the same rows on every rank: errors and gates follow the (shared) sampled tokens
-        first.attach_all([r for _, r, _ in work
-                               if r.error is None and r.needs_mask and r.matcher is None])
+        first.attach_all([r for _, r, _ in rest
+                          if r.error is None and r.needs_mask and r.matcher is None])
         advanced = time.perf_counter()
         masks = self.masks
         indices: list[int] = []
         fills: list[tuple[Matcher, int]] = []
-        for index, r, _ in work:
+        for index, r, _ in rest:
             if r.error is not None:
                 if masks.error(buffer, index):
                     indices.append(index)
@@ -341,9 +341,9 @@ class StepJobs:
             elif r.gate is not None and r.gate.thinking and masks.guard(r.gate, buffer, index):
                 indices.append(index)
         try:
-            self._filler.fill(fills, buffer)
+            self._filler.fill(fills, buffer, batched)
         except Exception:  # find the culprit row by row; the others still get their masks
-            for matcher, index in fills:
+            for matcher, index in chain(fills, *batched.values()):
                 try:
                     matcher.fill(buffer, index)
                 except Exception as exc:
@@ -351,8 +351,10 @@ class StepJobs:
                     row.fail(f"mask fill failed: {exc}", cause="fill")
                     buffer[index].copy_(masks.stop_row)
         indices.extend(index for _, index in fills)
+        for group in batched.values():
+            indices.extend(index for _, index in group)
         stats = self.stats
-        stats.rows_filled += len(fills)
+        stats.rows_filled += len(fills) + sum(map(len, batched.values()))
         stats.last_advance_ms = (advanced - started) * 1000
         finished = time.perf_counter()
         stats.last_fill_ms = (finished - advanced) * 1000

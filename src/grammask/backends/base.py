@@ -121,6 +121,10 @@ class Backend(Protocol):
         ``lenient`` as in ``compile``: a check must refuse exactly what a compile would."""
 
 
+#: rows to fill through one matcher class's batch fill: ``(matcher, batch row)`` lists
+BatchFills = dict[type[BatchCalls], list[tuple[Matcher, int]]]
+
+
 class SpareBudget:
     """How many released native matchers (``Matcher.release``) the process keeps, across
     every grammar: one xgrammar matcher holds ~40 KB after a JSON walk, so the default of
@@ -169,6 +173,11 @@ class BackendMatcher:
     tracking them, and the tokens the backend consumed, keeps rollback exact and checkable).
 
     Subclasses give ``native``, the backend's own matcher."""
+
+    #: why the backend lost the parse (a dead end), once it has; None while it has not. A
+    #: class attribute here: asked for every row of every step, found at once for backends
+    #: that never set it
+    failure: str | None = None
 
     def __init__(self, stop_ids: tuple[int, ...], vocab_size: int) -> None:
         self._stop_ids = stop_ids

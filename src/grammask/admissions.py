@@ -69,9 +69,6 @@ class Admissions:
         self.queued: dict[int, Queued] = {}
         self.retired: list[Row] = []
 
-    def put(self, row: int, entry: Queued) -> None:
-        self.queued[row] = entry
-
     def drop(self, row: int) -> Queued | None:
         return self.queued.pop(row, None)
 

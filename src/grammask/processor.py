@@ -397,17 +397,9 @@ class BatchProcessor:
         to make its row."""
         if self._jobs.pending is not None:
             self._jobs.drop(row)
-        admissions = self._admissions
-        r = self._rows.pop(row, None)
-        if r is not None:
-            self._live -= not r.owned
-            admissions.retired.append(r)
-        queued = admissions.queued
-        before = queued.pop(row, None)
-        if before is not None:
-            self._live -= before.output_ids is not None
+        self._pop(row)
         if entry is not None:
-            queued[row] = entry
+            self._admissions.queued[row] = entry
             self._live += entry.output_ids is not None
 
     def _pop(self, row: int) -> None:

@@ -226,7 +226,7 @@ class Row:
 
 
 #: one row's share of a step: (batch row, the row, its new tokens); a plain tuple, since one
-#: is made per row per step on the host's critical path
+#: is made per row per step
 Work = tuple[int, Row, list[int]]
 
 

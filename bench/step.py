@@ -44,9 +44,10 @@ thread holds the GIL most of the time, which grammask's fill thread shares).
 Workloads: ``free`` (objects with free-text strings), ``closed`` (enums, integers,
 booleans), ``corpus`` (a mix of ``../shared/corpus`` maskbench schemas walking valid
 instances), ``regex``, ``choice``. Every row walks its text one token a step; a row that
-ends starts a new request. Reported per (workload, B, forward): median step ms of each
-side over ``--repeats`` runs of ``--steps`` steps, and grammask's ratio to the better of
-vLLM's ways in each model (<= 1.0: never slower).
+samples its stop token has finished (neither side fills it, as a runner's next batch has no
+row for it) and starts a new request with the next step. Reported per (workload, B,
+forward): median step ms of each side over ``--repeats`` runs of ``--steps`` steps, and
+grammask's ratio to the better of vLLM's ways in each model (<= 1.0: never slower).
 """
 
 from __future__ import annotations

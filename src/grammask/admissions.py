@@ -40,19 +40,6 @@ class Queued(NamedTuple):
     output_ids: list[int] | None
 
 
-_new_tuple = tuple.__new__
-
-
-def queued_add(request: ConstraintRequest | GrammarSpec, grammar: Grammar | Future[Grammar] | None,
-               host_masks: bool, prompt_ids: Sequence[int], output_ids: list[int] | None
-               ) -> Queued:
-    """``Queued(Admission(request, grammar, host_masks), prompt_ids, output_ids)``, without
-    the named tuples' own ``__new__`` (a Python call each: 0.6 µs of an add's 1.7, on the
-    host's thread, for each new request of a step)."""
-    return _new_tuple(Queued, (_new_tuple(Admission, (request, grammar, host_masks)),
-                               prompt_ids, output_ids))
-
-
 #: makes a queued add's row (None: unconstrained); contains every failure in the row
 MakeRow = Callable[[Queued], Row | None]
 

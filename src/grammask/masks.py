@@ -288,8 +288,8 @@ class Filler:
 
         Matchers whose class has batch calls (``backends.base.batch_calls``) are grouped by
         class (``grouped``: rows the caller grouped so already, ``rows.advance_all``; left
-        as given); a group goes through its ``batch_fill``, on the backend's
-        threads from ``parallel_min`` rows, on this thread below that (one native call, the
+        as given); a group goes through its ``batch_fill``, on the backend's threads from
+        ``parallel_min`` rows, on this thread below that (one native call, the
         GIL released, still cheaper than a Python loop: the backend keeps the per-row
         choice). Terminated matchers of those classes (only stop tokens allowed) are copied
         in bulk (``fill_stop_only``); lone rows and other classes take their own ``fill``."""
@@ -305,15 +305,14 @@ class Filler:
             groups[calls] = given + groups[calls] if calls in groups else given
         ended: list[tuple[BackendMatcher, int]] = []
         for calls, rows in groups.items():
-            live = [entry for entry in rows if not entry[0].is_terminated()]
-            if len(live) < len(rows):
-                for entry in rows:
-                    matcher = entry[0]
-                    if matcher.is_terminated():  # only stop tokens: copied in bulk below
-                        if isinstance(matcher, BackendMatcher):
-                            ended.append((matcher, entry[1]))
-                        else:
-                            rest.append(entry)
+            live: list[tuple[Matcher, int]] = []
+            for matcher, row in rows:
+                if not matcher.is_terminated():
+                    live.append((matcher, row))
+                elif isinstance(matcher, BackendMatcher):
+                    ended.append((matcher, row))  # only stop tokens: copied in bulk below
+                else:
+                    rest.append((matcher, row))
             if len(live) > 1:
                 threads = self.threads if len(live) >= self.parallel_min else 1
                 calls.batch_fill(live, bitmask, threads, self._pools)

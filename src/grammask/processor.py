@@ -55,7 +55,7 @@ from concurrent.futures import Future
 
 import torch
 
-from .admissions import Admission, Admissions, Queued, queued_add
+from .admissions import Admission, Admissions, Queued
 from .agreement import Agreement, Solo
 from .compiler import Compiler, Grammar
 from .digests import MaskDigests
@@ -70,8 +70,6 @@ from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
 from .spec import GrammarSpec
 from .stepjob import StepJobs
 from .steptypes import FillStats
-
-_REQUESTS = (ConstraintRequest, GrammarSpec)  # what ``add`` takes (a tuple: the fast check)
 
 __all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
 
@@ -154,17 +152,12 @@ class BatchProcessor:
         the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
         Raises only for host mistakes: IndexError (row out of range), TypeError (another
         request type); a request's own faults (a bad grammar) error its row instead."""
-        # the host's thread, before the forward, ~150 times a step for a batch of short
-        # requests: checks and the queue inline (no call per check)
-        if type(row) is not int or not 0 <= row < self.max_batch:
-            self._check_row(row)
-        if request is None:
-            self._queue(row, None)
-        elif isinstance(request, _REQUESTS):
-            self._queue(row, queued_add(request, grammar, host_masks, prompt_ids, output_ids))
-        else:
+        self._check_row(row)
+        if request is not None and not isinstance(request, ConstraintRequest | GrammarSpec):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
+        self._queue(row, None if request is None else Queued(
+            Admission(request, grammar, host_masks), prompt_ids, output_ids))
 
     def add_later(self, row: int, resolve: Callable[[], Admission],
                   prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None) -> None:
@@ -395,8 +388,7 @@ class BatchProcessor:
     def _queue(self, row: int, entry: Queued | None) -> None:
         """The row's previous request leaves; ``entry`` (None: none) waits for a fill job
         to make its row."""
-        if self._jobs.pending is not None:
-            self._jobs.drop(row)
+        self._jobs.drop(row)
         self._pop(row)
         if entry is not None:
             self._admissions.queued[row] = entry

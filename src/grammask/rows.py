@@ -27,8 +27,6 @@ log = logging.getLogger("grammask")
 RowStatus = Literal["unconstrained", "thinking", "compiling", "active", "ended", "error"]
 #: ``think_end``'s default: the vocabulary's own marker
 FROM_VOCAB = "vocab"
-#: requests kept for specs added as they are (``RowMaker._request_of``)
-KNOWN_SPECS = 256
 
 
 @dataclass(frozen=True)
@@ -307,13 +305,12 @@ class RowMaker:
                          else None if think_end is None
                          else ThinkMarker.for_vocab(vocab, think_end))
         self._markers: dict[str, ThinkMarker | None] = {}
-        self._requests: dict[int, tuple[GrammarSpec, ConstraintRequest]] = {}  # _request_of's
 
     def make(self, request: ConstraintRequest | GrammarSpec, prompt_ids: Sequence[int],
              output_ids: list[int] | None, grammar: Grammar | Future[Grammar] | None,
              host_masks: bool) -> Row:
         if isinstance(request, GrammarSpec):
-            request = self._request_of(request)
+            request = ConstraintRequest(request)
         if not isinstance(request, ConstraintRequest):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
@@ -326,20 +323,6 @@ class RowMaker:
         except Exception as exc:  # a bad marker or prompt: this row alone fails
             r.fail(f"thinking gate failed: {type(exc).__name__}: {exc}", cause="gate")
         return r
-
-    def _request_of(self, spec: GrammarSpec) -> ConstraintRequest:
-        """``ConstraintRequest(spec)``, one per spec object (a frozen dataclass takes ~0.7 µs
-        to make, and a batch of short requests makes ~150 rows a step). Bounded: the oldest
-        go first; an entry holds its spec, so its ``id`` is not reused meanwhile."""
-        known = self._requests
-        entry = known.get(id(spec))
-        if entry is not None:
-            return entry[1]
-        request = ConstraintRequest(spec)
-        if len(known) >= KNOWN_SPECS:
-            del known[next(iter(known))]
-        known[id(spec)] = (spec, request)
-        return request
 
     def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int]) -> ThinkGate | None:
         if not request.thinking:

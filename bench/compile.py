@@ -2,7 +2,7 @@
 
     python -m bench.compile [--corpus PATH] [--sample N] [--seed S] [--timeout SEC]
                             [--systems a,b,...] [--subsets A,B] [--no-extras]
-                            [--json OUT] [--plot PNG]
+                            [--json OUT]
 
 For every spec, every system (raw xgrammar, raw llguidance, vLLM's two backends, grammask
 with each backend forced and with auto routing) measures, in its own worker process:
@@ -343,43 +343,6 @@ def _met(ok: bool) -> str:
     return "yes" if ok else "NO"
 
 
-def plot_cdf(rows: list[dict[str, Any]], systems: list[str], path: str | Path,
-             title: str) -> None:
-    """CDF of time to first mask; the denominator is every spec, so a system's errors and
-    timeouts show as a curve that stops below 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
-    styles = {"xgrammar": ("tab:blue", "--"), "llguidance": ("tab:orange", "--"),
-              "vllm-xgrammar": ("tab:blue", ":"), "vllm-guidance": ("tab:orange", ":"),
-              "grammask-xgrammar": ("tab:blue", "-"), "grammask-guidance": ("tab:orange", "-"),
-              "grammask-auto": ("tab:green", "-")}
-    for name in systems:
-        mine = [r for r in rows if r["system"] == name]
-        if not mine:
-            continue
-        times = sorted(r["ttfm_ms"] for r in mine if r["status"] == "ok")
-        ys = [(i + 1) / len(mine) for i in range(len(times))]
-        color, ls = styles.get(name, ("gray", "-"))
-        ax.step(times, ys, where="post", color=color, linestyle=ls,
-                linewidth=2.2 if name == "grammask-auto" else 1.4,
-                label=f"{name} ({len(times)}/{len(mine)} served)")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first mask (ms, log scale): compile + matcher + first fill")
-    ax.set_ylabel("fraction of specs")
-    ax.set_ylim(0, 1.01)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
 # ------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__,
@@ -397,11 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs (median kept) of specs whose first TTFM is under 100 ms")
     p.add_argument("--tokenizer", default="qwen2.5")
     p.add_argument("--json", dest="json_out", help="write rows + summary here")
-    p.add_argument("--plot", help="write the TTFM CDF plot (PNG) here")
     p.add_argument("--log-dir", help="workers' stderr logs (default: a temp dir)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--report", metavar="JSON",
-                   help="measure nothing: recompute summary, ratios, tables (and --plot, "
+                   help="measure nothing: recompute summary, ratios, tables (and "
                         "--json) from the rows of an earlier run")
     return p
 
@@ -417,11 +379,6 @@ def report(args: argparse.Namespace) -> int:
     print(tables(payload))
     if args.json_out:
         write_json(args.json_out, payload)
-    if args.plot:
-        config = payload["config"]
-        plot_cdf(rows, systems, args.plot,
-                 f"Time to first mask, {config['cases']} specs ({config['tokenizer']}, "
-                 f"{payload['machine']['cores']} CPU cores)")
     return 0
 
 
@@ -456,10 +413,6 @@ def main(argv: list[str] | None = None) -> int:
     print(tables(payload))
     if args.json_out:
         write_json(args.json_out, payload)
-    if args.plot:
-        plot_cdf(rows, systems, args.plot,
-                 f"Time to first mask, {len(cases)} specs ({args.tokenizer}, "
-                 f"{machine['cores']} CPU cores)")
     return 0
 
 

@@ -11,11 +11,8 @@ fresh process (vocabulary and compiler built before anything is measured):
 1. ``write``: compile, then the adapter's ``store_compiled`` and wait for it; the serving process's
    peak RSS growth during the write, and the writer child's report (its peak RSS above its
    start-up footprint, the JSON and file sizes).
-2. ``inline``: compile, then ``serialize_json()`` in the process: the peak RSS growth the
-   writer had when it serialized in the serving process (before: grammars over 32 MB were
-   refused for that); it also leaves that JSON zlib'd, the format before (``old``).
-3. ``--repeats`` rounds of ``cold`` (no disk cache), ``old`` (inflate the old file, one
-   ``deserialize_json``) and ``disk`` (the file from 1), in turn: time to first mask from
+2. ``--repeats`` rounds of ``cold`` (no disk cache) and ``disk`` (the file from 1), in
+   turn: time to first mask from
    ``compiler.compile`` (or the read) to the first fill, its CPU time (all threads: what a
    machine with busy cores would see), and the peak RSS growth.
 
@@ -34,15 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 from bench.paths import REPO_ROOT
 from bench.stats import fmt_ms, machine_info, render_table, write_json
 
-#: Per round, each in a fresh process: compile, the old format (one zlib'd JSON), the new one.
-MODES = ("cold", "old", "disk")
+#: Per round, each in a fresh process: compile, then load from the disk cache.
+MODES = ("cold", "disk")
 
 
 def patterned_schema(props: int) -> dict[str, Any]:
@@ -75,7 +71,7 @@ def worker(mode: str, directory: str, source: str) -> dict[str, Any]:
     vocab = load_vocabulary("qwen2.5")
     tokenizer_info(vocab)  # a server builds it at start-up
     spec = GrammarSpec.json_schema(source)
-    if mode in ("write", "inline"):
+    if mode == "write":
         started = time.perf_counter()
         backend = XGrammarBackend()
         compiled = backend.compile(spec, vocab, lenient=False)
@@ -83,31 +79,13 @@ def worker(mode: str, directory: str, source: str) -> dict[str, Any]:
         before = _start_peak()
         out: dict[str, Any] = {"compile_ms": compile_ms,
                                "grammar_bytes": compiled.memory_bytes}
-        if mode == "inline":
-            text = compiled._compiled.serialize_json()
-            out["json_bytes"] = len(text)
-            # the format before: the whole JSON, zlib level 1, parsed as one document
-            (Path(directory) / "old.zjson").write_bytes(zlib.compress(text.encode(), 1))
-        else:
-            cache = DiskCache(directory, 1 << 40)
-            out["queued"] = backend.store_compiled(cache, spec, vocab, compiled,
-                                                   compile_ms=compile_ms)
-            out["flushed"] = cache.flush(1800)
-            out["child"] = cache.last_write
+        cache = DiskCache(directory, 1 << 40)
+        out["queued"] = backend.store_compiled(cache, spec, vocab, compiled,
+                                               compile_ms=compile_ms)
+        out["flushed"] = cache.flush(1800)
+        out["child"] = cache.last_write
         out["growth_bytes"] = _kib("VmHWM") - before
         return out
-    if mode == "old":
-        import xgrammar as xgr
-
-        before = _start_peak()
-        started, cpu = time.perf_counter(), time.process_time()
-        data = zlib.decompress((Path(directory) / "old.zjson").read_bytes())
-        loaded = xgr.CompiledGrammar.deserialize_json(data.decode(), tokenizer_info(vocab))
-        xgr.GrammarMatcher(loaded).fill_next_token_bitmask(
-            xgr.allocate_token_bitmask(1, vocab.vocab_size))
-        return {"ttfm_ms": (time.perf_counter() - started) * 1000,
-                "cpu_ms": (time.process_time() - cpu) * 1000,
-                "growth_bytes": _kib("VmHWM") - before}
     compiler = Compiler(vocab, backend="xgrammar", timeout_s=1800,
                         disk_cache_dir=directory if mode == "disk" else None,
                         disk_cache_bytes=1 << 40)
@@ -145,7 +123,6 @@ def measure(props: int, repeats: int) -> dict[str, Any]:
         child = write["child"] or {}
         if not child.get("written"):
             raise RuntimeError(f"{props} properties: not written: {child.get('why')}")
-        inline = run_worker("inline", directory, source)
         rounds = []
         for n in range(repeats):
             one = {mode: run_worker(mode, directory, source) for mode in MODES}
@@ -164,18 +141,17 @@ def measure(props: int, repeats: int) -> dict[str, Any]:
     return {
         "props": props, "grammar_bytes": write["grammar_bytes"],
         "json_bytes": child["json_bytes"], "file_bytes": child["file_bytes"],
-        "cold_ttfm_ms": med("cold"), "disk_ttfm_ms": med("disk"), "old_ttfm_ms": med("old"),
-        "speedup": ratio("disk"), "speedup_old": ratio("old"),
+        "cold_ttfm_ms": med("cold"), "disk_ttfm_ms": med("disk"),
+        "speedup": ratio("disk"),
         "speedup_min": min(r["cold"]["ttfm_ms"] / r["disk"]["ttfm_ms"] for r in rounds),
         "cold_cpu_ms": med("cold", "cpu_ms"), "disk_cpu_ms": med("disk", "cpu_ms"),
         "speedup_cpu": ratio("disk", "cpu_ms"),
         "child_peak_bytes": child["peak_rss"],
         "child_growth_bytes": child["peak_rss"] - child["base_rss"],
         "serving_write_growth_bytes": write["growth_bytes"],
-        "inline_serialize_growth_bytes": inline["growth_bytes"],
         "load_growth_bytes": statistics.median(r["disk"]["growth_bytes"] for r in rounds),
         "cold_growth_bytes": statistics.median(r["cold"]["growth_bytes"] for r in rounds),
-        "write": write, "inline": inline, "rounds": rounds}
+        "write": write, "rounds": rounds}
 
 
 def _mb(x: float) -> str:
@@ -188,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path,
                     default=REPO_ROOT / "out" / "bench" / "diskcache_heavy.json")
-    ap.add_argument("--worker", choices=("cold", "disk", "old", "write", "inline"),
+    ap.add_argument("--worker", choices=("cold", "disk", "write"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -198,18 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = [measure(props, args.repeats) for props in args.props]
     table = [[r["props"], _mb(r["grammar_bytes"]), _mb(r["json_bytes"]), _mb(r["file_bytes"]),
-              fmt_ms(r["cold_ttfm_ms"]), fmt_ms(r["old_ttfm_ms"]), fmt_ms(r["disk_ttfm_ms"]),
-              f"{r['speedup_old']:.1f}x", f"{r['speedup']:.1f}x (min {r['speedup_min']:.1f}x)",
+              fmt_ms(r["cold_ttfm_ms"]), fmt_ms(r["disk_ttfm_ms"]),
+              f"{r['speedup']:.1f}x (min {r['speedup_min']:.1f}x)",
               f"{fmt_ms(r['cold_cpu_ms'])} / {fmt_ms(r['disk_cpu_ms'])} = "
               f"{r['speedup_cpu']:.1f}x",
               f"{_mb(r['child_peak_bytes'])} (+{_mb(r['child_growth_bytes'])})",
               f"+{_mb(r['serving_write_growth_bytes'])}",
-              f"+{_mb(r['inline_serialize_growth_bytes'])}",
               f"+{_mb(r['load_growth_bytes'])}"] for r in rows]
     print(render_table(["props", "grammar MB", "JSON MB", "file MB", "cold TTFM ms",
-                        "old-format TTFM ms", "disk TTFM ms", "old speedup", "speedup",
-                        "CPU ms cold / disk", "writer child peak MB",
-                        "serving process during write MB", "in-process serialize MB (old)",
+                        "disk TTFM ms", "speedup", "CPU ms cold / disk",
+                        "writer child peak MB", "serving process during write MB",
                         "load MB"], table))
     print(f"\n{args.repeats} rounds each, medians; fresh processes; "
           f"{time.perf_counter() - t0:.0f} s")

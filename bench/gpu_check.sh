@@ -3,9 +3,9 @@
 #   1. tests/test_devices.py on CUDA (apply kernel vs a bitwise reference for fp32/bf16/fp16
 #      with model padding; BatchProcessor on CUDA logits under torch.inference_mode, which
 #      exercises the pinned double buffers and their copy events);
-#   2. bench/gpu.py: apply kernel vs memcpy at B=1..1024 on 152k and 248k vocabularies, and
-#      the overlap of the mask fill with a real CUDA forward, the apply's host cost, and the
-#      decode step against vLLM's way on CUDA-graph and eager forwards (bench/gpu_step.py).
+#   2. bench/gpu.py: apply kernel vs memcpy at B=1..1024 on 152k and 248k vocabularies, the
+#      apply's host cost, and the decode step against vLLM's way on CUDA-graph and eager
+#      forwards (bench/gpu_step.py).
 # Writes $OUT/gpu.json (benchmarks + what they proved) and $OUT/gpu-tests.txt.
 #
 # The machine needs torch with CUDA; grammask's own dependencies that it lacks travel as

@@ -1,7 +1,7 @@
 """The decode step with masks: grammask's ``BatchProcessor`` against vLLM's way, side by side
 in one run (issue 32, item 5).
 
-    python -m bench.step [--batch-sizes 1,16,64,256,512] [--forwards wait3,wait10,busy3]
+    python -m bench.step [--batch-sizes 1,16,64,256,512] [--forwards wait3,wait10,busy3,py3]
                          [--workloads free,closed,corpus,regex,choice] [--steps 12]
                          [--repeats 3] [--json OUT]
 
@@ -39,7 +39,16 @@ kernel either way, measured by ``bench/gpu.py``):
 
 Forwards: ``waitN`` a GIL-free wait of N ms (a CUDA-graph replay: the host only waits);
 ``busyN`` N ms of Python issuing tiny torch ops (an eager launch loop: the model runner's
-thread holds the GIL most of the time, which grammask's fill thread shares).
+thread holds the GIL most of the time, which grammask's fill thread shares; each op lets it
+go for a moment); ``pyN`` N ms of pure Python that never lets the GIL go (vLLM 0.34's engine
+core under async scheduling: ``update_from_output`` and ``schedule`` on the runner's thread
+while the device runs the forward). grammask's fill thread needs the GIL to start and after
+each native call that released it; vLLM's ``inproc`` side runs that Python, then its accept
+and fill on the same thread.
+
+``--repeats`` runs of each cell; besides the medians, each cell reports grammask's ratio to
+``inproc`` per repeat (``ratio_inproc_runs``: grammask's median over the better engine's
+median of the same repeat), shown as the median and its spread (min-max).
 
 Workloads: ``free`` (objects with free-text strings), ``closed`` (enums, integers,
 booleans), ``corpus`` (a mix of ``../shared/corpus`` maskbench schemas walking valid
@@ -205,7 +214,20 @@ class Forward:
 def make_forward(kind: str) -> Forward:
     """``waitN``: N ms of device work from the launch, the host only waits (no GIL, no CPU:
     a CUDA-graph replay). ``busyN``: N ms of Python launching tiny torch ops (the GIL mostly
-    held, as an eager model runner's launch loop; the device keeps up)."""
+    held, as an eager model runner's launch loop; the device keeps up). ``pyN``: N ms of pure
+    Python on the host's thread, the GIL held throughout (the engine core's scheduling while
+    the device runs the forward)."""
+    if kind.startswith("py"):
+        span = float(kind[2:]) / 1000
+
+        def python() -> None:
+            end = time.perf_counter() + span
+            total = 0
+            while time.perf_counter() < end:
+                for i in range(50):  # bytecode only: no call that lets the GIL go
+                    total += i * i
+
+        return Forward(python, lambda: None)
     ms = float(kind[4:]) / 1000
     if kind.startswith("wait"):
         launched = [0.0]
@@ -400,11 +422,20 @@ def cell(compiler: Compiler, walks: list[Walk], vocab: Vocabulary, batch: int,
     return med, runs, ratios
 
 
+def inproc_ratios(runs: dict[str, list[float]]) -> list[float]:
+    """grammask's ratio to the better engine of ``inproc`` in each repeat (the same repeat's
+    runs: load that hits one repeat hits both sides)."""
+    return [g / min(runs[f"{MODELS['inproc']}-{e}"][i] for e in ENGINES)
+            for i, g in enumerate(runs["grammask"])]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,16,64,256,512")
-    ap.add_argument("--forwards", default="wait3,wait10,busy3")
+    ap.add_argument("--forwards", default="wait3,wait10,busy3",
+                    help="waitN (GIL-free), busyN (tiny torch ops), pyN (pure Python, the "
+                         "GIL held): N ms each")
     ap.add_argument("--workloads", default="free,closed,corpus,regex,choice")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
@@ -436,23 +467,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 forward = make_forward(fwd)
                 med, runs, ratios = cell(compiler, walks, vocab, batch, forward, args.steps,
                                          args.repeats, pool)
+                spread = inproc_ratios(runs)
                 results.append({"workload": workload, "batch": batch, "forward": fwd,
                                 "grammask_backends": backends, "steps_ms": med,
-                                "runs_ms": runs} | {RATIOS[m]: r for m, r in ratios.items()})
+                                "runs_ms": runs, "ratio_inproc_runs": spread,
+                                "ratio_inproc_median": statistics.median(spread)} | {
+                                    RATIOS[m]: r for m, r in ratios.items()})
                 table.append([workload, batch, fwd, f"{med['grammask']:.2f}"] + [
                     f"{v:.2f}" for m in MODELS for v in (
-                        min(med[f"{MODELS[m]}-{e}"] for e in ENGINES), ratios[m])])
+                        min(med[f"{MODELS[m]}-{e}"] for e in ENGINES), ratios[m])] + [
+                    f"{statistics.median(spread):.2f} ({min(spread):.2f}-{max(spread):.2f})"])
                 print(" ".join(str(c) for c in table[-1]), file=sys.stderr, flush=True)
     pool.shutdown()
     for c in (compiler, *raw.values()):
         c.close()
     print(render_table(["workload", "B", "forward", "grammask_ms", "vllm_ms", "ratio",
-                        "rpc_ms", "ratio_rpc", "inproc_ms", "ratio_inproc"], table))
+                        "rpc_ms", "ratio_rpc", "inproc_ms", "ratio_inproc",
+                        "inproc_runs (min-max)"], table))
     print("(median step ms over repeats of median steps; vllm_ms: the better of vLLM's ways "
           "(xgrammar, llguidance) in each model; ratio: grammask / that, <= 1.00 is never "
           "slower. The models: the fill in another process, free (the issue's); the same "
           "with the bitmask's trip to the worker (rpc); one GPU, the fill after the launch "
-          "(inproc))")
+          "(inproc); inproc_runs: grammask / inproc per repeat, the median (min-max))")
     if args.json:
         write_json(args.json, {"machine": machine_info(), "args": vars(args) | {
             "corpus": str(args.corpus)}, "results": results})

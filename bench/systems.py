@@ -14,7 +14,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,18 +54,8 @@ class System:
         """The matcher of the first request (what time to first mask includes)."""
         raise NotImplementedError
 
-    def new_matcher(self, compiled: Any, case: Case) -> Any:
-        """Another request's matcher for the same spec (never timed)."""
-        return self.matcher(compiled)
-
     def fill(self, matcher: Any, bitmask: Any, row: int) -> None:
         raise NotImplementedError
-
-    def accept(self, matcher: Any, token: int) -> bool:
-        raise NotImplementedError
-
-    def reset(self, matcher: Any) -> None:
-        matcher.reset()
 
     def cache_hit(self, case: Case) -> dict[str, float]:
         """Timings (ms) of serving the just-compiled spec again; {} when the system has no
@@ -86,14 +76,6 @@ class System:
         import torch
 
         return torch.zeros((batch, (self.vocab_size + 31) // 32), dtype=torch.int32)
-
-    def batch_methods(self, matchers: list[Any]) -> dict[str, Callable[[Any], None]]:
-        """Ways to fill one row per matcher into a (len(matchers), words) bitmask."""
-        def loop(bitmask: Any) -> None:
-            for i, m in enumerate(matchers):
-                self.fill(m, bitmask, i)
-
-        return {"loop": loop}
 
     vocab_size = 0
 
@@ -155,18 +137,6 @@ class RawXGrammar(System):
     def fill(self, matcher: Any, bitmask: Any, row: int) -> None:
         matcher.fill_next_token_bitmask(bitmask, row)
 
-    def accept(self, matcher: Any, token: int) -> bool:
-        return bool(matcher.accept_token(token))
-
-    def batch_methods(self, matchers: list[Any]) -> dict[str, Callable[[Any], None]]:
-        methods = super().batch_methods(matchers)
-
-        def batched(bitmask: Any) -> None:
-            self.batcher.batch_fill_next_token_bitmask(matchers, bitmask)
-
-        methods["BatchGrammarMatcher"] = batched
-        return methods
-
 
 @dataclass
 class _GuidanceCompiled:
@@ -210,26 +180,9 @@ class RawGuidance(System):
     def matcher(self, compiled: _GuidanceCompiled) -> Any:
         return compiled.first
 
-    def new_matcher(self, compiled: _GuidanceCompiled, case: Case) -> Any:
-        return self.llg.LLMatcher(self.tok, compiled.grammar, log_level=0)
-
     def fill(self, matcher: Any, bitmask: Any, row: int) -> None:
         out = bitmask[row]
         matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
-
-    def accept(self, matcher: Any, token: int) -> bool:
-        return bool(matcher.consume_token(token)) and not matcher.is_error()
-
-    def batch_methods(self, matchers: list[Any]) -> dict[str, Callable[[Any], None]]:
-        methods = super().batch_methods(matchers)
-        pairs = [(m, i) for i, m in enumerate(matchers)]
-
-        def executor(bitmask: Any) -> None:
-            self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(),
-                                                  bitmask.shape[1] * 4, bitmask.shape[0])
-
-        methods["LLExecutor"] = executor
-        return methods
 
 
 def choice_ebnf(options: Sequence[str]) -> str:
@@ -285,9 +238,6 @@ class Grammask(System):
     def fill(self, matcher: Any, bitmask: Any, row: int) -> None:
         matcher.fill(bitmask, row)
 
-    def accept(self, matcher: Any, token: int) -> bool:
-        return bool(matcher.accept(token))
-
     def cache_hit(self, case: Case) -> dict[str, float]:
         spec = self._spec
         t0 = time.perf_counter()
@@ -313,32 +263,6 @@ class Grammask(System):
         # cold again, but the freed memory stays in the heap, as the raw systems' does (a
         # trim here made every repeat fault its pages back in: +0.7 ms per cold compile)
         self.compiler.clear(trim=False)
-
-    def batch_methods(self, matchers: list[Any]) -> dict[str, Callable[[Any], None]]:
-        """The plain loop, and the loop split by backend into each backend's batch call (what a
-        batch fill built on grammask's matchers can do)."""
-        import llguidance as llg
-        import xgrammar as xgr
-
-        methods = super().batch_methods(matchers)
-        xg_rows = [(i, m.native) for i, m in enumerate(matchers)
-                   if isinstance(m, self._xgm)]
-        ll_rows = [(m.native, i) for i, m in enumerate(matchers)
-                   if isinstance(m, self._glm)]
-        batcher = xgr.BatchGrammarMatcher()
-        executor = llg.LLExecutor()
-        xg_idx = [i for i, _ in xg_rows]
-        xg_ms = [m for _, m in xg_rows]
-
-        def backend_batch(bitmask: Any) -> None:
-            if xg_ms:
-                batcher.batch_fill_next_token_bitmask(xg_ms, bitmask, indices=xg_idx)
-            if ll_rows:
-                executor.unsafe_compute_mask_ptr(ll_rows, bitmask.data_ptr(),
-                                                 bitmask.shape[1] * 4, bitmask.shape[0])
-
-        methods["backend-batch"] = backend_batch
-        return methods
 
 
 class VllmBackend(System):
@@ -403,14 +327,8 @@ class VllmBackend(System):
     def matcher(self, compiled: Any) -> Any:
         return compiled  # vLLM compiles one grammar object per request
 
-    def new_matcher(self, compiled: Any, case: Case) -> Any:
-        return self.compile(case)  # as in vLLM: each request compiles (xgrammar: cache hit)
-
     def fill(self, matcher: Any, bitmask: Any, row: int) -> None:
         matcher.fill_bitmask(bitmask, row)
-
-    def accept(self, matcher: Any, token: int) -> bool:
-        return bool(matcher.accept_tokens("bench", [token]))
 
     def cache_hit(self, case: Case) -> dict[str, float]:
         if self.which != "xgrammar":
@@ -429,33 +347,6 @@ class VllmBackend(System):
         if self.which == "xgrammar":
             self.backend.compiler.clear_cache()
             self.backend.full_vocab_compiler.clear_cache()
-
-    def batch_methods(self, matchers: list[Any]) -> dict[str, Callable[[Any], None]]:
-        """vLLM's own per-step path: ``StructuredOutputManager.grammar_bitmask`` over real
-        ``Request`` objects (serial below 129 requests, its thread pool above)."""
-        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-        from vllm.v1.request import Request
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        methods = super().batch_methods(matchers)
-        if self._manager is None:
-            self._manager = StructuredOutputManager(self.vc)
-            self._manager.backend = self.backend
-            self._manager.backend_name = self.which
-        manager = self._manager
-        requests = {}
-        for i, g in enumerate(matchers):
-            params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="x"))
-            req = Request(f"r{i}", [0], params, None)
-            req.structured_output_request.grammar = g  # type: ignore[union-attr]
-            requests[req.request_id] = req
-        ids = list(requests)
-
-        def grammar_bitmask(bitmask: Any) -> None:
-            manager.grammar_bitmask(requests, ids, {})  # fills the manager's own bitmask
-
-        methods["grammar_bitmask"] = grammar_bitmask
-        return methods
 
 
 def make_system(name: str, options: dict[str, Any]) -> System:

@@ -20,25 +20,16 @@ The two systems are that one key apart: every case is the same standard request 
   validate against ``WEATHER_PARAMS``);
 - ``/v1/completions`` with ``structured_outputs`` ``json`` (``PERSON``).
 
-Every request streams (``stream_options.include_usage``). Per (system, case) and
-concurrency, after one unmeasured warm-up request: at concurrency 1 ``--reps`` sequential
-requests, at ``--concurrency`` (32) ``--batches`` batches of that many requests sent at
-once. Reported: valid rate (independent validators: ``jsonschema``, the ``regex`` module,
-never grammask; with random weights every valid output is the mask's doing), finish-reason
-counts, time to first token (first content or tool-call delta; for tool calls that is when
-vLLM's hermes parser has the function name, so it includes the ``<tool_call>`` envelope)
-p50, output tokens/s (completion tokens over the wall time of the batch, or of the
-sequential run) and the p50 of each request's wall time over its completion tokens
-(ms/token). grammask's counter ``grammask_requests_total{source="structured_outputs"}`` on
-``/metrics`` is read around each system's runs of a case: it grows by the requests sent for
-grammask's runs and stays put for vLLM's (with ``--url`` the check is skipped when
-``/metrics`` has no grammask series). Which system goes first alternates per case.
-
-What differs beyond the mask (both are each system's defaults, left as they are):
-grammask's JSON is compact by default (no whitespace between JSON tokens), vLLM's engine
-allows any whitespace there, so a weak model may spend its whole budget on whitespace and
-stop at ``max_tokens`` (an incomplete document: invalid); and once a grammar has ended
-grammask allows only stop tokens. Numbers only: nothing is asserted.
+Every request streams. Per (system, case) and concurrency, after one unmeasured request: at
+concurrency 1 ``--reps`` sequential requests, at ``--concurrency`` (32) ``--batches``
+batches sent at once. Reported: valid rate (``jsonschema`` and the ``regex`` module, never
+grammask; with random weights every valid output is the mask's doing), finish reasons, TTFT
+p50 (for tool calls: when vLLM's hermes parser has the function name), output tokens/s and
+ms/token; grammask's counter (``grammask_requests_total``) read around each system's runs
+must grow for grammask's requests only. Which system goes first alternates per case.
+Beyond the mask the systems differ in their defaults: grammask's JSON is compact, vLLM's
+allows any whitespace (a weak model may spend its budget on it), and once a grammar has
+ended grammask allows only stop tokens. Numbers only: nothing is asserted.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
     python -m bench.vllm_throughput [--url http://127.0.0.1:8000/v1 --model NAME --pid PID]
         [--rounds 3] [--concurrency 1,16,32] [--reps 4] [--batches 5] [--max-tokens 64]
         [--specs json-xg,json-llg,regex,choice] [--json out/bench-vllm-throughput.json]
-        [--profile out/pyspy] [--profile-batches 6] [--profile-specs ...]
 
 Without ``--url`` it starts the e2e suite's tiny random Qwen2.5-layout server (the vLLM CPU
 venv: ``make vllm-venv`` or ``GRAMMASK_VLLM_PYTHON``; ``bench.vllm_server.server_for``).
@@ -18,72 +17,38 @@ temperature 1.0):
   (vLLM's own engine, its ``auto`` backend);
 - ``unconstrained``: no constraint at all (the model's own speed on this server).
 
-Specs: ``json-xg`` (``XG_SCHEMA`` as ``response_format`` ``json_schema``, compact JSON that
-grammask routes to xgrammar), ``json-llg`` (``LLG_SCHEMA`` as ``structured_outputs`` ``json``,
-length-bounded strings: llguidance), ``regex`` (``REGEX``), ``choice``; and, not by default,
-``words`` (a regex of lowercase words that rarely ends within ``max_tokens``), ``json-xg-long``
-and ``json-llg-long`` (arrays of at least 200 items, so the JSON never ends within
-``max_tokens``: a prefix is checked, with ``regex``'s partial matching). The default specs end
-within a few tokens, after which the systems do different work (see below); ``words`` and the
-two long ones keep both engines masking every token, comparing mask against mask. Per round,
-spec and concurrency each system sends ``--reps`` sequential requests at concurrency 1, and
-above it ``--batches`` batches of that many requests sent at once, the same requests (and
-seeds) every round, so that rounds repeat the same work; the three systems take
-turns chunk by chunk (a request, a batch), their order rotating per round and spec, so a
-change of background load hits all three alike. One unmeasured request per (spec, system)
-first (compile, caches). Each batch goes through a gate (``bench/gate.py``; the server
-started here runs with ``VLLM_SERVER_DEV_MODE=1``; ``--no-gate`` to skip): vLLM's engine is
-paused (``/pause?mode=keep``), the batch is sent, and once the API server has handed every
-request over the engine resumes, so it runs the whole batch from its first step. Without it,
-on two cores the API server, starved by the engine's busy polling, at times released a batch
-one request at a time. Timing starts at the resume (the server's TTFT includes the gate's
-wait: ~0.15 s). A batch the server still did not run at its concurrency (its requests'
-end-to-end latencies over its wall time: fewer than 75% of them at once on average) is sent
-again, at most twice, and counted (``resent``). Per cell: output
-tokens/s (completion tokens over the wall time of its chunks, as the client sees it) and,
-from the server's ``/metrics`` read around each chunk, the mean of
-vLLM's per-request time per output token (``vllm:request_time_per_output_token_seconds``:
-decode time over tokens - 1, stamped by the engine core) and TTFT, and grammask's
-``grammask_requests_total`` (it grows by the requests of grammask's cells only); per chunk
-also the share of the machine's CPU time the hypervisor stole (``/proc/stat``: on a shared
-VM, slow spells no interleaving can control), and per cell up to three outputs that failed
-their check (``invalid_samples``). Reported
-per (spec, concurrency, system): the median over rounds with min-max and the spread
-((max - min) / median), and the TPOT ratios grammask/vLLM and grammask/unconstrained (each
-round's ratio: the median of its chunk-by-chunk ratios, the two systems' chunks having run
-seconds apart; median, min-max, spread over rounds); then the verdict against the bar
-(ratio <= 1.0 at concurrency 16 and 32, its spread under 10%).
-``--profile DIR`` then records py-spy (``bench/pyspy.py``: every thread, waits included,
-20 Hz) while the server is unconstrained once and grammask and vLLM each serve each profiled
-spec, ``--profile-batches`` batches at the highest concurrency (after the measured rounds:
-the profiler costs CPU).
+Specs: ``json-xg`` (``XG_SCHEMA`` as ``response_format`` ``json_schema``: grammask routes it
+to xgrammar), ``json-llg`` (``LLG_SCHEMA`` as ``structured_outputs`` ``json``: llguidance),
+``regex``, ``choice``; not by default ``words`` (lowercase words, rarely ends) and
+``json-xg-long`` / ``json-llg-long`` (arrays of at least 200 items: a prefix is checked, with
+``regex``'s partial matching), which keep both engines masking every token.
+
+Per round, spec and concurrency each system sends ``--reps`` sequential requests at
+concurrency 1, above it ``--batches`` batches sent at once; the same requests (and seeds)
+every round; the systems take turns chunk by chunk (a request, a batch), their order
+rotating per round and spec, after one unmeasured request each. Each batch goes through a
+gate (``bench/gate.py``; ``--no-gate`` to skip): vLLM's engine is paused
+(``/pause?mode=keep``, ``VLLM_SERVER_DEV_MODE=1``), the batch is sent, and once the API
+server has handed every request over the engine resumes and runs the whole batch from its
+first step; timing starts at the resume. Per cell, from the server's ``/metrics`` read around
+each chunk: vLLM's per-request time per output token (TPOT) and TTFT, how many requests ran
+at once (``overlaps``), grammask's ``grammask_requests_total``; also client tokens/s, the
+CPU time the hypervisor stole per chunk, and up to three outputs that failed their check.
+Reported per (spec, concurrency, system): median over rounds, min-max and spread ((max -
+min) / median), and the TPOT ratios grammask/vLLM and grammask/unconstrained (a round's
+ratio: the median of its chunk-by-chunk ratios); then the verdict against the bar (ratio
+<= 1.0 at concurrency 16 and 32, its spread under 10%).
 
 Requests are not streamed: on a loaded two-core machine the API server at times delivered a
 whole stream in one burst at its end, which makes a client's TTFT and inter-token times
 meaningless; the engine's own timestamps are not affected.
 
-What differs between the systems beyond the mask (each system's defaults, left as they are):
-
-- After the grammar ends, under ``ignore_eos`` grammask allows only stop tokens until
-  ``max_tokens``: the text stays what the grammar allowed (stop tokens are special tokens,
-  dropped by detokenization). vLLM's engine stops masking a finished grammar and lets free
-  text through (seen on this server: ``choice`` with ``ignore_eos`` gave ``green`` and then
-  free text), so its output is mostly invalid here and it detokenizes real text for every
-  token; the detokenization cost differs accordingly, and so does the mask work (grammask
-  fills a stop-only row per token after the end; vLLM fills none).
-- The sampler's cost follows the mask: vLLM's CPU sampler (``fused_gumbel_argmax``) skips
-  masked (-inf) logits; measured here, 32 rows of the 151,936-token vocabulary took 36 ms
-  unmasked and 2.7 ms with 5 tokens allowed (one thread). So after the grammar ends
-  grammask's stop-only rows are cheap to sample while vLLM's free text (and unconstrained)
-  samples the whole vocabulary; with the short grammars of the default specs that, not the
-  mask engine, dominates the differences at concurrency 16 and 32, and constrained runs
-  can beat unconstrained ones. ``--specs words`` keeps both engines masking every token with
-  many tokens allowed: there the mask engines compare at similar sampling work.
-- grammask's JSON is compact by default (no whitespace between JSON tokens); vLLM's engine
-  allows any whitespace there, so its JSON may not even end within ``max_tokens``.
-- vLLM's engine fills its masks in the engine core process (the scheduler) and ships them to
-  the worker, which applies them with xgrammar's CPU kernel; grammask fills on a thread of
-  the worker, overlapping the forward, and applies them in the sampler.
+What differs between the systems beyond the mask (each system's defaults, left as they
+are; docs/benchmarks.md has the details): after the grammar ends grammask allows only stop
+tokens, while vLLM's engine lets free text through (more to detokenize, and its CPU sampler
+samples the whole vocabulary instead of a few tokens); grammask's JSON is compact, vLLM's
+allows any whitespace; vLLM fills in the engine core, grammask on a thread of the worker.
+``words`` and the two long specs keep both engines masking every token.
 
 Numbers only: nothing is asserted. On a shared machine read the load averages in the JSON.
 """
@@ -99,12 +64,10 @@ import time
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from tests.e2e.specs import LLG_SCHEMA, REGEX, XG_SCHEMA
 
-from bench import pyspy
 from bench.gate import Gate
 from bench.stats import cpu_ticks, fmt_ms, machine_info, render_table, steal_share, write_json
 from bench.vllm_server import (
@@ -336,31 +299,6 @@ def overlap(delta: dict[str, float] | None, wall_s: float) -> float | None:
     return delta.get("e2e_sum", 0.0) / wall_s
 
 
-#: a batch whose requests overlapped less than this share of its concurrency on average was
-#: not served at that concurrency (on two cores the API server, starved by the engine's busy
-#: polling, at times releases a batch one request at a time): it is sent again
-MIN_OVERLAP = 0.75
-RESENDS = 2
-
-
-def concurrent_chunk(client: Any, base_url: str, model: str, spec: Case, system: str,
-                     concurrency: int, seeds: list[int], max_tokens: int,
-                     pool: ThreadPoolExecutor, gate: Gate | None = None) -> dict[str, Any]:
-    """``chunk``, sent again (at most ``RESENDS`` times, whichever system it is) while the
-    server did not run the batch at its concurrency; the attempts are counted."""
-    got = chunk(client, base_url, model, spec, system, concurrency, seeds, max_tokens, pool,
-                gate)
-    tried = [got["overlap"]]
-    while (concurrency > 1 and len(tried) <= RESENDS and got["overlap"] is not None
-           and got["overlap"] < MIN_OVERLAP * len(seeds)):
-        got = chunk(client, base_url, model, spec, system, concurrency, seeds, max_tokens,
-                    pool, gate)
-        tried.append(got["overlap"])
-    got["resent"] = len(tried) - 1
-    got["tried"] = [None if o is None else round(o, 2) for o in tried]
-    return got
-
-
 def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: int,
             max_tokens: int) -> dict[str, Any]:
     """A cell (one system, spec and concurrency in one round) from its chunks: the
@@ -385,8 +323,7 @@ def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: 
     return {
         "spec": spec.name, "system": system, "concurrency": concurrency,
         "requests": len(results), "chunks": len(chunks), "completion_tokens": tokens,
-        "resent": sum(c.get("resent", 0) for c in chunks),
-        "overlaps": [c.get("tried", [c.get("overlap")]) for c in chunks],  # per attempt
+        "overlaps": [c.get("overlap") for c in chunks],
         "gated_s": [None if c.get("gated_s") is None else round(c["gated_s"], 3)
                     for c in chunks],
         # each chunk's own mean TPOT (the ratio pairs chunks that ran next to each other)
@@ -410,19 +347,6 @@ def cell_of(chunks: list[dict[str, Any]], spec: Case, system: str, concurrency: 
         **server_side(delta, len(results)),
         "sample": results[0].text[:120] if results else "",
     }
-
-
-def cell(client: Any, base_url: str, model: str, spec: Case, system: str, concurrency: int,
-         n: int, max_tokens: int, seed0: int, gate: Gate | None = None) -> dict[str, Any]:
-    """``n`` requests of one system on their own: sequential at concurrency 1, else
-    batches sent at once (the profile's runs; ``run`` interleaves the systems instead)."""
-    seeds = list(range(seed0, seed0 + n))
-    size = 1 if concurrency == 1 else concurrency
-    with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        chunks = [chunk(client, base_url, model, spec, system, concurrency,
-                        seeds[i:i + size], max_tokens, pool, gate)
-                  for i in range(0, n, size)]
-    return cell_of(chunks, spec, system, concurrency, max_tokens)
 
 
 def _order(round_: int, offset: int) -> tuple[str, ...]:
@@ -466,7 +390,7 @@ def run(client: Any, base_url: str, model: str, specs: list[Case], *, rounds: in
                     chunks: dict[str, list[dict[str, Any]]] = {s: [] for s in order}
                     for i in range(0, n, size):
                         for system in order:
-                            chunks[system].append(concurrent_chunk(
+                            chunks[system].append(chunk(
                                 client, base_url, model, spec, system, conc,
                                 seeds[i:i + size], max_tokens, pool, gate))
                     for system in order:
@@ -479,13 +403,12 @@ def run(client: Any, base_url: str, model: str, specs: list[Case], *, rounds: in
                         cells.append(row)
                         warn = f"  NOT {max_tokens} TOKENS: {row['not_fixed']}" if (
                             row["not_fixed"]) else ""
-                        resent = f"  resent {row['resent']}" if row["resent"] else ""
                         stolen = [x for x in row["chunk_steal_pct"] if x is not None]
                         steal = f"  steal {max(stolen):.1f}%" if stolen else ""
                         print(f"  {system:13} {spec.name:8} c={conc:<3} "
                               f"{row['tokens_per_s']:>7} tok/s  server TPOT "
                               f"{fmt_ms(row.get('server_tpot_ms'))} ms  valid "
-                              f"{row['valid']}/{row['requests']}{warn}{resent}{steal}",
+                              f"{row['valid']}/{row['requests']}{warn}{steal}",
                               flush=True)
     counts: dict[str, dict[str, dict[str, int] | None]] = {
         spec: {system: dict(c) if checked else None for system, c in by.items()}
@@ -550,7 +473,6 @@ def summarize(cells: list[dict[str, Any]], specs: list[Case],
                     "requests": sum(c["requests"] for c in mine),
                     "valid": sum(c["valid"] for c in mine),
                     "not_fixed": sum(c["not_fixed"] for c in mine),
-                    "resent": sum(c.get("resent", 0) for c in mine),
                     "tpot_vs_vllm": tpot_ratio(cells, spec.name, conc, system, "vllm")
                     if system == "grammask" else None,
                     "tpot_vs_unconstrained": tpot_ratio(cells, spec.name, conc, system,
@@ -605,37 +527,12 @@ def verdict(summary: list[dict[str, Any]], floor: int = 16) -> str:
             + f"; both systems' TPOT spreads < 10% too: {len(both)}/{len(ratios)}")
 
 
-def profile(client: Any, base_url: str, model: str, specs: list[Case], pid: int,
-            out_dir: Path, *, concurrency: int, batches: int, max_tokens: int, rate: int,
-            gate: Gate | None = None) -> list[dict[str, Any]]:
-    """py-spy while the server is unconstrained once, then grammask and vLLM's engine on
-    each spec: ``batches`` batches at ``concurrency`` each."""
-    found = []
-    runs = [(UNCONSTRAINED, "unconstrained")] + [
-        (spec, system) for spec in specs for system in ("grammask", "vllm")]
-    for spec, system in runs:
-        path = out_dir / f"pyspy-{system}-{spec.name}.txt"
-        with pyspy.recording(pid, path, rate=rate):
-            row = cell(client, base_url, model, spec, system, concurrency,
-                       concurrency * batches, max_tokens, 90_001, gate)
-        summary = pyspy.summarize(path)
-        summary.update({"system": system, "spec": spec.name, "concurrency": concurrency,
-                        "requests": row["requests"], "tokens_per_s": row["tokens_per_s"],
-                        "server_tpot_ms": row.get("server_tpot_ms")})
-        found.append(summary)
-        g = summary["grammask"]
-        print(f"  profiled {system:13} {spec.name:13} {summary['samples']} thread samples, "
-              f"grammask {g['pct_of_busy']}% of busy, {g['pct_of_worker_busy']}% of the "
-              f"worker's busy ({row['tokens_per_s']} tok/s under py-spy)", flush=True)
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--url", help="an already running server's /v1 URL")
     ap.add_argument("--model", default="tiny", help="served model name (with --url)")
     ap.add_argument("--pid", type=int,
-                    help="the server's root process, for --profile with --url")
+                    help="the server's root process (with --url: the gate watches it)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,16,32",
                     help="comma-separated concurrencies")
@@ -652,19 +549,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"from {', '.join(SPECS)}")
     ap.add_argument("--json", default="out/bench-vllm-throughput.json",
                     help="write the results to this file ('' for none)")
-    ap.add_argument("--profile", default="",
-                    help="after the rounds, py-spy recordings into this folder ('' none)")
-    ap.add_argument("--profile-batches", type=int, default=6,
-                    help="batches at the highest concurrency per profiled run")
-    ap.add_argument("--profile-specs", default="",
-                    help="specs to profile (default: --specs)")
-    ap.add_argument("--profile-rate", type=int, default=20,
-                    help="py-spy samples per second")
     args = ap.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     try:
         specs = [SPECS[k] for k in args.specs.split(",")]
-        profile_specs = [SPECS[k] for k in (args.profile_specs or args.specs).split(",")]
     except KeyError as exc:
         ap.error(f"unknown spec {exc}; known: {', '.join(SPECS)}")
 
@@ -674,8 +562,6 @@ def main(argv: list[str] | None = None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     print(f"load average before: {load_before}", flush=True)
     t_start = time.perf_counter()
-    profiles: list[dict[str, Any]] = []
-    profile_s = 0.0
     server_env = {} if args.no_gate else {"VLLM_SERVER_DEV_MODE": "1"}
     if args.fill_cpus:
         server_env["GRAMMASK_FILL_CPUS"] = args.fill_cpus
@@ -698,16 +584,6 @@ def main(argv: list[str] | None = None) -> int:
             reps=args.reps, batches=args.batches, max_tokens=args.max_tokens, gate=gate)
         bench_s = time.perf_counter() - t_bench
         load_after = [round(x, 2) for x in os.getloadavg()]
-        if args.profile:
-            if pid is None:
-                ap.error("--profile with --url needs --pid")
-            t_prof = time.perf_counter()
-            profiles = profile(client, base_url, model, profile_specs, pid,
-                               Path(args.profile),
-                               concurrency=max(concurrencies), batches=args.profile_batches,
-                               max_tokens=args.max_tokens, rate=args.profile_rate,
-                               gate=gate)
-            profile_s = time.perf_counter() - t_prof
     load_end = [round(x, 2) for x in os.getloadavg()]
     summary = summarize(cells, specs, concurrencies)
     print()
@@ -721,14 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     print("grammask counter (requests grammask served) per spec: " + "; ".join(
         f"{spec}: " + ", ".join(f"{system} +{sum(d.values()) if d is not None else '?'}"
                                 for system, d in by.items()) for spec, by in served.items()))
-    for p in profiles:
-        print()
-        print(f"### py-spy {p['system']} {p['spec']} (c={p['concurrency']}, "
-              f"{p['tokens_per_s']} tok/s under py-spy)")
-        print(pyspy.render(p))
     print(f"\nvLLM {version}; load average before {load_before}, after the rounds "
-          f"{load_after}, at the end {load_end}; rounds {bench_s:.0f} s, profile "
-          f"{profile_s:.0f} s, total {time.perf_counter() - t_start:.0f} s")
+          f"{load_after}, at the end {load_end}; rounds {bench_s:.0f} s, "
+          f"total {time.perf_counter() - t_start:.0f} s")
     if args.json:
         info = machine_info()
         info["server_vllm"] = version
@@ -744,9 +615,8 @@ def main(argv: list[str] | None = None) -> int:
                          "fixed": FIXED, "opt_out": {"vllm_xargs": OPT_OUT},
                          "specs": {s.name: s.params for s in specs},
                          "unconstrained": UNCONSTRAINED.params},
-            "bench_s": round(bench_s, 1), "profile_s": round(profile_s, 1),
-            "summary": summary, "served": served, "cells": cells,
-            "profiles": profiles})
+            "bench_s": round(bench_s, 1),
+            "summary": summary, "served": served, "cells": cells})
         print(f"wrote {args.json}")
     return 0
 

@@ -210,7 +210,7 @@ def test_bench_outside_a_checkout_says_where_it_runs(tmp_path: object) -> None:
     assert outside[0] == 2 and outside[2].strip() == (
         "grammask bench runs from a source checkout: cd into it and run "
         "python -m bench.compile ...")
-    assert usage[0] == 2 and "usage: grammask bench compile|mask|overlap" in usage[2]
+    assert usage[0] == 2 and "usage: grammask bench compile|step|stress" in usage[2]
 
 
 def test_bench_in_a_checkout_runs_the_repository_module() -> None:

@@ -2,7 +2,7 @@
 
 ``check`` needs the ``check`` extra (``pip install 'grammask[check]'``). ``bench`` runs the
 repository's benchmarks (``bench/``, not part of the installed package) from a source
-checkout: it is the same as ``python -m bench.compile|mask|overlap ...`` there."""
+checkout: it is the same as ``python -m bench.compile|step|stress ...`` there."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .spec_text import spec_from_text
 from .vocab import load_vocabulary
 
 #: the benchmarks ``grammask bench`` runs (``bench/<name>.py`` of a source checkout)
-BENCHMARKS = ("compile", "mask", "overlap")
+BENCHMARKS = ("compile", "step", "stress")
 
 
 
@@ -83,7 +83,7 @@ def _main(argv: Sequence[str] | None) -> int:
                    "capabilities, the workloads each serves")
     demo = sub.add_parser("demo", help="compile a schema on each backend and auto")
     demo.add_argument("--tokenizer", default="qwen2.5")
-    sub.add_parser("bench", help="benchmarks, from a source checkout: bench compile|mask|overlap "
+    sub.add_parser("bench", help="benchmarks, from a source checkout: bench compile|step|stress "
                    "... (python -m bench.NAME there)")
     sub.add_parser("check", help="mask-correctness harness (see grammask check --help; needs "
                    "grammask[check])")

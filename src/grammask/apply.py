@@ -14,6 +14,7 @@ The measurements behind these choices are in docs/benchmarks.md (CPU apply).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -24,8 +25,10 @@ import torch
 from .masks import MaskBuffers
 from .steptypes import CpuPlan, LogitsLayout
 
+log = logging.getLogger("grammask")
+
 __all__ = ["CpuPlan", "LogitsLayout", "apply_bitmask", "apply_pairs", "cpu_layout",
-           "plan_cpu_apply", "restore_empty_rows"]
+           "plan_cpu_apply", "restore_empty_rows", "warm_device_apply"]
 
 #: Dtypes of the planned CPU apply (as same-width ints: -inf's bit pattern); anything else
 #: goes through the torch fallback.
@@ -469,6 +472,37 @@ def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
             logits[:, covered:] = float("-inf")
         else:
             logits[index.long(), covered:] = float("-inf")
+
+
+#: Row counts the apply kernel is warmed for: Triton specializes an int argument that is 1
+#: and one divisible by 16 apart from the others, and the kernel with and without an index
+#: apart: these counts with both reach every variant a step can launch.
+WARM_ROWS = (1, 2, 16)
+
+
+def warm_device_apply(device: torch.device, vocab_size: int, *,
+                      dtype: torch.dtype = torch.float32) -> int:
+    """Compile the device apply kernel for ``vocab_size`` logits of ``dtype`` on ``device``
+    before the first step (a first constrained step would pay the JIT compile, and each new
+    specialization again); returns the launches made (0 off CUDA or without Triton). A
+    failure is logged, never raised: the first step compiles instead."""
+    kernel = _triton_kernel() if device.type == "cuda" else None
+    if kernel is None:
+        return 0
+    launches = 0
+    try:
+        words = (vocab_size + 31) // 32
+        for rows in WARM_ROWS:
+            logits = torch.zeros(rows + 1, vocab_size, dtype=dtype, device=device)
+            mask = torch.full((rows + 1, words), -1, dtype=torch.int32, device=device)
+            kernel(logits[:rows], mask[:rows], vocab_size, None)
+            index = torch.arange(rows, dtype=torch.int32, device=device)
+            kernel(logits, mask, vocab_size, index)
+            launches += 2
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # never fatal: the first step compiles instead
+        log.warning("grammask: warming the apply kernel failed: %s", exc)
+    return launches
 
 
 @cache

@@ -87,6 +87,15 @@ REQUESTS = _counter(
     ("source", "kind"))
 FILL_SECONDS = _histogram(
     "grammask_fill_seconds", "Mask work per decode step on the fill thread (advance + fill)")
+V2_TOKEN_READS = _counter(
+    "grammask_v2_token_reads", "Steps' committed tokens read on vLLM's V2 runner, by how: "
+    "watched (as they landed, the fill overlapping the forward) or ordered (after the "
+    "runner's stream passed the apply that needed them: the rare case)", ("how",))
+V2_TOKEN_WAIT = _histogram(
+    "grammask_v2_token_wait_seconds", "The host's wait in a V2 apply for the tokens its rows "
+    "committed in the step before (their landing, then the hand-over to the fill)")
+V2_APPLY_SECONDS = _histogram(
+    "grammask_v2_apply_seconds", "The host's time in a V2 apply: tokens, fill, mask")
 
 
 class Children:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -69,9 +70,18 @@ from .rowmasks import ErrorPolicy, RowMasks
 from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
 from .spec import GrammarSpec
 from .stepjob import StepJobs
-from .steptypes import FillStats
+from .steptypes import FillStats, StepMasks
 
 __all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
+
+
+@dataclass
+class _Ended:
+    """A step whose masks an apply took; later applies of the same step take theirs."""
+
+    step: StepMasks
+    rows: set[int]  # its masked rows still held by the request they were filled for
+    drafts: int = 0  # draft positions the step's chunks placed so far
 
 class BatchProcessor:
     """Masks for a batch of up to ``max_batch`` rows, filled on a worker thread.
@@ -133,6 +143,10 @@ class BatchProcessor:
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, digests=digests)
         self._rows: dict[int, Row] = {}
+        #: the last ended step's masks and its rows still theirs, for a later apply of the
+        #: same step (vLLM 0.34 verifies a large speculative batch in request chunks, one
+        #: apply each); any mutation or a new step ends it (``_chunks_end``)
+        self._ended: _Ended | None = None
         # rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which
         # may count an add that turned out unconstrained until its row is reused
         self._live = 0
@@ -176,6 +190,7 @@ class BatchProcessor:
     def fail(self, row: int, message: str, cause: str = "host") -> None:
         """Put ``row`` into the sticky error state (adapters that lose track of a row's
         tokens); ``cause``: the metric label. An unconstrained row is left alone."""
+        self._ended = None
         self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is not None:
@@ -192,6 +207,7 @@ class BatchProcessor:
     def move(self, src: int, dst: int) -> None:
         """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped. Raises
         IndexError for a row out of range."""
+        self._ended = None
         self._check_row(src)
         self._check_row(dst)
         self._jobs.discard()
@@ -203,6 +219,7 @@ class BatchProcessor:
 
     def swap(self, a: int, b: int) -> None:
         """Rows ``a`` and ``b`` trade requests. Raises IndexError for a row out of range."""
+        self._ended = None
         self._check_row(a)
         self._check_row(b)
         self._jobs.discard()
@@ -216,6 +233,7 @@ class BatchProcessor:
     def advance(self, row: int, tokens: Sequence[int]) -> None:
         """Append sampled tokens to a row whose output list the processor owns (an
         unconstrained row ignores them). Raises ValueError for a row reading a live list."""
+        self._ended = None
         self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is None:
@@ -232,6 +250,7 @@ class BatchProcessor:
         Owned lists lose them here (unread ones first); for a live list the host truncates
         its list itself and this rewinds what was already read. Never raises: a rewind the
         matcher refuses errors the row."""
+        self._ended = None
         self._jobs.admit_now(self._rows)
         r = self._rows.get(row)
         if r is None or num_tokens <= 0:
@@ -255,6 +274,7 @@ class BatchProcessor:
         first, as ``advance(rows[i], [tokens[i]])`` would (``rows`` then in the tokens'
         order; unconstrained rows are skipped). A row with a live list raises ValueError, as
         ``advance`` does, after the step started for the others."""
+        self._ended = None
         self._jobs.step(self._rows, rows, tokens, live_rows=self._live > 0)
 
     def apply(self, logits: torch.Tensor) -> None:
@@ -262,6 +282,7 @@ class BatchProcessor:
         logits row ``i`` belongs to row ``i``). Rows the step did not mask are left alone.
         Never raises for a row's failure; ValueError for logits with fewer rows than a
         masked row's index."""
+        self._ended = None
         step, layout = self._jobs.wait_for_apply(self._rows, logits)
         self._logits.apply(self._rows, logits, step, layout)
 
@@ -274,6 +295,7 @@ class BatchProcessor:
         that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
         until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
         Ends the step like ``apply``. Never raises for a row's failure."""
+        self._ended = None
         step = self._jobs.wait(self._rows, rows)
         return step.bitmask, step.rows
 
@@ -283,7 +305,12 @@ class BatchProcessor:
         V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
         gets row ``rows[i]``'s mask (both distinct, of equal length). Other logits rows are
         left alone."""
+        ended = self._reusable(rows)
+        if ended is not None:
+            self._logits.apply_mapped(self._rows, logits, ended.step, logits_rows, rows)
+            return
         step, layout = self._jobs.wait_for_apply(self._rows, logits, rows)
+        self._ended = _Ended(step, set(step.rows))
         self._logits.apply_mapped(self._rows, logits, step, logits_rows, rows, layout)
 
     def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
@@ -297,10 +324,19 @@ class BatchProcessor:
         does. The three sequences have one entry per logits row."""
         self._jobs.admit_now(self._rows)
         sampling = {int(r) for r in rows if int(r) in self._rows}
-        step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
+        ended = self._reusable(sampling)
+        layout = None
+        if ended is None:
+            step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
+            ended = self._ended = _Ended(step, set(step.rows))
+        step = ended.step
         # draft positions right after the highest row this step uses: a device copy of the
-        # bitmask then spans the rows in use, not every row of a sparse batch
+        # bitmask then spans the rows in use, not every row of a sparse batch; a later chunk
+        # of the step places its own above the earlier chunks' (a device copy of those may
+        # not have run yet)
         base = max(step.rows[-1] if step.rows else -1, max(sampling, default=-1)) + 1
+        base += ended.drafts
+        ended.drafts += len(rows)
         bitmask = self._jobs.buffers.room(step.bitmask, base, len(rows))
         placed = self._drafts.place(self._rows, step.rows, bitmask, base, rows, positions,
                                     inputs, sampling)
@@ -394,9 +430,18 @@ class BatchProcessor:
             self._admissions.queued[row] = entry
             self._live += entry.output_ids is not None
 
+    def _reusable(self, rows: Collection[int]) -> _Ended | None:
+        """The ended step, when it still holds every one of ``rows`` (and no step began)."""
+        ended = self._ended
+        if ended is None or self._jobs.pending is not None or not ended.rows.issuperset(rows):
+            return None
+        return ended
+
     def _pop(self, row: int) -> None:
         """Drop the row's request, made or queued, if any (the live-list count follows); a
         made row's matcher is released by the next fill job (``Admissions.retired``)."""
+        if self._ended is not None:
+            self._ended.rows.discard(row)
         r = self._rows.pop(row, None)
         if r is not None:
             self._live -= not r.owned

@@ -155,6 +155,12 @@ class SpareBudget:
 #: the process's budget of kept matchers (``SpareBudget``)
 SPARES = SpareBudget()
 
+#: ``ctypes.memmove`` that keeps the GIL (a ``PYFUNCTYPE`` call: ``ctypes.memmove`` lets it go
+#: and takes it back, which beside a host thread running Python waits for that thread): a
+#: row's copy is a few microseconds
+_memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_size_t)(ctypes._memmove_addr)  # type: ignore[attr-defined]
+
 
 class _Released:
     """Stands in for a released matcher's backend state: any use raises, so a stray
@@ -288,7 +294,7 @@ class BackendMatcher:
 
     def _copy_first(self, bitmask: torch.Tensor, index: int, first: FirstMask) -> None:
         """Write the start state's mask, computed once per grammar, into a checked row."""
-        ctypes.memmove(self._row_ptr(bitmask, index), first.ptr, first.nbytes)
+        _memmove(self._row_ptr(bitmask, index), first.ptr, first.nbytes)
 
     def _stop_only(self, bitmask: torch.Tensor, index: int) -> None:
         """Write the stop-only row into a checked row: a copy of a row made once per stop

@@ -198,17 +198,19 @@ class GuidanceMatcher(BackendMatcher):
         (the GIL released throughout); the calling thread takes the first share."""
         check_batch(rows, bitmask)
         n = threads if threads is not None else _default_threads()
-        if not all(m._owner is None or m._owner.parallel for m, _ in rows):
-            # a Python tokenizer callback takes the GIL inside fills (forced text): threads
-            # would take turns on it, slower than one (16 cores: 1.4 ms alone, 2.0 on 8)
+        if len(rows) < 2:
             for m, r in rows:
                 m.fill(bitmask, r)
             return
-        if n <= 1 or len(rows) < 2:
-            # one thread: the per-row fills beat one LLExecutor call (the executor's thread
-            # runs on cold caches: 64 rows 0.81 ms against 1.23, bench.fillscale)
-            for m, r in rows:
-                m.fill(bitmask, r)
+        if n <= 1 or not all(m._owner is None or m._owner.parallel for m, _ in rows):
+            # one thread: one LLExecutor call, not a fill per row. Alone on the machine the
+            # per-row fills are faster (the executor's thread runs on cold caches: 64 rows
+            # 0.81 ms against 1.23, bench.fillscale), but each lets the GIL go and takes it
+            # back: beside a host thread that runs Python, every re-take waits for it
+            # (``stepjob``: one re-take a step). A Python tokenizer callback (forced text)
+            # takes the GIL inside fills: threads would take turns on it, slower than one
+            # (16 cores: 1.4 ms alone, 2.0 on 8), so such rows take this one thread too.
+            _fill_rows(state, 0, rows, bitmask)
             return
         shares = _place(rows, n)
         pool = state.get(f"guidance_pool{n}")

@@ -170,7 +170,17 @@ def _accept_all(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[b
     if _CORE_BATCH is None:
         done = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         return None if all(done) else done
-    answer = _CORE_BATCH.batch_accept_token([m._handle for m in matchers], tokens, False)
+    accept = _CORE_BATCH.batch_accept_token
+    handles = [m._handle for m in matchers]
+    # the GIL kept through the call (tvm-ffi lets it go by default): a short call, and a
+    # busy host thread would hold the GIL it must take back (``stepjob``: one re-take a
+    # step, the fill's). Set and restored with the GIL held: no other thread sees the flag.
+    releases = accept.release_gil
+    accept.release_gil = False
+    try:
+        answer = accept(handles, tokens, False)
+    finally:
+        accept.release_gil = releases
     if len(answer) == len(matchers):
         refused: object = False if isinstance(answer[0], bool) else 0
         if refused not in answer:

@@ -17,6 +17,10 @@ Three things are not public API, and each is checked here, not scattered:
   ``runner_of`` tells them apart by type, not by argument count. vLLM 0.34 removed the V1
   runner and its interface; ``interfaces`` imports whichever exist, and ``unsupported`` says
   why the plugin must stand aside (a line it was not built for, or an interface missing).
+- **The V2 runner's token history as host memory** (``host_view``): ``RequestState`` keeps
+  ``all_token_ids`` in pinned host memory mapped into the device (``StagedWriteTensor`` with
+  ``uva_instead_of_gpu``; its ``_uva_buf``) unless a drafter prefers it dense. The token
+  watch reads that memory in numpy, with no CUDA call, instead of copying it back.
 - **The drop-in's assumptions**: the version line, and exactly the
   ``StructuredOutputsParams`` fields it translates (``mismatch``).
 
@@ -174,3 +178,16 @@ def runner_of(args: tuple[Any, ...]) -> Literal["v1", "v2"]:
     raise TypeError("GrammaskLogitsProcessor(vllm_config, device, is_pin_memory) (V1 runner) "
                     "or (vllm_config, LogitsProcRequestState) (V2 runner), got "
                     f"{[type(a).__name__ for a in args]}")
+
+
+def host_view(staged: Any) -> Any:
+    """A V2 ``StagedWriteTensor`` (or ``UvaBackedTensor``) as a numpy array of host memory the
+    device writes into: the UVA buffer (0.34: ``_uva_buf.np``) or a CPU tensor itself; None
+    for device memory."""
+    uva = getattr(staged, "_uva_buf", None)
+    if uva is not None and getattr(uva, "np", None) is not None:
+        return uva.np
+    tensor = getattr(staged, "gpu", None)
+    if tensor is not None and getattr(getattr(tensor, "device", None), "type", None) == "cpu":
+        return tensor.numpy()
+    return None

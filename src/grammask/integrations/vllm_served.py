@@ -74,6 +74,8 @@ class _Served:
 
     def close(self) -> None:
         """Stop the fill thread (vLLM never calls this; tests and embedders may)."""
+        if self._v2 is not None:
+            self._v2.close()
         self.core.close()
 
 

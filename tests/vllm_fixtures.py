@@ -204,10 +204,11 @@ def cpu_v2() -> Iterator[None]:
 
 def post_update(req_states: Any, slot: int, *tokens: int) -> None:
     """What V2's Triton ``post_update`` kernel does for the tokens one slot commits in a step
-    (one sampled token; with drafts, the accepted ones and the bonus token): the new length
-    is stored first, then the tokens, as the kernel does."""
+    (one sampled token; with drafts, the accepted ones and the bonus token), in the kernel's
+    store order (0.34, ``input_batch._post_update_kernel``): ``last_sampled_tokens``, then
+    the new length, then the tokens."""
     n = int(req_states.total_len.gpu[slot])
+    req_states.last_sampled_tokens[slot, 0] = tokens[-1]
     req_states.total_len.gpu[slot] = n + len(tokens)
     for i, token in enumerate(tokens):
         req_states.all_token_ids.gpu[slot, n + i] = token
-    req_states.last_sampled_tokens[slot, 0] = tokens[-1]

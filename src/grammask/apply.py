@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .masks import MaskBuffers
+from .masks import MaskBuffers, copy_runs
 from .steptypes import CpuPlan, LogitsLayout
 
 log = logging.getLogger("grammask")
@@ -261,9 +261,10 @@ def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any,
         apply_bitmask(logits, torch.from_numpy(ordered), vocab_size=vocab_size,
                       indices=np.sort(at).tolist())
         return
-    bound = int(rows.max()) + 1
-    device_mask = (buffers.to_device(bitmask, bound, logits.device) if buffers is not None
-                   else bitmask[:bound].to(logits.device, non_blocking=True))
+    if buffers is not None:  # the rows in use, not every row up to the highest
+        device_mask = buffers.to_device(bitmask, copy_runs(rows), logits.device)
+    else:
+        device_mask = bitmask[:int(rows.max()) + 1].to(logits.device, non_blocking=True)
     index = torch.from_numpy(rows.astype(np.int64)).pin_memory().to(logits.device,
                                                                      non_blocking=True)
     spots = torch.from_numpy(at.astype(np.int64)).pin_memory().to(logits.device,
@@ -481,12 +482,14 @@ WARM_ROWS = (1, 2, 16)
 
 
 def warm_device_apply(device: torch.device, vocab_size: int, *,
-                      dtype: torch.dtype = torch.float32) -> int:
+                      dtype: torch.dtype = torch.float32, kernel: Any = None) -> int:
     """Compile the device apply kernel for ``vocab_size`` logits of ``dtype`` on ``device``
     before the first step (a first constrained step would pay the JIT compile, and each new
-    specialization again); returns the launches made (0 off CUDA or without Triton). A
-    failure is logged, never raised: the first step compiles instead."""
-    kernel = _triton_kernel() if device.type == "cuda" else None
+    specialization again); returns the launches made (0 off CUDA or without Triton).
+    ``kernel``: the one to warm (default: xgrammar's Triton kernel on CUDA). A failure is
+    logged, never raised: the first step compiles instead."""
+    if kernel is None and device.type == "cuda":
+        kernel = _triton_kernel()
     if kernel is None:
         return 0
     launches = 0
@@ -499,7 +502,8 @@ def warm_device_apply(device: torch.device, vocab_size: int, *,
             index = torch.arange(rows, dtype=torch.int32, device=device)
             kernel(logits, mask, vocab_size, index)
             launches += 2
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     except Exception as exc:  # never fatal: the first step compiles instead
         log.warning("grammask: warming the apply kernel failed: %s", exc)
     return launches

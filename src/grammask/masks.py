@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from . import metrics
@@ -56,6 +57,8 @@ class MaskBuffers:
         self._copy_done: list[Any | None] = [None] * count
         self._events: list[Any | None] = [None] * count  # made once, recorded per copy
         self._device: torch.Tensor | None = None  # the device copy's buffer
+        #: mask rows the last device copy moved (``copy_runs``: the rows in use)
+        self.rows_copied = 0
         self._next = 0
 
     @property
@@ -100,26 +103,53 @@ class MaskBuffers:
         self._retired.append(larger)
         return larger
 
-    def to_device(self, bitmask: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-        """Copy the first ``rows`` rows to ``device`` without blocking the host, into a device
-        buffer kept across steps (stream order keeps it safe), and mark the host buffer busy
-        until the copy ran (one event per buffer, made once: no event made per step)."""
+    def to_device(self, bitmask: torch.Tensor, rows: int | Sequence[tuple[int, int]],
+                  device: torch.device) -> torch.Tensor:
+        """Copy the first ``rows`` rows (or the row ranges ``[lo, hi)`` given,
+        ``copy_runs``) to ``device`` without blocking the host, into a device buffer kept
+        across steps (stream order keeps it safe; rows not copied hold stale bits), and mark
+        the host buffer busy until the copy ran (one event per buffer, made once)."""
+        runs = [(0, rows)] if isinstance(rows, int) else list(rows)
+        top = max((hi for _, hi in runs), default=0)
         dev = self._device
-        if (dev is None or dev.device != device or dev.shape[0] < rows
+        if (dev is None or dev.device != device or dev.shape[0] < top
                 or dev.shape[1] != bitmask.shape[1]):
-            dev = self._device = torch.empty(max(rows, self.max_batch), bitmask.shape[1],
+            dev = self._device = torch.empty(max(top, self.max_batch), bitmask.shape[1],
                                              dtype=torch.int32, device=device)
-        copy = dev[:rows]
-        copy.copy_(bitmask[:rows], non_blocking=True)
+        for lo, hi in runs:
+            dev[lo:hi].copy_(bitmask[lo:hi], non_blocking=True)
+        self.rows_copied = sum(hi - lo for lo, hi in runs)
+        if device.type != "cuda":  # a synchronous copy: nothing to wait for
+            return dev
         pointer = bitmask.data_ptr()
         for i, buf in enumerate(self._buffers):
             if buf.data_ptr() == pointer:
                 event = self._events[i]
                 if event is None:
-                    event = self._events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event = self._events[i] = torch.cuda.Event(  # type: ignore[no-untyped-call]
+                        blocking=True)
                 event.record()
                 self._copy_done[i] = event
-        return copy
+        return dev
+
+
+def copy_runs(rows: np.ndarray[Any, Any], *, gap: int = 8, most: int = 16
+              ) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` covering ``rows`` for a device copy that follows the rows in
+    use, not the highest of them (vLLM 0.34 hands slots out from the top of its free list:
+    one request at slot 1023 would copy 1,024 rows). Ranges less than ``gap`` rows apart
+    are joined (a copy call costs more than a few rows); at most ``most`` ranges, the
+    closest joined first."""
+    if rows.size == 0:
+        return []
+    ordered = np.unique(rows)
+    breaks = np.flatnonzero(np.diff(ordered) > gap)
+    if breaks.size >= most:  # keep the ``most - 1`` widest gaps as breaks
+        widths = np.diff(ordered)[breaks]
+        breaks = np.sort(breaks[np.argsort(widths, kind="stable")[-(most - 1):]])
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [ordered.size - 1]))
+    return [(int(ordered[a]), int(ordered[b]) + 1) for a, b in zip(starts, ends, strict=True)]
 
 
 class Ticket(Generic[T]):

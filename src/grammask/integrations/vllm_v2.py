@@ -108,8 +108,15 @@ class V2Batch:
         self.watch = TokenWatch(TokenReader(req_states, 1 + self.num_spec, port), port,
                                 lengths=self.num_spec > 0, step=self._step_rows,
                                 fail=self._fail_slot, pool=partial(self._thread, "tokens"))
+        #: applies that read draft inputs in stream order (speculative decoding)
+        self.draft_reads = 0
         if self.core.active:
             warm_device_apply(self.device, int(req_states.vocab_size))
+
+    def use_port(self, port: DevicePort) -> None:
+        """Order device work through ``port`` (a host with its own stream model: the tests'
+        stand-in device). Call before the first request."""
+        self.port = self.watch.port = self.watch.reader.port = port
 
     # ------------------------------------------------------------------ runner hooks
     def add_request(self, slot: int, sampling_params: Any) -> bool:
@@ -156,7 +163,9 @@ class V2Batch:
                 continue
             lo = 0 if st.wants_prompt else st.prompt_len
             host = torch.empty(st.prefill_len - lo, dtype=all_ids.dtype, pin_memory=self._cuda)
-            host.copy_(all_ids[slot, lo:st.prefill_len], non_blocking=self._cuda)
+            source = all_ids[slot, lo:st.prefill_len]
+            # after the runner's staged write of the prompt (stream order)
+            self.port.ordered(partial(_copy_into, host, source, self._cuda))
             st.fetch = (self.port.mark(), host)
 
     def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -217,6 +226,11 @@ class V2Batch:
         """Speculative decoding: a request owns one logits row per draft token plus the
         bonus row (``expanded_local_pos`` 0..n); row k's mask follows the first k drafts,
         which are this step's ``input_ids`` of rows 1..k (row 0's input is committed)."""
+        # the drafts exist on the device only (0.34's drafter proposes there, and
+        # ``prepare_inputs`` writes them into ``input_ids`` before the forward): they are
+        # read in stream order, which waits for the forward (``draft_reads``)
+        self.port.wait(self.port.mark())
+        self.draft_reads += 1
         expanded = _host(ctx.expanded_idx_mapping)
         sampling = set(slots)
         rows = [int(s) if int(s) in sampling else -1 for s in expanded.tolist()]
@@ -296,8 +310,9 @@ class V2Batch:
             self.port.wait(marker)
             ids = host.tolist()
             st.fetch = None
-        else:
+        else:  # no staged writes before this step: read in stream order
             lo = 0 if st.wants_prompt else st.prompt_len
+            self.port.wait(self.port.mark())
             ids = self.rs.all_token_ids.gpu[slot, lo:st.prefill_len].tolist()
         if st.wants_prompt:
             st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
@@ -306,6 +321,10 @@ class V2Batch:
         st.tokens.output.extend(replay)
         st.tokens.known = st.prefill_len
         st.fetched = True
+
+
+def _copy_into(host: torch.Tensor, source: torch.Tensor, cuda: bool) -> None:
+    host.copy_(source, non_blocking=cuda)
 
 
 def _stop_only(logits: torch.Tensor, rows: list[int], stop_ids: tuple[int, ...] | list[int]

@@ -7,7 +7,6 @@ The plan decides which backend and mode (``grammask.router``); this only runs it
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ from .backends import (
     registry,
 )
 from .compile_slots import Job, Runners, join_abandoned, may_run_here
+from .compile_state import ServiceState
 from .diskcache import DiskCache
 from .errors import (
     CompileFailure,
@@ -29,10 +29,9 @@ from .errors import (
     InternalCompileError,
     ServerFault,
 )
-from .grammar import Grammar, Stats
+from .grammar import Grammar
 from .router import Attempt, Failure, Plan
 from .spec import GrammarSpec
-from .vocab import Vocabulary
 
 log = logging.getLogger("grammask")
 
@@ -44,19 +43,17 @@ _INTERNAL = (MemoryError, RecursionError, SystemError, OSError, AssertionError)
 class PlanRunner:
     """Runs plans for one compile service (its vocabulary, counters and lock)."""
 
-    def __init__(self, vocab: Vocabulary, stats: Stats, lock: threading.Lock,
-                 runners: Runners, disk: DiskCache | None,
-                 keep: Callable[[str, Callable[[], Grammar]], bool],
-                 closed: Callable[[], bool]) -> None:
+    def __init__(self, state: ServiceState, runners: Runners, disk: DiskCache | None,
+                 keep: Callable[[str, Callable[[], Grammar]], bool]) -> None:
         """``keep(key, make)``: the service caches a late result (``make()``) when nobody
-        was served otherwise; ``closed()``: the service is closed."""
-        self.vocab = vocab
-        self.stats = stats
-        self._lock = lock
+        was served otherwise."""
+        self._state = state
+        self.vocab = state.vocab
+        self.stats = state.stats
+        self._lock = state.lock
         self._runners = runners
         self._disk = disk
         self._keep = keep
-        self._closed = closed
         # (key, backend) -> its abandoned compile, still running: later requests wait on it
         # rather than start another runaway
         self._slow: dict[tuple[str, str], Job] = {}
@@ -211,7 +208,7 @@ class PlanRunner:
         """Queue a fresh compile for the disk cache (written off the request path), when its
         backend declares the disk capability."""
         disk = self._disk
-        codec = None if disk is None or self._closed() else disk_backend(step.backend)
+        codec = None if disk is None or self._state.closed else disk_backend(step.backend)
         if disk is None or codec is None:
             return
         if codec.store_compiled(disk, spec, self.vocab, backend_grammar, lenient=step.lenient,

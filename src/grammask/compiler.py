@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +35,7 @@ from .attempts import PlanRunner
 from .backends import get_backend, registry
 from .compile_cache import CompileCache
 from .compile_slots import HERE_MAX_CHARS, Runners, running_compiles, trim_heap
+from .compile_state import ServiceState
 from .diskcache import DEFAULT_MAX_BYTES, DiskCache
 from .errors import (
     CompilerClosedError,
@@ -133,17 +133,15 @@ class Compiler:
         # deadlines for builds still queued here
         self._pool = ThreadPoolExecutor(max_workers=max(8, 4 * max_workers),
                                         thread_name_prefix="grammask-route")
-        self._lock = threading.Lock()
-        self._closed = False
-        self._memory = CompileCache(self.stats, cache_bytes, negative_ttl_s, max_negative)
-        self._flights = Flights(self._lock, self._memory, self.stats, timeout_s,
-                                lambda: self._closed)
+        self._state = ServiceState(vocab, self.stats, CompileCache(
+            self.stats, cache_bytes, negative_ttl_s, max_negative))
+        self._lock = self._state.lock
+        self._memory = self._state.memory
+        self._flights = Flights(self._state, timeout_s)
         self._disk = _open_disk(disk_cache_dir, disk_cache_bytes)
-        self._plans = PlanRunner(vocab, self.stats, self._lock, self._runners, self._disk,
-                                 self._keep_late, lambda: self._closed)
-        self._tuner = FillTuner(vocab, self.stats, self._lock, self._memory,
-                                compile=self.compile, plan=self.plan, submit=self._pool.submit,
-                                closed=lambda: self._closed)
+        self._plans = PlanRunner(self._state, self._runners, self._disk, self._keep_late)
+        self._tuner = FillTuner(self._state,
+                                compile=self.compile, plan=self.plan, submit=self._pool.submit)
         # the backends' tokenizers are built once per vocabulary (seconds, holding the GIL):
         # here, outside every request's deadline
         chosen = self.default_backend
@@ -269,7 +267,7 @@ class Compiler:
         """Fail every pending request with ``CompilerClosedError``; later requests fail at once.
         Compiles already running finish in the background and are dropped."""
         with self._lock:
-            self._closed = True  # from here no lookup registers a flight
+            self._state.closed = True  # from here no lookup registers a flight
         self._flights.close(CompilerClosedError("the compiler was closed"))
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -335,10 +333,10 @@ class Compiler:
         """Cache an abandoned compile's late result unless the request was served otherwise
         (the work is not lost, and the spec is no longer treated as a runaway)."""
         with self._lock:
-            wanted = not self._closed and key not in self._memory
+            wanted = not self._state.closed and key not in self._memory
         grammar = make() if wanted else None  # (make counts it: only when wanted)
         with self._lock:
-            if grammar is None or self._closed or key in self._memory:
+            if grammar is None or self._state.closed or key in self._memory:
                 return False
             self._memory.insert(key, grammar)
         self._trim()

@@ -12,17 +12,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from . import fillcost, metrics
 from .backends import registry
-from .compile_cache import CompileCache
-from .grammar import Grammar, Stats
+from .compile_state import ServiceState
+from .grammar import Grammar
 from .router import Plan
 from .spec import BackendName, GrammarSpec
-from .vocab import Vocabulary
 
 _FILL_TUNED = metrics.FILL_TUNED
 log = logging.getLogger("grammask")
@@ -33,20 +31,18 @@ class FillTuner:
 
     ``compile`` and ``plan`` are the service's own (the rival compile takes the normal path:
     its own key, deadline and cache); ``submit`` runs work on the service's pool (it raises
-    ``RuntimeError`` once that pool shut down); ``closed`` is read under ``lock``."""
+    ``RuntimeError`` once that pool shut down)."""
 
-    def __init__(self, vocab: Vocabulary, stats: Stats, lock: threading.Lock,
-                 memory: CompileCache, *, compile: Callable[[GrammarSpec], Grammar],
-                 plan: Callable[[GrammarSpec], Plan], submit: Callable[..., Any],
-                 closed: Callable[[], bool]) -> None:
-        self._vocab = vocab
-        self._stats = stats
-        self._lock = lock
-        self._memory = memory
+    def __init__(self, state: ServiceState, *, compile: Callable[[GrammarSpec], Grammar],
+                 plan: Callable[[GrammarSpec], Plan], submit: Callable[..., Any]) -> None:
+        self._state = state
+        self._vocab = state.vocab
+        self._stats = state.stats
+        self._lock = state.lock
+        self._memory = state.memory
         self._compile = compile
         self._plan = plan
         self._submit = submit
-        self._closed = closed
         self._structure: dict[str, int] | None = None  # probe walks' structural tokens
 
     def after_compile(self, spec: GrammarSpec, grammar: Grammar) -> None:
@@ -80,7 +76,7 @@ class FillTuner:
                            served=other if moved else grammar.backend).inc()
         with self._lock:
             self._stats.fill_tuned += 1
-            if not moved or self._closed() or self._memory.peek(spec.key) is not grammar:
+            if not moved or self._state.closed or self._memory.peek(spec.key) is not grammar:
                 return
             self._stats.fill_moved += 1
             title = registry.info(other).title

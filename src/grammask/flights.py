@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 from . import metrics
-from .compile_cache import CompileCache
+from .compile_state import ServiceState
 from .errors import (
     CompileFailure,
     CompilerClosedError,
@@ -27,7 +27,7 @@ from .errors import (
     GrammarError,
     InternalCompileError,
 )
-from .grammar import Grammar, Stats, fresh_error
+from .grammar import Grammar, fresh_error
 
 #: bound once: ``labels()`` takes a lock and checks its arguments, a cost on every hit
 _MEMORY_HITS = metrics.cache_requests("memory", "hit")
@@ -126,13 +126,12 @@ class Flights:
     """The compiles in flight, by spec key, under the service's one lock (shared with its
     memory: a lookup is one lock acquisition). ``closed`` is read under that lock."""
 
-    def __init__(self, lock: threading.Lock, memory: CompileCache, stats: Stats,
-                 timeout_s: float, closed: Callable[[], bool]) -> None:
-        self._lock = lock
-        self._memory = memory
-        self._stats = stats
+    def __init__(self, state: ServiceState, timeout_s: float) -> None:
+        self._state = state
+        self._lock = state.lock
+        self._memory = state.memory
+        self._stats = state.stats
         self._timeout_s = timeout_s
-        self._closed = closed
         self._inflight: dict[str, Flight] = {}
         self._reaper = Reaper(self.expire)
 
@@ -146,7 +145,7 @@ class Flights:
         builds it; with no future when it builds ``here``, on its own thread).
         ``CompilerClosedError`` once closed."""
         with self._lock:
-            if self._closed():
+            if self._state.closed:
                 raise CompilerClosedError("the compiler is closed")
             hit = self._memory.get(key)
             if hit is not None:
@@ -219,7 +218,7 @@ class Flights:
         returns what settled the flight (a timeout or close that came first wins)."""
         self.expire_overrun(flight)
         with self._lock:
-            if not self._closed():
+            if not self._state.closed:
                 self._memory.insert(flight.key, grammar)
         settled = self.resolve(flight, grammar=grammar)
         return grammar if settled or flight.error is None else flight.error

@@ -36,10 +36,6 @@ class FillTuner:
     def __init__(self, state: ServiceState, *, compile: Callable[[GrammarSpec], Grammar],
                  plan: Callable[[GrammarSpec], Plan], submit: Callable[..., Any]) -> None:
         self._state = state
-        self._vocab = state.vocab
-        self._stats = state.stats
-        self._lock = state.lock
-        self._memory = state.memory
         self._compile = compile
         self._plan = plan
         self._submit = submit
@@ -65,34 +61,34 @@ class FillTuner:
             rival = self._compile(spec.with_backend(other))
             if rival.unenforced != grammar.unenforced:
                 return
-            walk = fillcost.probe(grammar, self._structure_tokens(), self._vocab.vocab_size,
+            walk = fillcost.probe(grammar, self._structure_tokens(), self._state.vocab.vocab_size,
                                   seed=int(spec.key[:8], 16))
-            result = fillcost.compare(grammar, rival, walk, self._vocab.vocab_size)
+            result = fillcost.compare(grammar, rival, walk, self._state.vocab.vocab_size)
         except Exception as exc:  # never the request's concern: it is served already
             log.debug("grammask: fill tuning of %s skipped: %s", spec.describe(), exc)
             return
         moved = result.b_cheaper()
         _FILL_TUNED.labels(routed=grammar.backend,
                            served=other if moved else grammar.backend).inc()
-        with self._lock:
-            self._stats.fill_tuned += 1
-            if not moved or self._state.closed or self._memory.peek(spec.key) is not grammar:
+        with self._state.lock:
+            self._state.stats.fill_tuned += 1
+            if not moved or self._state.closed or self._state.memory.peek(spec.key) is not grammar:
                 return
-            self._stats.fill_moved += 1
+            self._state.stats.fill_moved += 1
             title = registry.info(other).title
             served = dataclasses.replace(
                 rival, spec=grammar.spec, fallback_from=None,
                 reason=f"{grammar.reason}; {title} then measured cheaper to fill here: "
                        f"{result.b_us:.1f} µs a token against {result.a_us:.1f} "
                        f"(a probe walk of {result.tokens} tokens)")
-            self._memory.insert(spec.key, served)
+            self._state.memory.insert(spec.key, served)
 
     def _structure_tokens(self) -> dict[str, int]:
         """The probe walks' structural tokens of this vocabulary (texts that are one token)."""
         if self._structure is None:
             found = {}
             for text in fillcost.STRUCTURE:
-                ids = self._vocab.encode(text)
+                ids = self._state.vocab.encode(text)
                 if len(ids) == 1:
                     found[text] = ids[0]
             self._structure = found

@@ -14,6 +14,7 @@ Not supported (``GbnfError``): llama.cpp token references (``<[id]>``, ``<name>`
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 START_RULE = "r_root"
@@ -101,34 +102,37 @@ def _read_char(text: str, i: int) -> tuple[str, int]:
     return _ESCAPES.get(e, e), i + 2
 
 
-def _read_string(text: str, i: int) -> tuple[str, int]:
-    chars: list[str] = []
+def _read_until(text: str, i: int, close: str, what: str,
+                item: Callable[[str, int], tuple[str, int]]) -> tuple[str, int]:
+    """``item``s read from ``i`` up to the closing ``close`` (past it on return)."""
+    parts: list[str] = []
     while True:
         if i >= len(text):
-            raise GbnfError("unterminated string literal")
-        if text[i] == '"':
-            return "".join(chars), i + 1
-        ch, i = _read_char(text, i)
-        chars.append(ch)
+            raise GbnfError(f"unterminated {what}")
+        if text[i] == close:
+            return "".join(parts), i + 1
+        part, i = item(text, i)
+        parts.append(part)
+
+
+def _read_string(text: str, i: int) -> tuple[str, int]:
+    return _read_until(text, i, '"', "string literal", _read_char)
+
+
+def _class_item(text: str, i: int) -> tuple[str, int]:
+    """One character of a class, or a range ``a-z``, escaped for the regex."""
+    lo, i = _read_char(text, i)
+    if i + 1 < len(text) and text[i] == "-" and text[i + 1] != "]":
+        hi, i = _read_char(text, i + 1)
+        return f"{_esc(lo)}-{_esc(hi)}", i
+    return _esc(lo), i
 
 
 def _read_class(text: str, i: int) -> tuple[str, int]:
     """A character class as a Python regex class body (``^`` kept, chars escaped)."""
-    parts: list[str] = []
-    if i < len(text) and text[i] == "^":
-        parts.append("^")
-        i += 1
-    while True:
-        if i >= len(text):
-            raise GbnfError("unterminated character class")
-        if text[i] == "]":
-            return "".join(parts), i + 1
-        lo, i = _read_char(text, i)
-        if i + 1 < len(text) and text[i] == "-" and text[i + 1] != "]":
-            hi, i = _read_char(text, i + 1)
-            parts.append(f"{_esc(lo)}-{_esc(hi)}")
-        else:
-            parts.append(_esc(lo))
+    negated = i < len(text) and text[i] == "^"
+    body, i = _read_until(text, i + negated, "]", "character class", _class_item)
+    return ("^" if negated else "") + body, i
 
 
 def _esc(ch: str) -> str:

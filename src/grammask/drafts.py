@@ -78,7 +78,14 @@ class Drafts:
     def fill(self, r: Row, drafts: Sequence[int], out: torch.Tensor,
              out_rows: Sequence[int]) -> None:
         """``out[out_rows[k + 1]]`` gets the mask of the position after ``drafts[:k + 1]``;
-        ``out[out_rows[0]]`` already holds the committed position's."""
+        ``out[out_rows[0]]`` already holds the committed position's (from ``wait_masks``, or
+        all ones for a row it did not list). Draft tokens are fed tentatively and rolled
+        back, so the row keeps its committed state. The rules are vLLM's own: a position
+        still inside the thinking section is free (all ones, or the marker-boundary guard);
+        after a draft token the grammar refuses, every later position repeats the last valid
+        mask (which already refuses that token, so the rejection sampler rejects it there and
+        no later row is used); after a placeholder (negative id) positions are free; an
+        errored row gets its error mask everywhere."""
         fed = gated = 0
         prev = out_rows[0]
         refused = free = False

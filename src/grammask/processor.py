@@ -52,7 +52,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -66,22 +65,17 @@ from .hostlogits import HostLogits
 from .masks import Filler
 from .pending import PendingGrammar
 from .request import STAND_IN, ConstraintRequest
+from .row_table import RowTable
 from .rowmasks import ErrorPolicy, RowMasks
 from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
 from .spec import GrammarSpec
+from .step_apply import StepApply
 from .stepjob import StepJobs
-from .steptypes import FillStats, StepMasks
+from .steptypes import FillStats
+from .vocab import Vocabulary
 
 __all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
 
-
-@dataclass
-class _Ended:
-    """A step whose masks an apply took; later applies of the same step take theirs."""
-
-    step: StepMasks
-    rows: set[int]  # its masked rows still held by the request they were filled for
-    drafts: int = 0  # draft positions the step's chunks placed so far
 
 class BatchProcessor:
     """Masks for a batch of up to ``max_batch`` rows, filled on a worker thread.
@@ -143,13 +137,11 @@ class BatchProcessor:
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, digests=digests)
         self._rows: dict[int, Row] = {}
-        #: the last ended step's masks and its rows still theirs, for a later apply of the
-        #: same step (vLLM 0.34 verifies a large speculative batch in request chunks, one
-        #: apply each); any mutation or a new step ends it (``_chunks_end``)
-        self._ended: _Ended | None = None
-        # rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which
-        # may count an add that turned out unconstrained until its row is reused
-        self._live = 0
+        #: the apply side: the step's masks into the host's logits, in its layout (a
+        #: later apply of the same step, vLLM 0.34's chunks, takes the same masks)
+        self._apply = StepApply(self._rows, self._jobs, self._logits, self._drafts)
+        self._table = RowTable(max_batch, self._rows, self._admissions, self._jobs,
+                               self._apply)
 
     # ------------------------------------------------------------------ batch membership
     def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
@@ -166,11 +158,11 @@ class BatchProcessor:
         the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
         Raises only for host mistakes: IndexError (row out of range), TypeError (another
         request type); a request's own faults (a bad grammar) error its row instead."""
-        self._check_row(row)
+        self._table.check(row)
         if request is not None and not isinstance(request, ConstraintRequest | GrammarSpec):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
-        self._queue(row, None if request is None else Queued(
+        self._table.queue(row, None if request is None else Queued(
             Admission(request, grammar, host_masks), prompt_ids, output_ids))
 
     def add_later(self, row: int, resolve: Callable[[], Admission],
@@ -181,18 +173,17 @@ class BatchProcessor:
         the fill thread, or on the host's when the host asks about the row first; its
         exception errors the row alone. Raises IndexError for a row out of range, TypeError
         when ``resolve`` is not callable."""
-        self._check_row(row)
+        self._table.check(row)
         if not callable(resolve):
             raise TypeError(f"resolve must be callable (returning an Admission), got "
                             f"{type(resolve).__name__}")
-        self._queue(row, Queued(resolve, prompt_ids, output_ids))
+        self._table.queue(row, Queued(resolve, prompt_ids, output_ids))
 
     def fail(self, row: int, message: str, cause: str = "host") -> None:
         """Put ``row`` into the sticky error state (adapters that lose track of a row's
         tokens); ``cause``: the metric label. An unconstrained row is left alone."""
-        self._ended = None
-        self._jobs.admit_now(self._rows)
-        r = self._rows.get(row)
+        self._apply.end()
+        r = self._table.made(row)
         if r is not None:
             self._jobs.discard()
             r.fail(message, cause=cause)
@@ -202,40 +193,22 @@ class BatchProcessor:
         rows (``step(rows)``) holds for the others; one over every row is redone in
         ``apply``."""
         self._jobs.drop(row)
-        self._pop(row)
+        self._table.pop(row)
 
     def move(self, src: int, dst: int) -> None:
         """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped. Raises
         IndexError for a row out of range."""
-        self._ended = None
-        self._check_row(src)
-        self._check_row(dst)
-        self._jobs.discard()
-        moved = self._rows.pop(src, None)
-        self._pop(dst)
-        if moved is not None:
-            self._rows[dst] = moved
-        self._admissions.move(src, dst)
+        self._table.move(src, dst)
 
     def swap(self, a: int, b: int) -> None:
         """Rows ``a`` and ``b`` trade requests. Raises IndexError for a row out of range."""
-        self._ended = None
-        self._check_row(a)
-        self._check_row(b)
-        self._jobs.discard()
-        ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
-        if ra is not None:
-            self._rows[b] = ra
-        if rb is not None:
-            self._rows[a] = rb
-        self._admissions.swap(a, b)
+        self._table.swap(a, b)
 
     def advance(self, row: int, tokens: Sequence[int]) -> None:
         """Append sampled tokens to a row whose output list the processor owns (an
         unconstrained row ignores them). Raises ValueError for a row reading a live list."""
-        self._ended = None
-        self._jobs.admit_now(self._rows)
-        r = self._rows.get(row)
+        self._apply.end()
+        r = self._table.made(row)
         if r is None:
             return
         if not r.owned:
@@ -250,9 +223,8 @@ class BatchProcessor:
         Owned lists lose them here (unread ones first); for a live list the host truncates
         its list itself and this rewinds what was already read. Never raises: a rewind the
         matcher refuses errors the row."""
-        self._ended = None
-        self._jobs.admit_now(self._rows)
-        r = self._rows.get(row)
+        self._apply.end()
+        r = self._table.made(row)
         if r is None or num_tokens <= 0:
             return
         self._jobs.discard()
@@ -274,17 +246,16 @@ class BatchProcessor:
         first, as ``advance(rows[i], [tokens[i]])`` would (``rows`` then in the tokens'
         order; unconstrained rows are skipped). A row with a live list raises ValueError, as
         ``advance`` does, after the step started for the others."""
-        self._ended = None
-        self._jobs.step(self._rows, rows, tokens, live_rows=self._live > 0)
+        self._apply.end()
+        self._jobs.step(self._rows, rows, tokens, live_rows=self._table.live > 0)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for this step's fill and mask ``logits`` in place (2-D, float, CPU or CUDA;
         logits row ``i`` belongs to row ``i``). Rows the step did not mask are left alone.
         Never raises for a row's failure; ValueError for logits with fewer rows than a
         masked row's index."""
-        self._ended = None
-        step, layout = self._jobs.wait_for_apply(self._rows, logits)
-        self._logits.apply(self._rows, logits, step, layout)
+        self._apply.batch(logits)
+
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
@@ -295,9 +266,8 @@ class BatchProcessor:
         that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
         until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
         Ends the step like ``apply``. Never raises for a row's failure."""
-        self._ended = None
-        step = self._jobs.wait(self._rows, rows)
-        return step.bitmask, step.rows
+        return self._apply.wait(rows)
+
 
     def apply_mapped(self, logits: torch.Tensor, logits_rows: Sequence[int],
                      rows: Sequence[int]) -> None:
@@ -305,13 +275,7 @@ class BatchProcessor:
         V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
         gets row ``rows[i]``'s mask (both distinct, of equal length). Other logits rows are
         left alone."""
-        ended = self._reusable(rows)
-        if ended is not None:
-            self._logits.apply_mapped(self._rows, logits, ended.step, logits_rows, rows)
-            return
-        step, layout = self._jobs.wait_for_apply(self._rows, logits, rows)
-        self._ended = _Ended(step, set(step.rows))
-        self._logits.apply_mapped(self._rows, logits, step, logits_rows, rows, layout)
+        self._apply.mapped(logits, logits_rows, rows)
 
     def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
                      positions: Sequence[int], inputs: Sequence[int]) -> None:
@@ -322,46 +286,18 @@ class BatchProcessor:
         1.. are the inputs of the rows before them). Each row's masks follow its drafts
         (``fill_drafts``); the committed positions take the step's masks as ``apply_mapped``
         does. The three sequences have one entry per logits row."""
-        self._jobs.admit_now(self._rows)
-        sampling = {int(r) for r in rows if int(r) in self._rows}
-        ended = self._reusable(sampling)
-        layout = None
-        if ended is None:
-            step, layout = self._jobs.wait_for_apply(self._rows, logits, sorted(sampling))
-            ended = self._ended = _Ended(step, set(step.rows))
-        step = ended.step
-        # draft positions right after the highest row this step uses: a device copy of the
-        # bitmask then spans the rows in use, not every row of a sparse batch; a later chunk
-        # of the step places its own above the earlier chunks' (a device copy of those may
-        # not have run yet)
-        base = max(step.rows[-1] if step.rows else -1, max(sampling, default=-1)) + 1
-        base += ended.drafts
-        ended.drafts += len(rows)
-        bitmask = self._jobs.buffers.room(step.bitmask, base, len(rows))
-        placed = self._drafts.place(self._rows, step.rows, bitmask, base, rows, positions,
-                                    inputs, sampling)
-        self._logits.apply_drafts(self._rows, logits, bitmask, step.plan, placed, layout)
+        self._apply.drafts(logits, rows, positions, inputs)
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:
-        """Masks for speculative decoding, for hosts that apply masks themselves:
-        ``out[out_rows[k + 1]]`` gets the mask of the position after ``drafts[:k + 1]`` (the
-        last one is the bonus position). Raises ValueError unless ``out_rows`` has one row
-        more than ``drafts``.
-
-        ``out[out_rows[0]]`` must already hold the committed position's mask (from
-        ``wait_masks``, or all ones for a row it did not list). Draft tokens are fed
-        tentatively and rolled back, so the row keeps its committed state. The rules are
-        vLLM's own: a position still inside the thinking section is free (all ones, or the
-        marker-boundary guard); after a draft token the grammar refuses, every later position
-        repeats the last valid mask (which already refuses that token, so the rejection
-        sampler rejects it there and no later row is used); after a placeholder (negative id)
-        positions are free; an errored row gets its error mask everywhere (``drafts.py``)."""
+        """Masks along speculative drafts, for hosts that apply masks themselves:
+        ``out[out_rows[k + 1]]`` gets the mask after ``drafts[:k + 1]``; ``out[out_rows[0]]``
+        must hold the committed position's. The rules are vLLM's (``Drafts.fill``). Raises
+        ValueError unless ``out_rows`` has one row more than ``drafts``."""
         if len(out_rows) != len(drafts) + 1:
             raise ValueError(f"{len(drafts)} draft tokens need {len(drafts) + 1} output rows, "
                              f"got {len(out_rows)}")
-        self._jobs.admit_now(self._rows)
-        r = self._rows.get(row)
+        r = self._table.made(row)
         if r is not None and drafts:
             self._drafts.fill(r, drafts, out, out_rows)
 
@@ -369,8 +305,7 @@ class BatchProcessor:
     def info(self, row: int) -> RowInfo:
         """A snapshot of ``row`` (status, error, backend, gaps, token counts); waits for an
         in-flight fill, which may change them."""
-        self._jobs.admit_now(self._rows)
-        r = self._rows.get(row)
+        r = self._table.made(row)
         if r is None:
             return RowInfo("unconstrained")
         self._jobs.settle()
@@ -421,35 +356,6 @@ class BatchProcessor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _queue(self, row: int, entry: Queued | None) -> None:
-        """The row's previous request leaves; ``entry`` (None: none) waits for a fill job
-        to make its row."""
-        self._jobs.drop(row)
-        self._pop(row)
-        if entry is not None:
-            self._admissions.queued[row] = entry
-            self._live += entry.output_ids is not None
-
-    def _reusable(self, rows: Collection[int]) -> _Ended | None:
-        """The ended step, when it still holds every one of ``rows`` (and no step began)."""
-        ended = self._ended
-        if ended is None or self._jobs.pending is not None or not ended.rows.issuperset(rows):
-            return None
-        return ended
-
-    def _pop(self, row: int) -> None:
-        """Drop the row's request, made or queued, if any (the live-list count follows); a
-        made row's matcher is released by the next fill job (``Admissions.retired``)."""
-        if self._ended is not None:
-            self._ended.rows.discard(row)
-        r = self._rows.pop(row, None)
-        if r is not None:
-            self._live -= not r.owned
-            self._admissions.retired.append(r)
-        queued = self._admissions.drop(row)
-        if queued is not None:
-            self._live -= queued.output_ids is not None
-
     def _make(self, entry: Queued) -> Row | None:
         """A queued add's row (None: unconstrained). Every failure stays in the row: an
         exception of the host's ``resolve`` or of making the row errors it."""
@@ -461,22 +367,19 @@ class BatchProcessor:
             r = self._new_row(admission.request, entry.prompt_ids, entry.output_ids,
                               admission.grammar, admission.host_masks)
         except Exception as exc:
-            return self._failed_row(entry, f"adding the request failed: "
-                                           f"{type(exc).__name__}: {exc}")
+            return failed_row(entry, f"adding the request failed: {type(exc).__name__}: "
+                                     f"{exc}", self.vocab)
         if admission.host_masks:
             self._logits.risky = True
         return r
 
-    def _failed_row(self, entry: Queued, message: str) -> Row:
-        """An errored row in place of one that could not be made (stop-only masks)."""
-        failed: Future[Grammar] = Future()
-        failed.set_exception(RuntimeError(message))
-        output = entry.output_ids
-        r = Row(STAND_IN, PendingGrammar(failed, None, hedge_s=0.0),
-                [] if output is None else output, output is None, self.vocab.tokens)
-        r.fail(message, cause="host")
-        return r
 
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.max_batch:
-            raise IndexError(f"row {row} outside 0..{self.max_batch - 1}")
+def failed_row(entry: Queued, message: str, vocab: Vocabulary) -> Row:
+    """An errored row in place of one that could not be made (stop-only masks)."""
+    failed: Future[Grammar] = Future()
+    failed.set_exception(RuntimeError(message))
+    output = entry.output_ids
+    r = Row(STAND_IN, PendingGrammar(failed, None, hedge_s=0.0),
+            [] if output is None else output, output is None, vocab.tokens)
+    r.fail(message, cause="host")
+    return r

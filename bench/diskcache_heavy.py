@@ -65,8 +65,8 @@ def _start_peak() -> int:
 def worker(mode: str, directory: str, source: str) -> dict[str, Any]:
     """One measurement in this fresh process."""
     from grammask import Compiler, GrammarSpec, allocate_bitmask, load_vocabulary
+    from grammask.backends.diskcache import DiskCache
     from grammask.backends.xgrammar import XGrammarBackend, tokenizer_info
-    from grammask.diskcache import DiskCache
 
     vocab = load_vocabulary("qwen2.5")
     tokenizer_info(vocab)  # a server builds it at start-up

@@ -34,9 +34,10 @@ import torch
 from bench.cases import load_maskbench
 from bench.paths import DEFAULT_CORPUS
 from bench.stats import machine_info, percentile, write_json
-from grammask import Compiler, GrammarError, GrammarSpec, load_vocabulary, router
+from grammask import Compiler, GrammarError, GrammarSpec, load_vocabulary
 from grammask.backends import registry
-from grammask.bitmask import allocate_bitmask
+from grammask.compile import router
+from grammask.kernels.bitmask import allocate_bitmask
 
 
 def eligible(spec: GrammarSpec) -> list[str]:

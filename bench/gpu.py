@@ -48,7 +48,7 @@ def apply_vs_memcpy(reps: int) -> list[dict[str, Any]]:
 
 
 def _apply_case(vocab: int, batch: int, dtype: torch.dtype, reps: int) -> dict[str, Any]:
-    from grammask.apply import apply_bitmask
+    from grammask.kernels.apply import apply_bitmask
 
     words = (vocab + 31) // 32
     gen = torch.Generator().manual_seed(batch)
@@ -83,8 +83,8 @@ def apply_host_cost(reps: int) -> list[dict[str, Any]]:
     Target: grammask <= vLLM's way + 10 us at every batch size (medians of ``reps``)."""
     import xgrammar as xgr
 
-    from grammask.apply import apply_bitmask
-    from grammask.masks import MaskBuffers
+    from grammask.kernels.apply import apply_bitmask
+    from grammask.kernels.buffers import MaskBuffers
 
     vocab = 151_936
     out = []

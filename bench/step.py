@@ -89,8 +89,8 @@ from bench.stats import machine_info, render_table, write_json
 from bench.vllm_rpc import GrammarOutput, Trip
 from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary, load_vocabulary
 from grammask.backends.guidance import tokenizer as llg_tokenizer
-from grammask.bitmask import allocate_bitmask
-from grammask.processor import BatchProcessor
+from grammask.decode.processor import BatchProcessor
+from grammask.kernels.bitmask import allocate_bitmask
 
 VLLM_CHUNK = 16
 ENGINES = {"xgrammar": "xgrammar", "llguidance": "guidance"}

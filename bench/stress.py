@@ -48,8 +48,8 @@ from grammask import (
     load_vocabulary,
 )
 from grammask.backends import get_backend, registry
-from grammask.compiler import running_compiles, trim_heap
-from grammask.warmup import warm
+from grammask.compile.compiler import running_compiles, trim_heap
+from grammask.compile.warmup import warm
 
 MIB = 1024 * 1024
 #: RSS growth that does not scale with ``cache_bytes`` (qwen2.5, this machine: growth at a
@@ -181,7 +181,7 @@ def probe(vocab: Vocabulary, name: str, path: str, deadline_s: float) -> dict[st
 
 
 def _spec_file(spec: GrammarSpec, directory: Path) -> None:
-    """Write a spec as warm-up reads it (``grammask.warmup.spec_of_file``)."""
+    """Write a spec as warm-up reads it (``grammask.compile.warmup.spec_of_file``)."""
     if spec.kind == "choice":
         (directory / "spec.choice.json").write_text(spec.source)
     elif spec.kind == "json_schema":

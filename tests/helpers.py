@@ -11,7 +11,7 @@ import torch
 
 from grammask import Grammar, GrammarSpec, Vocabulary, allocate_bitmask
 from grammask.backends import Matcher
-from grammask.spec import BackendName
+from grammask.specs.grammar_spec import BackendName
 
 
 def feed(matcher: Matcher, vocab: Vocabulary, text: str) -> bool:

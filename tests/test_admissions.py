@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grammask import Compiler, Grammar, GrammarSpec, Vocabulary
-from grammask.processor import Admission, BatchProcessor
-from grammask.rows import RowMaker
+from grammask.decode.processor import Admission, BatchProcessor
+from grammask.decode.rows import RowMaker
 
 from .helpers import PATIENT, RawReference
 

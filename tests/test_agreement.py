@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grammask import GrammarSpec
-from grammask.pending import FAILED, PENDING, READY, Decision, decide
+from grammask.decode.pending import FAILED, PENDING, READY, Decision, decide
 
 XGR_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                                "ok": {"type": "boolean"}},
@@ -70,10 +70,10 @@ def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
     import torch.distributed as dist
 
     from grammask import Compiler, load_vocabulary
-    from grammask.agreement import Solo, TorchGroup
-    from grammask.compiler import Grammar
+    from grammask.compile.compiler import Grammar
+    from grammask.decode.agreement import Solo, TorchGroup
+    from grammask.decode.processor import BatchProcessor
     from grammask.errors import CompileTimeoutError
-    from grammask.processor import BatchProcessor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

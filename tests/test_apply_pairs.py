@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from grammask.apply import apply_pairs, cpu_layout, plan_cpu_apply
+from grammask.kernels.apply import apply_pairs, cpu_layout, plan_cpu_apply
 
 VOCAB, WIDTH = 1000, 1024  # model padding past the mask
 
@@ -56,7 +56,7 @@ def test_a_plan_serves_its_rows_among_others(monkeypatch: pytest.MonkeyPatch) ->
     """Pairs of the plan's rows and others (speculative decoding: committed positions and
     draft positions in one bitmask): the plan moves to its rows' logits rows, the kernel
     masks the rest, and every row matches the reference."""
-    import grammask.apply as apply_module
+    import grammask.kernels.apply as apply_module
 
     moved: list[int] = []
     real = apply_module._apply_plan_moved
@@ -99,7 +99,7 @@ def test_a_plan_for_other_rows_is_not_used() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pairs_on_cuda_match_the_reference(dtype: torch.dtype) -> None:
     """The V2 runner's apply on CUDA logits: the device-side gather into batch order."""
-    from grammask.masks import MaskBuffers
+    from grammask.kernels.buffers import MaskBuffers
 
     rng = np.random.default_rng(11)
     buffers = MaskBuffers(16, VOCAB)

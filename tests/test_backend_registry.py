@@ -21,16 +21,16 @@ import torch
 
 from grammask import metrics
 from grammask.backends import Warnings, disk_backend, get_backend, registry
+from grammask.backends.diskcache import DiskCache
 from grammask.backends.registry import BackendInfo, Cost
 from grammask.cli import main
-from grammask.compiler import Compiler
-from grammask.diskcache import DiskCache
+from grammask.compile.compiler import Compiler
+from grammask.compile.router import plan
 from grammask.errors import InvalidSpecError, UnsupportedError
 from grammask.harness.report import labels
-from grammask.integrations.vllm_settings import load_settings
-from grammask.router import plan
+from grammask.integrations.vllm.settings import load_settings
 from grammask.schema.features import Feature
-from grammask.spec import GrammarSpec
+from grammask.specs.grammar_spec import GrammarSpec
 from grammask.vocab import Vocabulary
 
 MIRROR = "mirror"

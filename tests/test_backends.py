@@ -12,7 +12,7 @@ from grammask import (
     Vocabulary,
     allocate_bitmask,
 )
-from grammask.spec import BackendName
+from grammask.specs.grammar_spec import BackendName
 
 from .conftest import CORPUS
 from .helpers import accepts_complete, bit, feed, mask_of

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from grammask import Compiler, GrammarSpec
-from grammask.compile_cache import (
+from grammask.compile.cache import (
     TRIM_AFTER_BYTES,
     TRIM_AFTER_COMPILE_MS,
     TRIM_INTERVAL_S,
     CompileCache,
 )
-from grammask.grammar import Stats
+from grammask.compile.grammar import Stats
 
 
 def test_a_trim_is_due_after_enough_bytes_or_an_eviction(compiler: Compiler) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from grammask.compile_slots import Runner
+from grammask.compile.slots import Runner
 from grammask.errors import CompileTimeoutError
 
 

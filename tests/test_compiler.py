@@ -23,8 +23,8 @@ from grammask import (
     ServerFault,
     Vocabulary,
 )
-from grammask.attempts import PlanRunner
 from grammask.backends import get_backend, registry
+from grammask.compile.plan_runner import PlanRunner
 
 from .helpers import accepts_complete, declare_unbounded
 
@@ -99,12 +99,12 @@ def test_cache_is_bounded_by_bytes(qwen25: Vocabulary) -> None:
 
 class _Clock:
     """The compile service's clock, moved by the test: ``time.monotonic`` as
-    ``grammask.compiler`` and ``grammask.flights`` read it (the rest of ``time`` is real). Time
-    stands still until ``advance``, however long the real compiles take."""
+    ``grammask.compile.compiler`` and ``grammask.compile.flights`` read it (the rest of ``time`` is
+    real). Time stands still until ``advance``, however long the real compiles take."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import grammask.compiler as compiler
-        import grammask.flights as flights
+        import grammask.compile.compiler as compiler
+        import grammask.compile.flights as flights
 
         self.now = time.monotonic()
         real, clock = compiler.time, self
@@ -483,7 +483,7 @@ _MEMORY_PROBE = """
 import contextlib, gc, gzip, json, os, sys
 from pathlib import Path
 from grammask import Compiler, GrammarError, GrammarSpec, load_vocabulary
-from grammask.compiler import trim_heap
+from grammask.compile.compiler import trim_heap
 
 def rss():
     gc.collect()
@@ -586,7 +586,7 @@ def test_a_blocking_miss_plans_on_the_caller_and_compiles_where_it_can_be_abando
     on a compile worker, the thread a deadline can abandon; a bounded one's (llguidance: its
     parser limits) on the caller too, as ``compile_async``'s runs on the routing thread. A
     shorter caller timeout still goes through the pool."""
-    import grammask.compiler as compiler_module
+    import grammask.compile.compiler as compiler_module
 
     where: dict[str, str] = {}
     real_plan = compiler_module.plan
@@ -625,7 +625,7 @@ def test_a_hit_through_compile_makes_no_future(qwen25: Vocabulary,
     """A blocking hit returns the grammar (a future per hit was most of its cost); a
     blocking miss built on the caller needs none either. ``compile_async`` still returns a
     future, done at once on a hit."""
-    import grammask.compiler as compiler_module
+    import grammask.compile.compiler as compiler_module
 
     made: list[object] = []
 
@@ -668,7 +668,7 @@ def test_threads_started_since_a_job_began_are_found_by_their_start_time() -> No
     time is at or after the job's."""
     import os
 
-    from grammask import compile_slots
+    from grammask.compile import slots as compile_slots
 
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("no /proc: nothing is lowered but the worker")

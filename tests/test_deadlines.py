@@ -20,12 +20,12 @@ import pytest
 
 from grammask.backends import get_backend, registry
 from grammask.backends.registry import BackendInfo, Cost
-from grammask.compile_slots import HERE_MAX_CHARS, HERE_SHARE, here_cost_s, may_run_here
-from grammask.compiler import Compiler
+from grammask.compile.compiler import Compiler
+from grammask.compile.slots import HERE_MAX_CHARS, HERE_SHARE, here_cost_s, may_run_here
+from grammask.compile.warmup import warm
 from grammask.errors import CompileTimeoutError
-from grammask.spec import GrammarSpec
+from grammask.specs.grammar_spec import GrammarSpec
 from grammask.vocab import Vocabulary
-from grammask.warmup import warm
 
 SLOTH = "sloth"
 #: the stall a released-late compile would cost: far past every deadline below

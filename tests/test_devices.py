@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
-from grammask.apply import apply_bitmask
-from grammask.processor import BatchProcessor
+from grammask.decode.processor import BatchProcessor
+from grammask.kernels.apply import apply_bitmask
 
 from .helpers import PATIENT
 

@@ -25,14 +25,7 @@ import pytest
 
 from grammask import Compiler, GrammarSpec, Vocabulary, metrics
 from grammask.backends import get_backend
-from grammask.backends.xgrammar_disk import (
-    INLINE_DEPTH,
-    alternation_depth,
-    key_material,
-    pack_json,
-    unpack_json,
-)
-from grammask.diskcache import (
+from grammask.backends.diskcache import (
     _HEADER,
     FORMAT_VERSION,
     INLINE_MEMORY,
@@ -40,6 +33,13 @@ from grammask.diskcache import (
     SUFFIX,
     DiskCache,
     default_cache_dir,
+)
+from grammask.backends.xgrammar_disk import (
+    INLINE_DEPTH,
+    alternation_depth,
+    key_material,
+    pack_json,
+    unpack_json,
 )
 
 from .helpers import mask_of
@@ -493,7 +493,7 @@ def test_concurrent_process_writers_leave_a_valid_file(
     directory = tmp_path / "c"
     script = f"""
 from pathlib import Path
-from grammask.diskcache import DiskCache
+from grammask.backends.diskcache import DiskCache
 cache = DiskCache({str(directory)!r})
 m = Path({str(tmp_path / "material")!r}).read_bytes()
 p = Path({str(tmp_path / "payload")!r}).read_bytes()
@@ -595,7 +595,7 @@ import json, re
 from pathlib import Path
 from grammask import load_vocabulary
 from grammask.backends import get_backend
-from grammask.diskcache import DiskCache
+from grammask.backends.diskcache import DiskCache
 from tests.test_diskcache import _heavy
 def growth(work):  # the peak RSS above the RSS before ``work`` (Linux: VmHWM reset)
     def kib(field):
@@ -640,8 +640,8 @@ def test_a_grammar_past_the_writer_ceiling_is_not_written(
 def test_the_child_writes_only_under_the_parents_key(qwen25: Vocabulary, heavy: object,
                                                      tmp_path: Path) -> None:
     """Another key (other sources, versions, vocabulary) in the child: nothing is written."""
+    from grammask.backends.diskwriter import child_request, run_child, vocab_frame
     from grammask.backends.xgrammar_disk import CHILD_CODE
-    from grammask.diskwriter import child_request, run_child, vocab_frame
 
     cache = DiskCache(tmp_path / "c")
     job = {"lenient": False, "compile_ms": None, "memory": 1, "timeout_s": 120}
@@ -685,7 +685,7 @@ def test_deeply_nested_alternatives_are_serialized_only_in_a_child(qwen25: Vocab
 
 def test_the_child_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """The child imports this grammask, sees no GPU and writes no Prometheus files."""
-    from grammask.diskwriter import child_env
+    from grammask.backends.diskwriter import child_env
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/prom")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")

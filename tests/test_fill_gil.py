@@ -171,7 +171,7 @@ def test_counting_sees_a_fill_per_row(compiler: Compiler, qwen25: Vocabulary,
     matchers = [grammar.matcher() for _ in range(4)]
     for m in matchers:
         assert m.accept(qwen25.encode('{"')[0])
-    from grammask.bitmask import allocate_bitmask
+    from grammask.kernels.bitmask import allocate_bitmask
 
     bitmask = allocate_bitmask(4, qwen25.vocab_size)
     sys.setprofile(releases.profile)

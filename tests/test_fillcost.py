@@ -6,7 +6,7 @@ import json
 import time
 
 from grammask import Compiler, GrammarSpec, Vocabulary
-from grammask.fillcost import compare, probe
+from grammask.compile.fillcost import compare, probe
 
 #: free text: both backends enforce it; the router picks llguidance (compile time)
 SCHEMA = {"type": "object", "properties": {

@@ -1,4 +1,4 @@
-"""The grammar library (``grammask.library``): every shipped grammar against its samples.
+"""The grammar library (``grammask.specs.library``): every shipped grammar against its samples.
 
 Three readings of every sample, none of which is grammask's own code:
 1. an independent oracle: ``lark`` (Earley) on the Lark grammar, or on this package's own
@@ -22,11 +22,12 @@ from importlib import resources
 
 import pytest
 
-from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, library
+from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary
 from grammask.backends import Matcher
 from grammask.harness.oracles import LarkOracle
-from grammask.spec import BackendName
-from grammask.spec_frontends import from_vllm
+from grammask.specs import library
+from grammask.specs.frontends import from_vllm
+from grammask.specs.grammar_spec import BackendName
 
 from .conftest import ROOT
 
@@ -70,11 +71,11 @@ def test_unknown_name_is_refused_listing_known_names() -> None:
     assert "'yaml'" in message
     assert all(n in message for n in NAMES)
     with pytest.raises(InvalidSpecError, match="no library grammar named 'sql'"):
-        library.spec("sql")
+        GrammarSpec.named("sql")
 
 
 def test_every_file_in_the_folder_is_a_loadable_grammar_with_samples() -> None:
-    folder = resources.files("grammask").joinpath("grammars")
+    folder = resources.files("grammask.specs").joinpath("grammars")
     files = sorted(e.name for e in folder.iterdir() if e.is_file())
     stems = {f.rsplit(".", 1)[0] for f in files if f.endswith((".gbnf", ".lark"))}
     assert sorted(stems) == NAMES
@@ -97,7 +98,7 @@ def test_every_file_in_the_folder_is_a_loadable_grammar_with_samples() -> None:
 def test_spec_is_a_grammar_spec_in_the_files_syntax() -> None:
     for name in NAMES:
         grammar = library.load(name)
-        spec = library.spec(name)
+        spec = GrammarSpec.named(name)
         assert spec == GrammarSpec.grammar(grammar.text, syntax=grammar.syntax)
         assert (spec.kind, spec.syntax, spec.source, spec.backend) == \
             ("grammar", grammar.syntax, grammar.text, None)
@@ -113,9 +114,9 @@ def test_package_data_ships_every_grammar_file() -> None:
     """The wheel carries the folder: each file matches a package-data glob."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     globs = config["tool"]["setuptools"]["package-data"]["grammask"]
-    folder = resources.files("grammask").joinpath("grammars")
+    folder = resources.files("grammask.specs").joinpath("grammars")
     for entry in folder.iterdir():
-        assert any(fnmatch(f"grammars/{entry.name}", g) for g in globs), entry.name
+        assert any(fnmatch(f"specs/grammars/{entry.name}", g) for g in globs), entry.name
 
 
 # ----------------------------------------------------------------------------- the oracle
@@ -134,7 +135,7 @@ def test_oracle_agrees_with_the_samples(name: str) -> None:
 def test_backends_walk_the_samples(compiler: Compiler, qwen25: Vocabulary, name: str,
                                   backend: BackendName) -> None:
     grammar = library.load(name)
-    compiled = compiler.compile(library.spec(name).with_backend(backend))
+    compiled = compiler.compile(GrammarSpec.named(name).with_backend(backend))
     assert compiled.backend == backend
     refused = {s: r for s in grammar.valid
                if (r := walk(compiled.matcher(), qwen25, s)) != "ok"}
@@ -153,7 +154,7 @@ def test_tool_call_tags_are_text_not_special_tokens(compiler: Compiler, qwen25: 
     tag_id = next(i for i, tok in enumerate(qwen25.tokens)
                   if tok == b"<tool_call>" and i in qwen25.special_ids)
     assert tag_id not in qwen25.encode("<tool_call>")  # plain text never yields it
-    compiled = compiler.compile(library.spec(name).with_backend(backend))
+    compiled = compiler.compile(GrammarSpec.named(name).with_backend(backend))
     assert not compiled.matcher().accept(tag_id)
     assert compiled.matcher().accept(qwen25.encode("<tool_call>")[0])
 
@@ -161,13 +162,13 @@ def test_tool_call_tags_are_text_not_special_tokens(compiler: Compiler, qwen25: 
 def test_named_grammars_travel_by_their_own_field() -> None:
     """Python, vLLM's structured-outputs object and ``vllm_xargs`` name a library grammar in
     ``grammar_name``; the name never sits inside grammar text, so it cannot clash."""
-    from grammask.request import parse_extra_args
+    from grammask.specs.request import parse_extra_args
 
-    assert GrammarSpec.named("uuid") == library.spec("uuid")
-    assert from_vllm({"grammar_name": "uuid"}) == library.spec("uuid")
+    assert GrammarSpec.named("uuid") == GrammarSpec.named("uuid")
+    assert from_vllm({"grammar_name": "uuid"}) == GrammarSpec.named("uuid")
     assert GrammarSpec.named("uuid", backend="guidance").backend == "guidance"
     request = parse_extra_args({"grammask": json.dumps({"grammar_name": "semver"})})
-    assert request is not None and request.spec == library.spec("semver")
+    assert request is not None and request.spec == GrammarSpec.named("semver")
     with pytest.raises(InvalidSpecError, match="no library grammar named 'semverr'"):
         from_vllm({"grammar_name": "semverr"})
     with pytest.raises(InvalidSpecError, match="exactly one"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from grammask import Compiler, ConstraintRequest, GrammarSpec, Vocabulary
-from grammask.processor import BatchProcessor
+from grammask.decode.processor import BatchProcessor
 
 from .helpers import RawReference
 

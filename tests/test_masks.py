@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
-from grammask.apply import apply_bitmask, plan_cpu_apply
 from grammask.backends import Matcher
 from grammask.backends.guidance import tokenizer_view
-from grammask.masks import Filler, FillWorker, MaskBuffers, stop_only_row
-from grammask.processor import BatchProcessor
+from grammask.decode.fill_worker import FillWorker
+from grammask.decode.filler import Filler, stop_only_row
+from grammask.decode.processor import BatchProcessor
+from grammask.kernels.apply import apply_bitmask, plan_cpu_apply
+from grammask.kernels.buffers import MaskBuffers
 
 from .helpers import feed
 
@@ -313,7 +315,7 @@ def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
     ``apply`` uses that plan; the masked logits are those of an unplanned apply of the same
     masks (a second processor fed the same tokens), step by step, and a layout change (wider
     logits) falls back to the kernels until the plan follows it."""
-    import grammask.apply as apply_module
+    import grammask.kernels.apply as apply_module
 
     real = apply_module._apply_plan
     used: list[int] = []
@@ -360,7 +362,7 @@ def test_one_slow_plan_leaves_planning_on(compiler: Compiler, qwen25: Vocabulary
     """A plan far longer than the forward, first (a cold start) or once among fast ones (a
     preempted thread), does not turn planning off: the decision takes the fastest of the
     recent plans, the first two left out. A job that does not plan reports 0 ms."""
-    import grammask.stepjob as stepjob
+    import grammask.decode.stepjob as stepjob
 
     real = stepjob.plan_cpu_apply
     calls: list[int] = []
@@ -450,7 +452,7 @@ def test_the_fill_thread_runs_on_the_cpus_it_was_given() -> None:
     view of the thread's affinity)."""
     import os
 
-    from grammask.masks import FillWorker
+    from grammask.decode.fill_worker import FillWorker
 
     def allowed(tid: int) -> str:
         with open(f"/proc/self/task/{tid}/status", encoding="ascii") as f:

@@ -15,8 +15,8 @@ import torch
 from grammask import Compiler, GrammarSpec, UnsupportedError, Vocabulary, allocate_bitmask
 from grammask.backends.guidance import GuidanceMatcher
 from grammask.backends.xgrammar import XGrammarMatcher
-from grammask.masks import Filler
-from grammask.spec import BackendName
+from grammask.decode.filler import Filler
+from grammask.specs.grammar_spec import BackendName
 
 from .helpers import RawReference, bit, feed, mask_of, words_to_bool
 
@@ -357,8 +357,8 @@ def test_batch_accept_is_accept_row_by_row(compiler: Compiler, qwen25: Vocabular
 def test_rows_advance_together_as_alone(compiler: Compiler, qwen25: Vocabulary) -> None:
     """``rows.advance_all`` (batch calls per backend) leaves rows as ``Row.advance`` does:
     the same tokens fed, the same refusals failing the same rows with the same message."""
-    from grammask.request import ConstraintRequest
-    from grammask.rows import Row, advance_all
+    from grammask.decode.rows import Row, advance_all
+    from grammask.specs.request import ConstraintRequest
 
     a, b, x = (qwen25.encode(t)[0] for t in "abx")
 

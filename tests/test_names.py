@@ -41,9 +41,17 @@ OLD = {
 def test_the_old_names_are_gone() -> None:
     import grammask.backends as backends
     import grammask.backends.base as base
-    import grammask.compiler as compiler_module
+    import grammask.compile.compiler as compiler_module
     import grammask.errors as errors
-    from grammask.integrations import vllm_common, vllm_compiler, vllm_settings
+    from grammask.integrations.vllm import (
+        common as vllm_common,
+    )
+    from grammask.integrations.vllm import (
+        compiler as vllm_compiler,
+    )
+    from grammask.integrations.vllm import (
+        settings as vllm_settings,
+    )
 
     gone = [(grammask, "Engine"), (grammask, "EngineClosedError"), (compiler_module, "Engine"),
             (errors, "EngineClosedError"), (backends, "CompiledGrammar"),

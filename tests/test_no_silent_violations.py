@@ -23,6 +23,8 @@ import pytest
 
 from grammask import Compiler, GrammarSpec, Vocabulary, metrics
 from grammask.backends.guidance import GuidanceMatcher, json_options, tokenizer
+from grammask.compile.router import plan, route
+from grammask.decode.rows import Row
 from grammask.errors import UnsupportedError
 from grammask.harness.check import CheckConfig, Checker
 from grammask.harness.corpus import load_items
@@ -36,17 +38,15 @@ from grammask.harness.walk import (
     random_walk,
     token_table,
 )
-from grammask.normalize import (
+from grammask.schema.analysis import schema_features
+from grammask.schema.normalize import (
     combinator_gap,
     conjoin,
     literal_words,
     merged_node,
     normalize_schema,
 )
-from grammask.request import ConstraintRequest
-from grammask.router import plan, route
-from grammask.rows import Row
-from grammask.schema.analysis import schema_features
+from grammask.specs.request import ConstraintRequest
 
 ISSUE_SCHEMA: dict[str, Any] = {
     "type": "object",

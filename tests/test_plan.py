@@ -1,7 +1,7 @@
 """The router's plan: what a compile tries, in order, and that the compiler runs it as given.
 
 The compiler asks the router once per cold compile and never climbs back up: the attempts,
-their modes, gaps and budget shares all come from ``grammask.router.plan``."""
+their modes, gaps and budget shares all come from ``grammask.compile.router.plan``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-import grammask.compiler as compiler_module
-import grammask.router as router_module
+import grammask.compile.compiler as compiler_module
+import grammask.compile.router as router_module
 from grammask import Compiler, GrammarSpec
 from grammask.backends import get_backend
+from grammask.compile.router import ALL_FAILURES, FIRST_BUDGET, NOT_TIMING, Attempt, plan
 from grammask.errors import CompileTimeoutError, UnsupportedError
-from grammask.router import ALL_FAILURES, FIRST_BUDGET, NOT_TIMING, Attempt, plan
 from grammask.vocab import Vocabulary
 
 from .helpers import declare_unbounded

@@ -16,8 +16,8 @@ import torch
 from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary
 from grammask.backends import Matcher
 from grammask.backends.base import BatchFills
-from grammask.masks import Filler
-from grammask.processor import BatchProcessor
+from grammask.decode.filler import Filler
+from grammask.decode.processor import BatchProcessor
 
 from .helpers import PATIENT, RawReference, raw_reference
 
@@ -386,7 +386,7 @@ def test_a_failure_while_attaching_one_row_fails_only_that_row(
     with BatchProcessor(compiler, max_batch=3, **PATIENT) as proc:
         proc.add(0, good.spec, grammar=broken)
         proc.add(1, good.spec, grammar=good)
-        from grammask.request import ConstraintRequest
+        from grammask.specs.request import ConstraintRequest
 
         proc.add(2, ConstraintRequest(good.spec, think_end="\udcff"))  # unencodable marker
         logits = run_step(proc, 3, qwen25)
@@ -708,7 +708,7 @@ def test_draft_positions_sit_right_above_the_rows_in_use(
     """A sparse batch (one request in slot 1 of 64) with drafts: the draft positions take
     the bitmask rows right above slot 1, so the apply (and a device copy of the rows it
     reads) spans 4 rows, not the 64 of every slot; the masks match the reference."""
-    import grammask.hostlogits as hostlogits_module
+    import grammask.decode.hostlogits as hostlogits_module
 
     seen: list[list[int]] = []
     real = hostlogits_module.apply_pairs
@@ -739,7 +739,7 @@ def test_apply_drafts_masks_committed_positions_through_the_steps_plan(
     """Once the fill job plans (CPU logits, a forward long enough), the committed positions
     of ``apply_drafts`` take the step's plan moved to their logits rows (``apply_pairs``),
     beside draft positions from the drafts' own buffer, with the masks of the reference."""
-    import grammask.apply as apply_module
+    import grammask.kernels.apply as apply_module
 
     real = apply_module._apply_plan_moved
     moved: list[int] = []
@@ -777,7 +777,7 @@ def test_a_draft_failure_masks_the_committed_position_too(
     """A bug while filling a row's draft positions fails that row alone: every one of its
     positions, the committed one included, gets the error mask (stop only), whatever the
     step had filled there; the other row keeps its mask."""
-    from grammask.drafts import Drafts
+    from grammask.decode.drafts import Drafts
 
     regex, choice = grammars[2], grammars[3]
     real = Drafts._fill_position

@@ -16,8 +16,8 @@ from grammask import (
     allowed_ids,
 )
 from grammask.backends import Matcher
-from grammask.processor import BatchProcessor
-from grammask.reasoning import ThinkGate, ThinkMarker
+from grammask.decode.processor import BatchProcessor
+from grammask.decode.reasoning import ThinkGate, ThinkMarker
 
 from .helpers import PATIENT
 

@@ -23,7 +23,7 @@ from grammask import (
     Vocabulary,
     route,
 )
-from grammask.normalize import combinator_gap, overlapping_pattern_all_of
+from grammask.schema.normalize import combinator_gap, overlapping_pattern_all_of
 
 from .helpers import accepts_complete
 
@@ -241,8 +241,8 @@ def test_inner_anchor_detection() -> None:
 def _route_probe(schemas: list[Any]) -> list[Any]:
     """Routes, plans, cache keys and canonical JSON of many schemas, as one process sees
     them (JSON-ready)."""
-    from grammask.jsontext import canonical_json
-    from grammask.router import plan
+    from grammask.compile.router import plan
+    from grammask.schema.jsontext import canonical_json
 
     def plain(value: Any) -> Any:
         """Dataclasses field by field; sets sorted (equal sets may print in any order),
@@ -309,7 +309,7 @@ def test_route_is_deterministic() -> None:
     ("^a\\$", "(?:a\\$)[\\s\\S]*"),  # an escaped dollar is not an anchor
 ])
 def test_search_pattern_reads_regex_structure(pattern: str, full_match: str) -> None:
-    from grammask.normalize import search_pattern
+    from grammask.schema.normalize import search_pattern
 
     assert search_pattern(pattern) == full_match
 
@@ -542,7 +542,7 @@ def test_one_walk_finds_what_the_three_walks_find(corpus: Path) -> None:
 def test_a_refused_schema_gets_the_checkers_own_error() -> None:
     """Where the single walk finds a bad keyword, the plan raises what the checker raises:
     its message and its pointer (the first of several, in the checker's order)."""
-    from grammask.router import plan
+    from grammask.compile.router import plan
     from grammask.schema.keywords import check_keywords
 
     schema = {"type": "object", "properties": {
@@ -687,7 +687,7 @@ def test_the_router_keeps_no_plans() -> None:
     """One plan cache: the compiler's (``compile_cache``, by spec key). The router is a
     pure function of the spec and keeps nothing between calls: specs with the same features
     at other pointers get their own reasons, made afresh."""
-    from grammask import router
+    from grammask.compile import router
 
     def spec(name: str) -> GrammarSpec:
         return GrammarSpec.json_schema({"type": "object", "properties": {

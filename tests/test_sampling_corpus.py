@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from grammask import Compiler, CompileTimeoutError, Grammar, GrammarError, GrammarSpec, Vocabulary
-from grammask.bitmask import bitmask_words
-from grammask.processor import BatchProcessor
+from grammask.decode.processor import BatchProcessor
+from grammask.kernels.bitmask import bitmask_words
 
 from .helpers import PATIENT
 

@@ -15,7 +15,7 @@ from grammask import (
     InvalidSpecError,
     parse_extra_args,
 )
-from grammask.spec_frontends import from_openai, from_vllm
+from grammask.specs.frontends import from_openai, from_vllm
 from grammask.vocab import Vocabulary
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
@@ -255,8 +255,8 @@ def test_every_option_and_the_text_make_the_key() -> None:
 def test_text_schemas_parse_and_key_as_json_loads_and_dumps_did() -> None:
     """The decoder and the compact encoder are made once; the depth walk is skipped for a
     text with at most 100 brackets. Errors and keys are those of ``json.loads`` / ``dumps``."""
-    from grammask.jsontext import compact
-    from grammask.limits import MAX_NESTING
+    from grammask.schema.jsontext import compact
+    from grammask.specs.limits import MAX_NESTING
 
     for text, fragment in [("\ufeff{}", "BOM"), ('{"a": NaN}', "NaN is not a JSON number"),
                            ('{"a": -Infinity}', "-Infinity is not"), ('{"a": 1} x', "Extra"),
@@ -311,7 +311,7 @@ def test_json_text_is_the_standard_encoders_with_or_without_orjson(
     lone surrogates), and gives native parsers valid UTF-8 either way."""
     import gzip
 
-    from grammask import jsontext
+    from grammask.schema import jsontext
 
     assert jsontext._orjson is not None  # installed with grammask: the fast path is tested
     schemas = []

@@ -170,7 +170,7 @@ def test_start_up_warms_the_kernel_and_binds_the_helpers(monkeypatch: pytest.Mon
                                                          ) -> None:
     """The apply kernel is warmed when the plugin is built (before any step), for the
     model's vocabulary; the helper threads start on the rank's device."""
-    from grammask.integrations import vllm_v2
+    from grammask.integrations.vllm import v2 as vllm_v2
 
     warmed: list[tuple[Any, int]] = []
     monkeypatch.setattr(vllm_v2, "warm_device_apply",

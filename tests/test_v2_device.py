@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from grammask import apply as apply_mod
-from grammask.integrations import vllm_v2, vllm_v2_device
-from grammask.masks import MaskBuffers, copy_runs
+from grammask.integrations.vllm import v2 as vllm_v2
+from grammask.integrations.vllm import v2_device as vllm_v2_device
+from grammask.kernels import apply as apply_mod
+from grammask.kernels.buffers import MaskBuffers, copy_runs
 
 VOCAB = 151_936
 

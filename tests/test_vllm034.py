@@ -46,8 +46,8 @@ from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
-from grammask.integrations import vllm_admission
-from grammask.integrations.vllm_plugin import STAND_ASIDE_REASON, GrammaskLogitsProcessor
+from grammask.integrations.vllm import admission as vllm_admission
+from grammask.integrations.vllm.plugin import STAND_ASIDE_REASON, GrammaskLogitsProcessor
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
@@ -133,7 +133,7 @@ def test_speculative_decoding_is_served_on_034(monkeypatch: pytest.MonkeyPatch) 
     """0.34 keeps logits processors active under drafts: the drop-in serves them."""
     from types import SimpleNamespace
 
-    from grammask.integrations.vllm_compat import _speculative_on_v1
+    from grammask.integrations.vllm.compat import _speculative_on_v1
 
     assert not _speculative_on_v1(SimpleNamespace(speculative_config=object()))
 
@@ -149,7 +149,7 @@ def test_a_parser_that_names_its_end_by_token_id_only_still_gates(
     from vllm.reasoning import ReasoningParserManager
     from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
 
-    from grammask.integrations.vllm_dropin import reasoning_end
+    from grammask.integrations.vllm.dropin import reasoning_end
 
     from .vllm_fixtures import END_THINK
 

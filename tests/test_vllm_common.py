@@ -30,8 +30,8 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
 
-from grammask.integrations import vllm_common
-from grammask.integrations.vllm_common import (
+from grammask.integrations.vllm import common as vllm_common
+from grammask.integrations.vllm.common import (
     Settings,
     load_settings,
     request_of,
@@ -40,7 +40,7 @@ from grammask.integrations.vllm_common import (
     validate_sampling_params,
     vocabulary_from_vllm,
 )
-from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
+from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -261,8 +261,8 @@ def test_strict_mode_refuses_unenforced_keywords_at_admission(
 
 
 def test_disk_cache_setting_resolves_to_a_directory(tmp_path: Path) -> None:
-    from grammask.diskcache import default_cache_dir
-    from grammask.integrations.vllm_compiler import disk_cache_dir
+    from grammask.backends.diskcache import default_cache_dir
+    from grammask.integrations.vllm.compiler import disk_cache_dir
 
     assert disk_cache_dir(load_settings(None, {})) == default_cache_dir()  # on by default
     assert disk_cache_dir(load_settings(None, {"GRAMMASK_DISK_CACHE": "off"})) is None

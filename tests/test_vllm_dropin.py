@@ -26,11 +26,12 @@ from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from grammask import GrammarSpec
 from grammask.errors import GrammarError
-from grammask.integrations import vllm_admission, vllm_compat
-from grammask.integrations.vllm_dropin import DropIn, status, take_over, translate
-from grammask.integrations.vllm_settings import Settings
-from grammask.request import ConstraintRequest, parse_extra_args
-from grammask.spec_frontends import from_vllm
+from grammask.integrations.vllm import admission as vllm_admission
+from grammask.integrations.vllm import compat as vllm_compat
+from grammask.integrations.vllm.dropin import DropIn, status, take_over, translate
+from grammask.integrations.vllm.settings import Settings
+from grammask.specs.frontends import from_vllm
+from grammask.specs.request import ConstraintRequest, parse_extra_args
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}

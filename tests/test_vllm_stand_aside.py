@@ -26,7 +26,7 @@ PROBE = textwrap.dedent('''
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import vllm
     {change}
-    from grammask.integrations import vllm_plugin as p
+    from grammask.integrations.vllm import plugin as p
     from vllm.v1.worker.gpu.sample.logits_processor.loader import (
         _load_v2_logitsprocs_plugins)
     from vllm import SamplingParams
@@ -84,7 +84,7 @@ def test_a_future_vllm_gets_a_class_that_stands_aside(change: str) -> None:
 
 def test_a_broken_import_of_grammask_stands_aside_too() -> None:
     """A supported vLLM, but grammask's serving module fails to import: still no crash."""
-    result, stderr = _probe('sys.modules["grammask.integrations.vllm_served"] = None')
+    result, stderr = _probe('sys.modules["grammask.integrations.vllm.served"] = None')
     assert result["stand_aside"] is True and result["ours"] == 1
     assert "loading grammask's plugin failed" in str(result["reason"])
     assert "grammask stands aside" in stderr

@@ -28,9 +28,9 @@ from vllm.tool_parsers.structural_tag_registry import (
 )
 from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
 
-from grammask.integrations import vllm_admission
-from grammask.integrations.vllm_tools import MAX_TOOL_CALLS, open_objects
-from grammask.request import parse_extra_args
+from grammask.integrations.vllm import admission as vllm_admission
+from grammask.integrations.vllm.tools import MAX_TOOL_CALLS, open_objects
+from grammask.specs.request import parse_extra_args
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
                                             "days": {"type": "integer", "minimum": 1,

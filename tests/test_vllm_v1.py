@@ -41,7 +41,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from grammask import Compiler, GrammarSpec, Vocabulary
-from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
+from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 
 from .helpers import RawReference
 

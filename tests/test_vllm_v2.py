@@ -54,7 +54,7 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.states import RequestState
 
 from grammask import Compiler, Vocabulary
-from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
+from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 
 from .helpers import RawReference
 
@@ -287,7 +287,7 @@ def test_new_requests_are_parsed_off_the_runners_thread(
     reference."""
     import threading
 
-    from grammask.integrations.vllm_common import PluginCore
+    from grammask.integrations.vllm.common import PluginCore
 
     r = runner()
     real = PluginCore.admission

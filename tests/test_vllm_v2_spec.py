@@ -41,7 +41,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 from vllm.v1.worker.gpu.states import RequestState
 
 from grammask import Vocabulary
-from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
+from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 
 from .helpers import RawReference
 

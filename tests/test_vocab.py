@@ -7,7 +7,7 @@ import torch
 
 from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, load_vocabulary
 from grammask.backends.guidance import native_tokenizer, tokenizer_view
-from grammask.spec import BackendName
+from grammask.specs.grammar_spec import BackendName
 
 from .helpers import bit, feed, mask_of
 

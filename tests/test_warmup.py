@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grammask import Compiler, GrammarError, GrammarSpec, Vocabulary
-from grammask.warmup import summary_table, warm
+from grammask.compile.warmup import summary_table, warm
 
 
 def test_warm_up_compiles_each_file_and_reports_the_bad_ones(tmp_path: Path,

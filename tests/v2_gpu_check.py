@@ -73,12 +73,12 @@ from bench.stats import render_table, write_json
 from bench.step import VLLM_CHUNK, VLLM_SERIAL_MAX, vllm_workers
 
 from grammask import Compiler, Grammar, GrammarSpec, Vocabulary, load_vocabulary
-from grammask.apply import _triton_kernel, warm_device_apply
-from grammask.bitmask import allocate_bitmask, bitmask_words
-from grammask.integrations.vllm_v2 import bind_device
-from grammask.integrations.vllm_v2_device import CudaPort, DevicePort, TokenReader
-from grammask.integrations.vllm_v2_watch import Items, SlotTokens, TokenWatch
-from grammask.processor import BatchProcessor
+from grammask.decode.processor import BatchProcessor
+from grammask.integrations.vllm.v2 import bind_device
+from grammask.integrations.vllm.v2_device import CudaPort, DevicePort, TokenReader
+from grammask.integrations.vllm.v2_watch import Items, SlotTokens, TokenWatch
+from grammask.kernels.apply import _triton_kernel, warm_device_apply
+from grammask.kernels.bitmask import allocate_bitmask, bitmask_words
 from tests.helpers import RawReference
 
 log = logging.getLogger("v2_gpu_check")

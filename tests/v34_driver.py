@@ -51,8 +51,8 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.states import RequestState
 
-from grammask.integrations.vllm_plugin import GrammaskLogitsProcessor
-from grammask.integrations.vllm_v2_device import DevicePort
+from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
+from grammask.integrations.vllm.v2_device import DevicePort
 
 from .helpers import RawReference
 

@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from grammask import GrammarSpec
-from grammask.integrations.vllm_compat import V2_ONLY_FROM, version_tuple
+from grammask.integrations.vllm.compat import V2_ONLY_FROM, version_tuple
 
 from .helpers import RawReference
 
-FQCN = "grammask.integrations.vllm_plugin:GrammaskLogitsProcessor"
+FQCN = "grammask.integrations.vllm.plugin:GrammaskLogitsProcessor"
 VOCAB = 151_936
 THINK, END_THINK = 151_667, 151_668
 IM_START, IM_END, EOS = 151_644, 151_645, 151_643

@@ -10,8 +10,10 @@ m = grammar.matcher(); m.accept(token_id); m.fill(bitmask, row)
 
 from __future__ import annotations
 
-from .bitmask import allocate_bitmask, allowed_ids
-from .compiler import Compiler, Grammar, Stats
+from .compile.compiler import Compiler, Grammar, Stats
+from .compile.router import Route, route
+from .decode.processor import BatchProcessor, RowInfo
+from .decode.reasoning import ThinkGate, ThinkMarker
 from .errors import (
     CompileFailure,
     CompilerClosedError,
@@ -25,11 +27,9 @@ from .errors import (
     ServerFault,
     UnsupportedError,
 )
-from .processor import BatchProcessor, RowInfo
-from .reasoning import ThinkGate, ThinkMarker
-from .request import ConstraintRequest, parse_extra_args
-from .router import Route, route
-from .spec import GrammarSpec
+from .kernels.bitmask import allocate_bitmask, allowed_ids
+from .specs.grammar_spec import GrammarSpec
+from .specs.request import ConstraintRequest, parse_extra_args
 from .vocab import Vocabulary, load_vocabulary
 
 __all__ = [

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from .backends import get_backend, registry
-from .compiler import Compiler, running_compiles
+from .compile.compiler import Compiler, running_compiles
 from .errors import CompileFailure, GrammarError
-from .spec import GrammarSpec
-from .spec_text import spec_from_text
+from .specs.grammar_spec import GrammarSpec
+from .specs.text import spec_from_text
 from .vocab import load_vocabulary
 
 #: the benchmarks ``grammask bench`` runs (``bench/<name>.py`` of a source checkout)
@@ -93,7 +93,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if ns.command == "warmup":
         return _warmup(ns)
     if ns.command == "grammars":
-        from . import library
+        from .specs import library
 
         for name in library.names():
             print(f"{name:12} {library.load(name).syntax:5} {library.load(name).description}")
@@ -118,7 +118,7 @@ def backends_table() -> str:
 
 
 def _warmup(ns: argparse.Namespace) -> int:
-    from .warmup import summary_table, warm
+    from .compile.warmup import summary_table, warm
 
     compiler = Compiler(load_vocabulary(ns.tokenizer), timeout_s=ns.timeout,
                     disk_cache_dir=ns.disk_cache)
@@ -239,7 +239,7 @@ def _demo(tokenizer: str) -> int:
 def _greedy_sample(grammar: Any, vocab: Any, steps: int = 200) -> str:
     import torch
 
-    from .bitmask import allocate_bitmask
+    from .kernels.bitmask import allocate_bitmask
 
     gen = torch.Generator().manual_seed(0)
     # random logits would ramble inside strings forever; nudge towards closing tokens

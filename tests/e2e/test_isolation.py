@@ -23,7 +23,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from grammask import digests
+from grammask.decode import digests
 from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json, check_regex
 from tests.e2e.server import MODEL_NAME, ROOT, Server, xargs

@@ -29,8 +29,8 @@ from typing import Any
 import openai
 import pytest
 
-from grammask.router import route
-from grammask.spec import GrammarSpec
+from grammask.compile.router import route
+from grammask.specs.grammar_spec import GrammarSpec
 from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json, check_regex
 from tests.e2e.server import MODEL_NAME, Server, free_port

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedError
-from ..spec import BackendName, GrammarSpec
+from ..specs.grammar_spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 
 # the capabilities, typed in their own light module (the registry derives its flags there)

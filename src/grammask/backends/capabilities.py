@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from ..diskcache import DiskCache
-    from ..spec import GrammarSpec
+    from ..specs.grammar_spec import GrammarSpec
     from ..vocab import Vocabulary
+    from .diskcache import DiskCache
 
 
 @runtime_checkable

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import llguidance as llg
 import torch
 
-from .. import jsontext
 from ..errors import (
     GrammarError,
     InvalidGrammarError,
@@ -29,9 +28,10 @@ from ..errors import (
     InvalidSchemaError,
     UnsupportedError,
 )
-from ..normalize import locate, normalize_schema
+from ..schema import jsontext
 from ..schema.features import Feature
-from ..spec import BackendName, GrammarSpec
+from ..schema.normalize import locate, normalize_schema
+from ..specs.grammar_spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from .base import (
     RELEASED,

@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .. import backend_names
-from ..backend_names import canonical as canonical  # the name index, kept in its own module
-from ..backend_names import resolve as resolve
 from ..errors import InvalidSpecError
 from ..schema.features import Feature
+from ..specs import backend_names
+from ..specs.backend_names import canonical as canonical  # the name index, kept in its own module
+from ..specs.backend_names import resolve as resolve
 from .capabilities import batch_calls, has_disk, has_warnings
 
 #: What a spec asks a backend to do, as the cost model sees it (``router.workload``).

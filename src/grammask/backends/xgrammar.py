@@ -13,12 +13,11 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from .. import jsontext
-from ..diskcache import DiskCache
 from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
-from ..normalize import locate, normalize_schema
+from ..schema import jsontext
 from ..schema.features import Feature
-from ..spec import BackendName, GrammarSpec
+from ..schema.normalize import locate, normalize_schema
+from ..specs.grammar_spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
 from . import xgrammar_disk
 from .base import (
@@ -30,6 +29,7 @@ from .base import (
     new_first_mask,
     refuse_empty_language,
 )
+from .diskcache import DiskCache
 from .registry import BackendInfo, Cost, register
 from .xgrammar_vocab import tokenizer_info as tokenizer_info  # the adapter's tokenizer view
 

@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 import xgrammar as xgr
 
-from .. import diskwriter
-from ..diskcache import FORMAT_VERSION, DiskCache, DiskCodec, warn_once
-from ..diskwriter import read_u32, u32
+from . import diskwriter
+from .diskcache import FORMAT_VERSION, DiskCache, DiskCodec, warn_once
+from .diskwriter import read_u32, u32
 from .xgrammar_vocab import tokenizer_info
 
 if TYPE_CHECKING:
-    from ..spec import GrammarSpec
+    from ..specs.grammar_spec import GrammarSpec
     from ..vocab import Vocabulary
 
 log = logging.getLogger("grammask")
@@ -85,7 +85,7 @@ _MASK_ENTRY = re.compile(r'\{"store_type":[^{}]*\}')
 CHILD_CODE = "from grammask.backends.xgrammar import disk_child_main; disk_child_main()"
 
 #: The recipe's version, part of the key. Bump whenever a change to how grammask shapes an
-#: xgrammar compile (``backends/xgrammar.py``, ``normalize.py``, ``spec.py``, ``vocab.py``)
+#: xgrammar compile (``backends/xgrammar.py``, ``normalize.py``, ``grammar_spec.py``, ``vocab.py``)
 #: would make a stored grammar differ: entries under an older recipe are then never read. A
 #: constant, not a digest of those sources, so an unrelated edit (or a parent and a writer
 #: child reading files mid-edit) keeps the cache.

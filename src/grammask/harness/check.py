@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from ..backends import get_backend, registry
-from ..compiler import Compiler, Grammar
+from ..compile.compiler import Compiler, Grammar
 from ..errors import CompileFailure, CompileTimeoutError, GrammarError
-from ..spec import BackendName, GrammarSpec
+from ..specs.grammar_spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary, load_vocabulary
 from .corpus import Instance, Item
 from .diff import DiffReport, Judge, differential

@@ -106,7 +106,7 @@ def config_of(ns: argparse.Namespace, remotes: Path | None) -> CheckConfig:
 
 
 def spec_item(ns: argparse.Namespace) -> Item:
-    from ..spec_text import spec_from_text
+    from ..specs.text import spec_from_text
 
     text, name = ns.spec, "spec"
     path = Path(ns.spec)

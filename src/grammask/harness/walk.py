@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..backends import Matcher
-from ..bitmask import allocate_bitmask
+from ..kernels.bitmask import allocate_bitmask
 from ..vocab import Vocabulary
 
 #: Examples kept per report (the counts are exact; examples are for reading).

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
-from ..compiler import Compiler
-from ..processor import BatchProcessor, RowInfo
-from ..request import ConstraintRequest
-from ..spec import GrammarSpec
+from ..compile.compiler import Compiler
+from ..decode.processor import BatchProcessor, RowInfo
+from ..specs.grammar_spec import GrammarSpec
+from ..specs.request import ConstraintRequest
 
 Constraint = GrammarSpec | ConstraintRequest | None
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..jsontext import canonical_json
 from .features import ANNOTATIONS, FEATURE_KEYS, REF_NEUTRAL, Feature, node_features
+from .jsontext import canonical_json
 from .keys import KEYS
 from .keywords import checked
 from .walk import Walk, resolve_pointer, subschemas

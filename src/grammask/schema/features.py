@@ -13,7 +13,7 @@ import enum
 import re
 from typing import Any
 
-from ..normalize import (
+from .normalize import (
     combinator_gap,
     ends_with_anchor,
     overlapping_pattern_all_of,

@@ -1,0 +1,96 @@
+"""Fill tuning (``Compiler(tune_fill=True)``): when another backend also enforces every keyword
+of a JSON schema, it is compiled in the background, both fill a probe walk
+(``fillcost``), and the cheaper to fill on this machine serves the spec's later requests.
+
+Kept apart from the service (``compiler``): this is a policy run after a request is served,
+never on its path. Its only effect on the service is one cache insert, under the service's
+lock, and only while the grammar it measured is still the one cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .. import metrics
+from ..backends import registry
+from ..specs.grammar_spec import BackendName, GrammarSpec
+from . import fillcost
+from .grammar import Grammar
+from .router import Plan
+from .state import ServiceState
+
+_FILL_TUNED = metrics.FILL_TUNED
+log = logging.getLogger("grammask")
+
+
+class FillTuner:
+    """Compares the fill of a spec's routed grammar with its fallback's, off the request path.
+
+    ``compile`` and ``plan`` are the service's own (the rival compile takes the normal path:
+    its own key, deadline and cache); ``submit`` runs work on the service's pool (it raises
+    ``RuntimeError`` once that pool shut down)."""
+
+    def __init__(self, state: ServiceState, *, compile: Callable[[GrammarSpec], Grammar],
+                 plan: Callable[[GrammarSpec], Plan], submit: Callable[..., Any]) -> None:
+        self._state = state
+        self._compile = compile
+        self._plan = plan
+        self._submit = submit
+        self._structure: dict[str, int] | None = None  # probe walks' structural tokens
+
+    def after_compile(self, spec: GrammarSpec, grammar: Grammar) -> None:
+        """Start a comparison when another backend enforces every keyword of this JSON
+        schema (the route's fallback: set only then) and nothing forced the choice."""
+        if (spec.backend is not None or spec.kind != "json_schema"
+                or grammar.fallback_from is not None or grammar.from_disk):
+            return
+        route = self._plan(spec).route
+        other = route.fallback
+        if other is None or route.backend != grammar.backend or route.lenient:
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to tune
+            self._submit(self._tune, spec, grammar, other)
+
+    def _tune(self, spec: GrammarSpec, grammar: Grammar, other: BackendName) -> None:
+        """Compile ``other``, compare the fills on a probe walk, and serve the cheaper for
+        ``spec`` from now on."""
+        try:
+            rival = self._compile(spec.with_backend(other))
+            if rival.unenforced != grammar.unenforced:
+                return
+            walk = fillcost.probe(grammar, self._structure_tokens(), self._state.vocab.vocab_size,
+                                  seed=int(spec.key[:8], 16))
+            result = fillcost.compare(grammar, rival, walk, self._state.vocab.vocab_size)
+        except Exception as exc:  # never the request's concern: it is served already
+            log.debug("grammask: fill tuning of %s skipped: %s", spec.describe(), exc)
+            return
+        moved = result.b_cheaper()
+        _FILL_TUNED.labels(routed=grammar.backend,
+                           served=other if moved else grammar.backend).inc()
+        with self._state.lock:
+            self._state.stats.fill_tuned += 1
+            if not moved or self._state.closed or self._state.memory.peek(spec.key) is not grammar:
+                return
+            self._state.stats.fill_moved += 1
+            title = registry.info(other).title
+            served = dataclasses.replace(
+                rival, spec=grammar.spec, fallback_from=None,
+                reason=f"{grammar.reason}; {title} then measured cheaper to fill here: "
+                       f"{result.b_us:.1f} µs a token against {result.a_us:.1f} "
+                       f"(a probe walk of {result.tokens} tokens)")
+            self._state.memory.insert(spec.key, served)
+
+    def _structure_tokens(self) -> dict[str, int]:
+        """The probe walks' structural tokens of this vocabulary (texts that are one token)."""
+        if self._structure is None:
+            found = {}
+            for text in fillcost.STRUCTURE:
+                ids = self._state.vocab.encode(text)
+                if len(ids) == 1:
+                    found[text] = ids[0]
+            self._structure = found
+        return self._structure

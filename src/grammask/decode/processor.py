@@ -1,0 +1,385 @@
+"""The batch processor, framework-neutral: rows come and go; masks fill while the forward runs.
+
+One decode step, as a host drives it::
+
+    proc.add(row, request, prompt_ids, output_ids)   # compile starts now (overlaps prefill)
+    proc.remove(row) / proc.move(src, dst) / proc.swap(a, b)
+    proc.step()            # take new tokens, start advance + fill on the worker thread
+    ... model forward ...  # the fill runs meanwhile (both backends release the GIL)
+    proc.apply(logits)     # wait for the fill, mask the logits in place
+
+Row semantics (the contract the vLLM / transformers adapters are written against):
+
+- Rows are indices into the batch (``0 <= row < max_batch``); row ``i`` of the logits given
+  to ``apply`` belongs to row ``i``. Rows never added (or added with ``None``) are
+  unconstrained: never read, never masked, and cost nothing per step.
+- Tokens: ``output_ids`` is either a list the host keeps appending to (a *live* list: each step
+  reads what was appended since the last one, several tokens at once are fine) or None, in
+  which case the processor owns the list and the host calls ``advance(row, tokens)``, or
+  hands one sampled token per row to ``step(rows, tokens)`` (the hand-over and the read in
+  one pass over the rows).
+  Negative ids are placeholders of tokens not known yet (vLLM async scheduling): a step stops
+  reading at the first one and reads again, before masking, in ``apply``. A live list that got
+  shorter since the last step is rolled back by the difference.
+- Thinking gate (``reasoning.py``): until the request's thinking section ends, its row is
+  neither masked nor advanced.
+- Stop tokens are allowed only where the grammar may end; once it has ended, only stop tokens
+  are (forced EOS).
+- Errors never raise into the host. A token the grammar rejects, a failed compile, an
+  exception while attaching or filling one row, or a grammar still compiling ``wait_s``
+  seconds after its first mask was needed put that row, and only that row, into a sticky
+  error state (``error(row)`` says why). With ``on_error="stop"`` (default) an errored row
+  gets a stop-only mask, so the request ends at once instead of running on unconstrained and
+  returning text that claims to follow the grammar; ``on_error="free"`` leaves it unmasked.
+- First masks (``firstmask.py``): a row whose grammar is late makes the step wait at most
+  ``wait_s`` (default 0.5 s), hedged onto the other backend after ``hedge_s``. With tensor
+  parallelism pass an ``agreement`` (``agreement.py``): ranks then agree on each such outcome.
+- Any mutation (add/remove/move/swap/advance/rollback) after ``step()`` and before
+  ``apply()`` discards that fill; ``apply`` then fills synchronously. The exception: after
+  ``step(rows)``, ``add``/``remove`` of a row keep the others' fill (the V2 runner admits
+  requests while the last step's fill runs). ``apply`` without
+  ``step`` works too (no overlap).
+
+All methods are to be called from one host thread; the worker thread only runs fill jobs.
+
+``BatchProcessor`` is the facade hosts call; each job lives in its own module: a row and its
+lifecycle (``rows.py``), the per-step fill job (``stepjob.py``), first masks
+(``firstmask.py``), errored and thinking rows' masks (``rowmasks.py``), speculative drafts
+(``drafts.py``), masks into the host's logits (``hostlogits.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from ..compile.compiler import Compiler, Grammar
+from ..specs.grammar_spec import GrammarSpec
+from ..specs.request import STAND_IN, ConstraintRequest
+from ..vocab import Vocabulary
+from .admissions import Admission, Admissions, Queued
+from .agreement import Agreement, Solo
+from .digests import MaskDigests
+from .drafts import Drafts
+from .filler import Filler
+from .firstmask import FirstMasks
+from .hostlogits import HostLogits
+from .pending import PendingGrammar
+from .row_table import RowTable
+from .rowmasks import ErrorPolicy, RowMasks
+from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
+from .step_apply import StepApply
+from .stepjob import StepJobs
+from .steptypes import FillStats
+
+__all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
+
+
+class BatchProcessor:
+    """Masks for a batch of up to ``max_batch`` rows, filled on a worker thread.
+
+    Parameters
+    ----------
+    compiler : Compiler
+        Compiles each added request's grammar (its vocabulary is the masks').
+    max_batch : int
+        Rows are ``0 .. max_batch - 1``.
+    wait_s : float
+        The longest a step waits for a row's grammar at its first mask (the batch stalls
+        meanwhile); the row then errors alone.
+    hedge_s : float
+        When the other backend starts compiling a late JSON schema.
+    on_error : "stop" | "free"
+        An errored row's mask: stop tokens only, or none.
+    think_end : str | int | Sequence[int] | None
+        The thinking end marker (text, a token id or a token sequence); by default the
+        vocabulary's (``</think>`` for Qwen3.x); None disables the thinking gate. A
+        request's own ``think_end`` / ``thinking=False`` take precedence.
+    filler : Filler | None
+        How rows are filled (batch-parallel thresholds, threads, CPUs).
+    agreement : Agreement | None
+        How tensor-parallel ranks agree on first-mask timing outcomes (None: ``Solo``).
+    digests : MaskDigests | None
+        Record a digest of every applied mask, to compare ranks (a debug setting).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``on_error`` or a negative ``wait_s`` / ``hedge_s``.
+    """
+
+    def __init__(self, compiler: Compiler, *, max_batch: int, wait_s: float = 0.5,
+                 hedge_s: float = 0.05, on_error: ErrorPolicy = "stop",
+                 think_end: str | int | Sequence[int] | None = FROM_VOCAB,
+                 filler: Filler | None = None, agreement: Agreement | None = None,
+                 digests: MaskDigests | None = None) -> None:
+        if on_error not in ("stop", "free"):
+            raise ValueError(f"on_error must be 'stop' or 'free', got {on_error!r}")
+        if wait_s < 0 or hedge_s < 0:
+            raise ValueError("wait_s and hedge_s must be >= 0")
+        self.compiler = compiler
+        self.vocab = compiler.vocab
+        self.vocab_size = compiler.vocab.vocab_size
+        self.max_batch = max_batch
+        #: what the fill jobs did (times of the last job, rows filled): metrics, benchmarks
+        self.stats = FillStats()
+        self._first = FirstMasks(compiler, wait_s=wait_s, hedge_s=hedge_s,
+                                 agreement=agreement or Solo())
+        self._row_masks = RowMasks(self.vocab, on_error)
+        self._admissions = Admissions(self._make)
+        self._jobs = StepJobs(max_batch=max_batch, vocab_size=self.vocab_size,
+                              filler=filler or Filler(), first=self._first, masks=self._row_masks,
+                              stats=self.stats, admissions=self._admissions)
+        self._drafts = Drafts(self._first, self._row_masks, self.stats)
+        self._new_row = RowMaker(self.vocab, self._first.pending, think_end).make
+        self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
+                                  buffers=self._jobs.buffers, digests=digests)
+        self._rows: dict[int, Row] = {}
+        #: the apply side: the step's masks into the host's logits, in its layout (a
+        #: later apply of the same step, vLLM 0.34's chunks, takes the same masks)
+        self._apply = StepApply(self._rows, self._jobs, self._logits, self._drafts)
+        self._table = RowTable(max_batch, self._rows, self._admissions, self._jobs,
+                               self._apply)
+
+    # ------------------------------------------------------------------ batch membership
+    def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
+            prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None, *,
+            grammar: Grammar | Future[Grammar] | None = None, host_masks: bool = False) -> None:
+        """Put a request in ``row`` (replacing whatever was there); None = unconstrained.
+
+        The row is made by the next step's fill job, on the fill thread (``admissions.py``:
+        the host's share is a table entry), or at once when the host asks about the row
+        first. The compile starts then unless ``grammar`` (compiled, or a future of one) is
+        given. ``output_ids``: a live list the host appends to, or None to use ``advance``.
+        ``host_masks``: the host's own processors forbid tokens of this request before ours
+        (vLLM's min_tokens, allowed_token_ids, bad_words, logit_bias): when they leave none of
+        the grammar's tokens, the grammar's come back (``apply.restore_empty_rows``).
+        Raises only for host mistakes: IndexError (row out of range), TypeError (another
+        request type); a request's own faults (a bad grammar) error its row instead."""
+        self._table.check(row)
+        if request is not None and not isinstance(request, ConstraintRequest | GrammarSpec):
+            raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
+                            f"{type(request).__name__}")
+        self._table.queue(row, None if request is None else Queued(
+            Admission(request, grammar, host_masks), prompt_ids, output_ids))
+
+    def add_later(self, row: int, resolve: Callable[[], Admission],
+                  prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None) -> None:
+        """``add(row, *resolve(), prompt_ids, output_ids)``, with ``resolve`` called by the
+        fill job that makes the row: a host's own per-request work (parsing its parameters,
+        starting the compile) leaves the forward's critical path too. ``resolve`` runs on
+        the fill thread, or on the host's when the host asks about the row first; its
+        exception errors the row alone. Raises IndexError for a row out of range, TypeError
+        when ``resolve`` is not callable."""
+        self._table.check(row)
+        if not callable(resolve):
+            raise TypeError(f"resolve must be callable (returning an Admission), got "
+                            f"{type(resolve).__name__}")
+        self._table.queue(row, Queued(resolve, prompt_ids, output_ids))
+
+    def fail(self, row: int, message: str, cause: str = "host") -> None:
+        """Put ``row`` into the sticky error state (adapters that lose track of a row's
+        tokens); ``cause``: the metric label. An unconstrained row is left alone."""
+        self._apply.end()
+        r = self._table.made(row)
+        if r is not None:
+            self._jobs.discard()
+            r.fail(message, cause=cause)
+
+    def remove(self, row: int) -> None:
+        """Drop the row's request (none there: nothing happens). A pending fill over named
+        rows (``step(rows)``) holds for the others; one over every row is redone in
+        ``apply``."""
+        self._jobs.drop(row)
+        self._table.pop(row)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped. Raises
+        IndexError for a row out of range."""
+        self._table.move(src, dst)
+
+    def swap(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` trade requests. Raises IndexError for a row out of range."""
+        self._table.swap(a, b)
+
+    def advance(self, row: int, tokens: Sequence[int]) -> None:
+        """Append sampled tokens to a row whose output list the processor owns (an
+        unconstrained row ignores them). Raises ValueError for a row reading a live list."""
+        self._apply.end()
+        r = self._table.made(row)
+        if r is None:
+            return
+        if not r.owned:
+            raise ValueError(f"row {row} reads a live output list; append to it instead")
+        if self._jobs.pending is not None:
+            self._jobs.discard()
+        r.output.extend(map(int, tokens))
+
+    def rollback(self, row: int, num_tokens: int) -> None:
+        """Retract the last ``num_tokens`` tokens of the row's output.
+
+        Owned lists lose them here (unread ones first); for a live list the host truncates
+        its list itself and this rewinds what was already read. Never raises: a rewind the
+        matcher refuses errors the row."""
+        self._apply.end()
+        r = self._table.made(row)
+        if r is None or num_tokens <= 0:
+            return
+        self._jobs.discard()
+        if r.owned:
+            unread = min(num_tokens, len(r.output) - r.seen)
+            del r.output[max(0, len(r.output) - num_tokens):]
+            num_tokens -= unread
+        r.rewind(num_tokens)
+
+    # ----------------------------------------------------------------------- per step
+    def step(self, rows: Collection[int] | None = None,
+             tokens: Sequence[int] | None = None) -> None:
+        """Read each constrained row's new tokens and start advance + fill on the worker.
+
+        ``rows``: only these rows (those a host will sample this step); the others keep
+        their unread tokens for a later step. None: every constrained row.
+        ``tokens``: the hand-over and the read in one pass, for rows whose output list the
+        processor owns: ``tokens[i]`` (one sampled token) is appended to row ``rows[i]``
+        first, as ``advance(rows[i], [tokens[i]])`` would (``rows`` then in the tokens'
+        order; unconstrained rows are skipped). A row with a live list raises ValueError, as
+        ``advance`` does, after the step started for the others."""
+        self._apply.end()
+        self._jobs.step(self._rows, rows, tokens, live_rows=self._table.live > 0)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Wait for this step's fill and mask ``logits`` in place (2-D, float, CPU or CUDA;
+        logits row ``i`` belongs to row ``i``). Rows the step did not mask are left alone.
+        Never raises for a row's failure; ValueError for logits with fewer rows than a
+        masked row's index."""
+        self._apply.batch(logits)
+
+
+    def wait_masks(self, rows: Collection[int] | None = None
+                   ) -> tuple[torch.Tensor, list[int]]:
+        """Wait for this step's fill; returns the bitmask and the sorted rows it masks.
+
+        For hosts that apply masks themselves (e.g. on the device, in their own sampler).
+        ``rows``: rows that must be masked; any the step did not fill are filled now (a host
+        that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
+        until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
+        Ends the step like ``apply``. Never raises for a row's failure."""
+        return self._apply.wait(rows)
+
+
+    def apply_mapped(self, logits: torch.Tensor, logits_rows: Sequence[int],
+                     rows: Sequence[int]) -> None:
+        """Like ``apply``, for a host whose logits rows are not the processor's rows (vLLM's
+        V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
+        gets row ``rows[i]``'s mask (both distinct, of equal length). Other logits rows are
+        left alone."""
+        self._apply.mapped(logits, logits_rows, rows)
+
+    def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
+                     positions: Sequence[int], inputs: Sequence[int]) -> None:
+        """Speculative decoding: logits row ``i`` belongs to processor row ``rows[i]`` (-1 or
+        a row not sampling: left alone) at draft position ``positions[i]`` (0: the committed
+        state; k: after the first k draft tokens; the last: the bonus position), and
+        ``inputs[i]`` is the token fed at that logits row (the draft tokens of positions
+        1.. are the inputs of the rows before them). Each row's masks follow its drafts
+        (``fill_drafts``); the committed positions take the step's masks as ``apply_mapped``
+        does. The three sequences have one entry per logits row."""
+        self._apply.drafts(logits, rows, positions, inputs)
+
+    def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
+                    out_rows: Sequence[int]) -> None:
+        """Masks along speculative drafts, for hosts that apply masks themselves:
+        ``out[out_rows[k + 1]]`` gets the mask after ``drafts[:k + 1]``; ``out[out_rows[0]]``
+        must hold the committed position's. The rules are vLLM's (``Drafts.fill``). Raises
+        ValueError unless ``out_rows`` has one row more than ``drafts``."""
+        if len(out_rows) != len(drafts) + 1:
+            raise ValueError(f"{len(drafts)} draft tokens need {len(drafts) + 1} output rows, "
+                             f"got {len(out_rows)}")
+        r = self._table.made(row)
+        if r is not None and drafts:
+            self._drafts.fill(r, drafts, out, out_rows)
+
+    # ------------------------------------------------------------------------- queries
+    def info(self, row: int) -> RowInfo:
+        """A snapshot of ``row`` (status, error, backend, gaps, token counts); waits for an
+        in-flight fill, which may change them."""
+        r = self._table.made(row)
+        if r is None:
+            return RowInfo("unconstrained")
+        self._jobs.settle()
+        return r.info()
+
+    def status(self, row: int) -> RowStatus:
+        """``info(row).status``."""
+        return self.info(row).status
+
+    def error(self, row: int) -> str | None:
+        """Why ``row`` is in the error state; None when it is not."""
+        return self.info(row).error
+
+    @property
+    def errors(self) -> dict[int, str]:
+        """Every errored row and why (waits for an in-flight fill)."""
+        self._jobs.admit_now(self._rows)
+        self._jobs.settle()
+        return {i: r.error for i, r in self._rows.items() if r.error is not None}
+
+    @property
+    def rows(self) -> list[int]:
+        """The constrained rows, those added but not yet made by a fill job included (an
+        add whose ``resolve`` turns out unconstrained among them until then)."""
+        return sorted(self._rows.keys() | self._admissions.queued.keys()
+                      | set(self._jobs.handed_rows()))
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether any row is constrained (``rows``, without sorting them)."""
+        return (bool(self._rows) or bool(self._admissions.queued)
+                or bool(self._jobs.handed_rows()))
+
+    @property
+    def fill_thread_id(self) -> int | None:
+        """The fill thread's ``threading`` ident (placement checks, profiles)."""
+        return self._jobs.thread_id
+
+    def close(self) -> None:
+        """Wait for an in-flight fill and stop the fill thread; compiles go on in the
+        compiler, which the caller owns."""
+        self._jobs.close()
+        self._admissions.close()
+
+    def __enter__(self) -> BatchProcessor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _make(self, entry: Queued) -> Row | None:
+        """A queued add's row (None: unconstrained). Every failure stays in the row: an
+        exception of the host's ``resolve`` or of making the row errors it."""
+        resolve = entry.resolve
+        try:
+            admission = resolve if isinstance(resolve, Admission) else resolve()
+            if admission.request is None:
+                return None
+            r = self._new_row(admission.request, entry.prompt_ids, entry.output_ids,
+                              admission.grammar, admission.host_masks)
+        except Exception as exc:
+            return failed_row(entry, f"adding the request failed: {type(exc).__name__}: "
+                                     f"{exc}", self.vocab)
+        if admission.host_masks:
+            self._logits.risky = True
+        return r
+
+
+def failed_row(entry: Queued, message: str, vocab: Vocabulary) -> Row:
+    """An errored row in place of one that could not be made (stop-only masks)."""
+    failed: Future[Grammar] = Future()
+    failed.set_exception(RuntimeError(message))
+    output = entry.output_ids
+    r = Row(STAND_IN, PendingGrammar(failed, None, hedge_s=0.0),
+            [] if output is None else output, output is None, vocab.tokens)
+    r.fail(message, cause="host")
+    return r

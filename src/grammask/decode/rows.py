@@ -1,0 +1,339 @@
+"""A constrained row and its lifecycle: the tokens read from its output, its grammar once it
+arrives, its thinking gate, and its sticky error state.
+
+Only a row's own state changes here. When rows are read and filled is ``stepjob.py``'s job;
+how a row waits for its grammar is ``firstmask.py``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+from .. import metrics
+from ..backends.base import BatchCalls, BatchFills, Matcher, batch_calls
+from ..compile.compiler import Grammar
+from ..specs.grammar_spec import GrammarSpec
+from ..specs.request import ConstraintRequest
+from ..vocab import Vocabulary
+from .pending import PendingGrammar
+from .reasoning import ThinkGate, ThinkMarker
+
+log = logging.getLogger("grammask")
+
+RowStatus = Literal["unconstrained", "thinking", "compiling", "active", "ended", "error"]
+#: ``think_end``'s default: the vocabulary's own marker
+FROM_VOCAB = "vocab"
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """A snapshot of one row, for hosts (finish reasons, logs) and tests."""
+
+    status: RowStatus
+    error: str | None = None
+    backend: str | None = None
+    unenforced: tuple[str, ...] = ()
+    constrained_tokens: int = 0
+    thinking_tokens: int = 0
+
+
+class Row:
+    """One constrained request."""
+
+    # slots: a step touches every row right after the forward, with cold caches; the
+    # attributes then sit in the object itself, not in a separate values array
+    __slots__ = ("backlog", "error", "fed", "gate", "grammar", "host_masks", "late", "matcher",
+                 "need_since", "output", "owned", "pending", "request", "seen", "vocab_tokens")
+
+    def __init__(self, request: ConstraintRequest, pending: PendingGrammar,
+                 output: list[int], owned: bool, vocab_tokens: Sequence[bytes]) -> None:
+        self.request = request
+        self.pending = pending
+        self.gate: ThinkGate | None = None
+        self.output = output
+        self.owned = owned
+        self.vocab_tokens = vocab_tokens  # to name a rejected token
+        self.grammar: Grammar | None = None
+        self.matcher: Matcher | None = None
+        self.seen = 0  # output entries consumed
+        self.fed = 0  # tokens accepted by the matcher
+        self.backlog: list[int] = []  # constrained tokens that arrived before the grammar
+        self.error: str | None = None
+        self.need_since: float | None = None
+        self.late = False  # a placeholder stopped the last read
+        self.host_masks = False  # the host's own processors may forbid its tokens too
+
+    def fail(self, message: str, cause: str = "other") -> None:
+        """Enter the sticky error state; ``cause`` is the metric label (compile, late,
+        rejected, dead_end, gate, matcher, fill, host, ...)."""
+        if self.error is None:
+            self.error = message
+            metrics.ROW_ERRORS.labels(cause=cause).inc()
+            log.warning("grammask: request %s: %s", self.request.spec.describe(), message)
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.gate is None or not self.gate.thinking
+
+    def take(self, late: list[Row] | None = None) -> list[int]:
+        """The tokens appended since the last read, up to the first placeholder; a read that
+        stops at one marks the row ``late`` and appends it to ``late`` (so the step knows
+        without scanning its rows again)."""
+        out = self.output
+        end = len(out)
+        seen = self.seen
+        if end == seen + 1:  # the common case, one token per step: no slice, no scan
+            tid = int(out[seen])
+            if tid >= 0:
+                self.late = False
+                self.seen = end
+                return [tid]
+        if end < seen:
+            self.rewind(seen - end)
+            seen = self.seen
+        self.late = False
+        if end == seen:
+            return []
+        new = list(map(int, out[seen:end]))
+        if min(new) < 0:
+            for i, tid in enumerate(new):
+                if tid < 0:
+                    new = new[:i]
+                    self.late = True
+                    if late is not None:
+                        late.append(self)
+                    break
+        self.seen = seen + len(new)
+        return new
+
+    def rewind(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` read tokens: backlog, then matcher, then thinking."""
+        k = min(num_tokens, self.seen)
+        self.seen -= k
+        if self.error is not None:
+            return  # errors are sticky
+        drop = min(k, len(self.backlog))
+        del self.backlog[len(self.backlog) - drop:]
+        k -= drop
+        undo = min(k, self.fed)
+        try:
+            if undo:
+                assert self.matcher is not None
+                self.matcher.rollback(undo)
+                self.fed -= undo
+                k -= undo
+            if k and self.gate is not None:
+                self.gate.rollback(k)
+        except Exception as exc:
+            self.fail(f"rollback of {num_tokens} tokens failed: {exc}", cause="host")
+
+    def advance(self, tokens: list[int]) -> None:
+        """Take new tokens: the gate's while thinking, then the matcher's (or the backlog's)."""
+        if self.error is not None or not tokens:
+            return
+        gate = self.gate
+        if gate is not None and gate.thinking:
+            tokens = gate.feed(tokens)
+            if gate.leftover:
+                self.fail(f"the thinking end marker ended inside a token: its trailing bytes "
+                          f"{gate.leftover!r} would be output outside the grammar",
+                          cause="gate")
+                return
+            if not tokens:
+                return
+        if self.matcher is None:
+            self.backlog.extend(tokens)
+        else:
+            self.feed(tokens)
+
+    def feed(self, tokens: list[int]) -> None:
+        """Feed the matcher; the first token it refuses fails the row."""
+        assert self.matcher is not None
+        for tid in tokens:
+            try:
+                accepted = self.matcher.accept(tid)
+            except Exception as exc:
+                self.refused(tid, f": {exc}")
+                return
+            if not accepted:
+                self.refused(tid)
+                return
+            self.fed += 1
+        self.check_dead_end(tokens)
+
+    def refused(self, tid: int, reason: str = "") -> None:
+        """The matcher refused ``tid``: the row fails, naming the token."""
+        vocab = self.vocab_tokens
+        text = repr(vocab[tid]) if 0 <= tid < len(vocab) else "out of the vocabulary"
+        self.fail(f"token {tid} ({text}) rejected by the grammar after {self.fed} "
+                  f"constrained tokens{reason}", cause="rejected")
+
+    def check_dead_end(self, tokens: list[int]) -> None:
+        """After accepted ``tokens``: fail the row if the backend lost the parse."""
+        failure = getattr(self.matcher, "failure", None)
+        if failure is not None:
+            # the backend lost the parse (an allowed token with no way on): the output ends
+            # in a stop the grammar did not give; never a quiet "stop"
+            tail = b"".join(self.vocab_tokens[t] for t in tokens[-8:]
+                            if 0 <= t < len(self.vocab_tokens))
+            self.fail(f"the grammar reached a dead end after {self.fed} constrained tokens "
+                      f"(last text {tail[-60:]!r}): {failure}", cause="dead_end")
+
+    def attach(self, grammar: Grammar) -> None:
+        """Make the row's matcher and feed it the tokens that arrived before it."""
+        try:
+            matcher = grammar.matcher()
+        except Exception as exc:
+            self.fail(f"making the matcher failed: {type(exc).__name__}: {exc}",
+                      cause="matcher")
+            return
+        self.grammar = grammar
+        self.matcher = matcher
+        if self.backlog:
+            backlog, self.backlog = self.backlog, []
+            self.feed(backlog)
+
+    def release(self) -> None:
+        """The row left the batch (settled: no fill job holds it): its matcher goes back to
+        its grammar for a later request (``Matcher.release``); any later use of it raises."""
+        if self.matcher is not None:
+            self.matcher.release()
+
+    @property
+    def status(self) -> RowStatus:
+        if self.error is not None:
+            return "error"
+        if self.gate is not None and self.gate.thinking:
+            return "thinking"
+        if self.matcher is None:
+            return "compiling"
+        return "ended" if self.matcher.is_terminated() else "active"
+
+    def info(self) -> RowInfo:
+        grammar = self.grammar
+        return RowInfo(
+            status=self.status, error=self.error,
+            backend=grammar.backend if grammar else None,
+            unenforced=grammar.unenforced if grammar else (),
+            constrained_tokens=self.fed + len(self.backlog),
+            thinking_tokens=self.gate.thinking_tokens if self.gate else 0)
+
+
+#: one row's share of a step: (batch row, the row, its new tokens); a plain tuple, since one
+#: is made per row per step
+Work = tuple[int, Row, list[int]]
+
+
+def advance_all(work: Sequence[Work]) -> tuple[BatchFills, list[Work]]:
+    """``Row.advance`` for each row's new tokens; a row's failure stays its own.
+
+    Rows taking one token into a matcher past its gate go together, one ``batch_accept``
+    per matcher class (``backends.base.batch_calls``): a few native calls instead of Python
+    per row, so a model runner's busy thread, which shares the GIL, delays the fill less.
+    Returns those rows that took their token, grouped by class for the batch fill (each one
+    fillable: no error, past its gate), and the rest of ``work`` (new rows, rows with several
+    tokens or none, refusals, failures), which the caller attaches and fills one by one:
+    the batch's common rows are looked at once, not again for the fill."""
+    groups: dict[type[BatchCalls], tuple[list[Matcher], list[int], list[Work]]] = {}
+    rest: list[Work] = []
+    for item in work:
+        _, r, tokens = item
+        matcher = r.matcher
+        if len(tokens) == 1 and matcher is not None and r.error is None and (
+                r.gate is None or not r.gate.thinking):
+            calls = batch_calls(type(matcher))
+            if calls is not None:
+                group = groups.get(calls)
+                if group is None:
+                    group = groups[calls] = ([], [], [])
+                group[0].append(matcher)
+                group[1].append(tokens[0])
+                group[2].append(item)
+                continue
+        _advance_one(r, tokens)
+        rest.append(item)
+    fills: BatchFills = {}
+    for calls, (matchers, tokens, items) in groups.items():
+        try:
+            accepted = calls.batch_accept(matchers, tokens)
+        except Exception:  # find the row: each alone, as if there were no batch call
+            for item, tid in zip(items, tokens, strict=True):
+                _advance_one(item[1], [tid])
+            rest.extend(items)
+            continue
+        filled = fills[calls] = []
+        for (index, r, _), matcher, tid, ok in zip(items, matchers, tokens, accepted,
+                                                    strict=True):
+            if not ok:
+                r.refused(tid)
+                rest.append((index, r, []))
+                continue
+            r.fed += 1
+            if getattr(matcher, "failure", None) is not None:
+                r.check_dead_end([tid])
+                rest.append((index, r, []))
+                continue
+            filled.append((matcher, index))
+    return fills, rest
+
+
+def _advance_one(r: Row, tokens: list[int]) -> None:
+    try:
+        r.advance(tokens)
+    except Exception as exc:  # the gate or a matcher broke: this row alone fails
+        r.fail(f"advancing failed: {type(exc).__name__}: {exc}", cause="matcher")
+
+
+#: a new row's compiles (``firstmask.FirstMasks.pending``): from its spec and the grammar the
+#: host may hand over (compiled, or a future of one)
+Compiles = Callable[[GrammarSpec, Grammar | Future[Grammar] | None], PendingGrammar]
+
+
+class RowMaker:
+    """Rows for requests added to the batch: the compile (``pending``) and the thinking gate
+    (one marker per ``think_end``, made once)."""
+
+    def __init__(self, vocab: Vocabulary, pending: Compiles,
+                 think_end: str | int | Sequence[int] | None) -> None:
+        self.vocab = vocab
+        self.pending = pending
+        self._default = (ThinkMarker.for_vocab(vocab) if think_end == FROM_VOCAB
+                         else None if think_end is None
+                         else ThinkMarker.for_vocab(vocab, think_end))
+        self._markers: dict[str, ThinkMarker | None] = {}
+
+    def make(self, request: ConstraintRequest | GrammarSpec, prompt_ids: Sequence[int],
+             output_ids: list[int] | None, grammar: Grammar | Future[Grammar] | None,
+             host_masks: bool) -> Row:
+        if isinstance(request, GrammarSpec):
+            request = ConstraintRequest(request)
+        if not isinstance(request, ConstraintRequest):
+            raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
+                            f"{type(request).__name__}")
+        pending = self.pending(request.spec, grammar)
+        r = Row(request, pending, [] if output_ids is None else output_ids,
+                output_ids is None, self.vocab.tokens)
+        r.host_masks = host_masks
+        try:
+            r.gate = self._gate(request, prompt_ids)
+        except Exception as exc:  # a bad marker or prompt: this row alone fails
+            r.fail(f"thinking gate failed: {type(exc).__name__}: {exc}", cause="gate")
+        return r
+
+    def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int]) -> ThinkGate | None:
+        if not request.thinking:
+            return None
+        marker = self._default
+        if request.think_end is not None:
+            if request.think_end not in self._markers:
+                self._markers[request.think_end] = ThinkMarker.for_vocab(
+                    self.vocab, request.think_end)
+            marker = self._markers[request.think_end]
+        if marker is None:
+            return None
+        gate = ThinkGate(marker, self.vocab.tokens, prompt_ids=prompt_ids)
+        return None if gate.from_prompt else gate

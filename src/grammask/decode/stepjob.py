@@ -1,0 +1,377 @@
+"""The per-step fill job: read each row's new tokens, then advance, attach and fill on the
+worker thread while the model's forward runs; collect the masks when the host needs them.
+
+A fill job's failures stay inside it: one row's (a refused token, a broken matcher) fail that
+row alone; a bug in the job itself fails the job's rows, never the host (``_contain``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+
+import torch
+
+from .. import metrics
+from ..backends.base import Matcher
+from ..kernels.apply import cpu_layout, plan_cpu_apply
+from ..kernels.buffers import MaskBuffers
+from ..kernels.cpu_plan import CpuPlan, LogitsLayout
+from .admissions import Admissions, Queued
+from .fill_worker import FillWorker, Ticket
+from .filler import Filler
+from .firstmask import FirstMasks
+from .rowmasks import RowMasks
+from .rows import Row, Work, advance_all
+from .steptypes import FillStats, StepMasks
+
+log = logging.getLogger("grammask")
+
+
+
+@dataclass
+class Step:
+    """One step's job: its rows and tokens, its buffer, and its result once handed over."""
+
+    future: Ticket[StepMasks] | None
+    buffer: torch.Tensor
+    work: list[Work]
+    #: the CPU apply's index plan for the job's rows, made by the job (None: none made)
+    plan: CpuPlan | None = None
+    #: some row's read stopped at a placeholder (``Row.take``): ``wait`` reads it again
+    late: bool = False
+    #: the rows the host asked for (``step(rows)``); None: every row of the table
+    rows: frozenset[int] | None = None
+    #: rows replaced or removed after the job read them: their masks are not handed out
+    dropped: set[int] | None = None
+    #: the queued adds the job makes into rows first, and the rows it releases
+    #: (``admissions.py``); None: none
+    admits: tuple[dict[int, Queued], list[Row]] | None = None
+    #: the step before, ended: dropped by this step's job, so that freeing its work (a
+    #: tuple and a token list per row) costs the fill thread, not the host's ``wait``
+    spent: Step | None = None
+
+
+class StepJobs:
+    """Runs one fill job per step on the worker thread, and hands its masks to the host."""
+
+    def __init__(self, *, max_batch: int, vocab_size: int, filler: Filler,
+                 first: FirstMasks, masks: RowMasks, stats: FillStats,
+                 admissions: Admissions) -> None:
+        self.vocab_size = vocab_size
+        self.admissions = admissions
+        self.buffers = MaskBuffers(max_batch, vocab_size)
+        self.first = first
+        self.masks = masks
+        self.stats = stats
+        self._filler = filler
+        self._worker = FillWorker(cpus=filler.cpus)
+        self.pending: Step | None = None
+        self._spent: Step | None = None  # the last step waited for (``Step.spent``)
+        #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
+        #: or planning would not fit in the forward: see ``_plan_fits``)
+        self.cpu_layout: LogitsLayout | None = None
+        #: the job's own ``_plan_fits`` verdict for the job after it (off the critical path)
+        self._plan_next = True
+        self._window_ms = float("inf")  # from the last step's hand-over to its apply
+        self._stepped_at = 0.0  # when the last step's job was handed over
+        self._steps = 0
+        # plan times (ms) of the last jobs that planned, the first two left out (cold
+        # caches, first allocations): ``_plan_fits`` takes their min
+        self._plan_ms: deque[float] = deque(maxlen=4)
+        self._plans = 0  # jobs that planned
+
+    @property
+    def thread_id(self) -> int | None:
+        return self._worker.thread_id
+
+    def step(self, table: dict[int, Row], rows: Collection[int] | None,
+             tokens: Sequence[int] | None = None, *, live_rows: bool = True) -> None:
+        """Hand the step's job to the worker: read the rows' new tokens (``rows``: only
+        these), advance, fill; ``tokens``: first append ``tokens[i]`` to row ``rows[i]``'s
+        (owned) output (``BatchProcessor.step``).
+
+        The reads run on the worker too, so the host's share of a step does not grow with
+        the batch: here only the arguments are copied (C loops). The worker owns the rows
+        until the job is waited for (every mutation settles it first); a live list may have
+        its placeholders replaced meanwhile (a read that still sees one is redone in
+        ``wait``). ``live_rows``: whether any row of ``table`` reads a live list (only then
+        does ``step(rows, tokens)`` look for one to refuse)."""
+        if tokens is not None and (rows is None or len(rows) != len(tokens)):
+            raise ValueError("step(rows, tokens) needs one row per token")
+        if self.pending is not None:
+            self.settle()
+            self.pending = None
+        live: int | None = None  # a row of ``rows`` whose list the host appends to itself
+        order: list[int] | None = None
+        handed: list[int] | None = None
+        if rows is not None:
+            order = rows.tolist() if hasattr(rows, "tolist") else list(rows)
+        if tokens is not None:
+            assert order is not None
+            handed = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+            if live_rows:
+                queued = self.admissions.queued
+                live = next((i for i in order if (i in table and not table[i].owned) or (
+                    i in queued and queued[i].output_ids is not None)), None)
+        step = Step(None, self.buffers.acquire(), [],
+                    rows=frozenset(order) if order is not None else None,
+                    admits=self.admissions.hand_over(), spent=self._spent)
+        self._spent = None
+        self._stepped_at = time.perf_counter()
+        self._steps += 1
+        if table or step.admits is not None:
+            step.future = self._worker.run(
+                partial(self._job, step, self.cpu_layout, table, order, handed))
+        else:  # no job to drop it: steps of an empty batch must not chain
+            step.spent = None
+        self.pending = step
+        if live is not None:  # the other rows' job runs: the host's mistake is this row's
+            raise ValueError(f"row {live} reads a live output list; append to it instead")
+
+    def settle(self) -> None:
+        """Wait for an in-flight fill so the host thread may touch matchers again."""
+        step = self.pending
+        if step is not None and step.future is not None:
+            try:
+                step.future.result()
+            except BaseException as exc:
+                step.plan = None
+                step.future = Ticket.completed(StepMasks(
+                    step.buffer, sorted(self._contain(step.work, step.buffer, exc)), None))
+
+    def discard(self) -> None:
+        """A mutation of the batch: the pending fill no longer holds."""
+        self.settle()
+        self.pending = None
+
+    def drop(self, row: int) -> None:
+        """``row`` is removed or replaced: the pending fill holds for the other rows. A job
+        over named rows that neither names nor makes ``row`` never touches it; one that does
+        is waited for and ``row``'s mask left out. A job over every row is discarded."""
+        step = self.pending
+        if step is None:
+            return
+        if step.rows is None:
+            self.discard()
+        elif row in step.rows or (step.admits is not None and row in step.admits[0]):
+            self.settle()
+            step.dropped = (step.dropped or set()) | {row}
+
+    def admit_now(self, table: dict[int, Row]) -> None:
+        """Every added row in ``table`` now: an in-flight job that makes some is waited for
+        (the table then has one writer at a time), and rows added since are made on the
+        host's thread (the host asks about a row, or masks it, before a fill job made it)."""
+        step = self.pending
+        if self.admissions.queued or (step is not None and step.admits is not None):
+            self.settle()
+            self.admissions.admit_now(table)
+
+    def handed_rows(self) -> Collection[int]:
+        """The rows whose adds the in-flight job is making."""
+        step = self.pending
+        return () if step is None or step.admits is None else step.admits[0].keys()
+
+    def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor,
+                       rows: Collection[int] | None = None
+                       ) -> tuple[StepMasks, LogitsLayout | None]:
+        """``wait``, for an apply on ``logits``: also reads their layout (once: the apply
+        takes it too), which the next job plans the CPU apply for when the last job found
+        that planning fits (``_plan_fits``, decided by the job: not on the critical path).
+        The plan is made for the job's rows; an apply at other logits rows moves it there
+        (``apply.apply_pairs``)."""
+        self._window_ms = (time.perf_counter() - self._stepped_at) * 1000
+        masks = self.wait(table, rows)
+        layout = cpu_layout(logits)
+        self.cpu_layout = layout if self._plan_next else None
+        return masks, layout
+
+    def wait(self, table: dict[int, Row], rows: Collection[int] | None) -> StepMasks:
+        """Wait for this step's fill (``step`` now, when none is pending); rows read late and
+        ``rows`` the step skipped are filled here. Ends the step."""
+        if self.pending is None:
+            self.step(table, rows)
+        step = self.pending
+        assert step is not None
+        self.pending = None
+        self._spent = step
+        if step.future is None:
+            indices: set[int] = set()
+        else:
+            try:
+                result = step.future.result()
+            except BaseException as exc:  # a bug in the job: contain it to this step's rows
+                indices = self._contain(step.work, step.buffer, exc)
+            else:
+                if not step.late and not step.dropped and (  # the common cases: as made
+                        rows is None or (step.rows is not None and step.rows.issuperset(rows))):
+                    return result
+                indices = set(result.rows)
+        if rows is not None:  # rows added since the step, which the host masks now
+            self.admissions.admit_now(table)
+        dropped = step.dropped or set()
+        if dropped:  # rows the job filled for an occupant that left: not theirs now
+            indices.difference_update(dropped)
+            step.work = [w for w in step.work if w[0] not in dropped]
+        late = [(index, r, r.take()) for index, r, _ in step.work if r.late] if step.late else []
+        done = {index for index, _, _ in step.work}
+        if rows is not None:  # rows the step skipped: read and fill them here
+            late += [(i, table[i], table[i].take()) for i in sorted(set(rows))
+                     if i in table and i not in done]
+        if late:  # placeholders resolved since step(): advance and fill these rows here
+            indices.difference_update(index for index, _, _ in late)
+            try:
+                indices.update(self._run(late, step.buffer))
+            except BaseException as exc:
+                indices.update(self._contain(late, step.buffer, exc))
+            for index, r, _ in late:
+                if r.late and r.needs_mask and r.error is None:
+                    r.fail("an output token was still a placeholder (negative id) when its "
+                           "mask was needed", cause="host")
+                    indices.discard(index)
+                    if self.masks.error(step.buffer, index):
+                        indices.add(index)
+        # rows filled here, after the job planned: its plan is stale (and so when it
+        # covers a dropped row)
+        plan = step.plan if not late and not dropped else None
+        return StepMasks(step.buffer, sorted(indices), plan)
+
+    def close(self) -> None:
+        self.settle()
+        self.pending = None
+        self._worker.close()
+
+    def _plan_fits(self, window_ms: float) -> bool:
+        """Whether the next job should also plan the CPU apply: only while the job, planning
+        included, ends within the forward it overlaps (planning moves the apply's index work
+        off the critical path; when the forward is too short it would lengthen the step
+        instead). The plan's share is the fastest of the last four plans, the first two
+        plans left out: one slow plan (a cold start, a preempted thread) must not turn
+        planning off, and a job that did not plan leaves no stale time behind. Planning is
+        tried again every 64 steps, as batches and masks change. Each job decides for the
+        next one, against the last step's window (forwards of a batch take alike)."""
+        stats = self.stats
+        job_ms = stats.last_advance_ms + stats.last_fill_ms + min(self._plan_ms, default=0.0)
+        return job_ms <= 0.9 * window_ms or self._steps % 64 == 0
+
+    def _job(self, step: Step, layout: LogitsLayout | None, table: dict[int, Row],
+             rows: list[int] | None, tokens: list[int] | None) -> StepMasks:
+        """The worker's job: ``_read``, ``_run``, then (CPU logits) the apply plan for its
+        rows, so the apply on the host's critical path is only gather / memset / scatter.
+        The rows come back sorted and distinct (``step(rows, tokens)`` may list a row twice),
+        so ``wait`` has nothing left to do but return them."""
+        step.spent = None
+        try:
+            if step.admits is not None:
+                self.admissions.admit(table, step.admits)
+            _read_rows(step, table, rows, tokens)
+        except BaseException:  # a bug in the read: every row it was to read fails
+            step.work[:] = [(i, r, []) for i, r in table.items()
+                            if rows is None or i in rows]
+            raise
+        indices = sorted(set(self._run(step.work, step.buffer)))
+        plan_ms = 0.0
+        if layout is not None and indices:
+            started = time.perf_counter()
+            try:
+                step.plan = plan_cpu_apply(step.buffer, indices, vocab_size=self.vocab_size,
+                                           width=layout.width, stride=layout.stride)
+            except Exception as exc:  # never fatal: apply plans inline instead
+                log.debug("grammask: apply plan failed: %s", exc)
+            plan_ms = (time.perf_counter() - started) * 1000
+            self._plans += 1
+            if self._plans > 2:
+                self._plan_ms.append(plan_ms)
+        self.stats.last_plan_ms = plan_ms
+        self._plan_next = self._plan_fits(self._window_ms)
+        return StepMasks(step.buffer, indices, step.plan)
+
+    def _run(self, work: list[Work], buffer: torch.Tensor) -> list[int]:
+        """The fill job (worker thread, or the host thread for late rows): advance every row
+        by its new tokens, attach grammars that are needed now, fill; returns the rows to
+        mask."""
+        started = time.perf_counter()
+        first = self.first
+        # new rows with no thinking gate whose grammar is at hand: attached first, they
+        # advance with the others (a batch accept) instead of through their backlogs
+        first.attach_at_hand([r for _, r, _ in work
+                              if r.matcher is None and r.gate is None and r.error is None])
+        # rows that took their token in a batch accept come back grouped for the batch
+        # fill; only the rest are looked at again here
+        batched, rest = advance_all(work)
+        # the same rows on every rank: errors and gates follow the (shared) sampled tokens
+        first.attach_all([r for _, r, _ in rest
+                          if r.error is None and r.needs_mask and r.matcher is None])
+        advanced = time.perf_counter()
+        masks = self.masks
+        indices: list[int] = []
+        fills: list[tuple[Matcher, int]] = []
+        for index, r, _ in rest:
+            if r.error is not None:
+                if masks.error(buffer, index):
+                    indices.append(index)
+            elif r.needs_mask and r.matcher is not None:
+                fills.append((r.matcher, index))
+            elif r.gate is not None and r.gate.thinking and masks.guard(r.gate, buffer, index):
+                indices.append(index)
+        try:
+            self._filler.fill(fills, buffer, batched)
+        except Exception:  # find the culprit row by row; the others still get their masks
+            for matcher, index in chain(fills, *batched.values()):
+                try:
+                    matcher.fill(buffer, index)
+                except Exception as exc:
+                    row = next(r for i, r, _ in work if i == index)
+                    row.fail(f"mask fill failed: {exc}", cause="fill")
+                    buffer[index].copy_(masks.stop_row)
+        indices.extend(index for _, index in fills)
+        for group in batched.values():
+            indices.extend(index for _, index in group)
+        stats = self.stats
+        stats.rows_filled += len(fills) + sum(map(len, batched.values()))
+        stats.last_advance_ms = (advanced - started) * 1000
+        finished = time.perf_counter()
+        stats.last_fill_ms = (finished - advanced) * 1000
+        metrics.defer(metrics.FILL_SECONDS.observe, finished - started)
+        return indices
+
+    def _contain(self, work: list[Work], buffer: torch.Tensor,
+                 exc: BaseException) -> set[int]:
+        """A bug in a fill job (not one row's failure, which ``_run`` contains): its rows
+        fail, the host goes on."""
+        log.error("grammask: fill job failed: %s: %s", type(exc).__name__, exc)
+        indices = set()
+        for index, r, _ in work:
+            r.fail(f"fill job failed: {type(exc).__name__}: {exc}", cause="fill")
+            if self.masks.error(buffer, index):
+                indices.add(index)
+        return indices
+
+
+def _read_rows(step: Step, table: dict[int, Row], rows: list[int] | None,
+          tokens: list[int] | None) -> None:
+    """The job's first part: each row's share of the step into ``step.work`` (the
+    hand-over of ``tokens`` first); rows whose read stopped at a placeholder are noted
+    (``step.late``), so ``wait`` does not scan every row for them."""
+    take = Row.take
+    late: list[Row] = []
+    work = step.work
+    if tokens is not None:
+        assert rows is not None
+        for i, tid in zip(rows, tokens, strict=True):
+            r = table.get(i)
+            if r is None or not r.owned:  # a live row: ``step`` refused it
+                continue
+            r.output.append(int(tid))
+            work.append((i, r, take(r, late)))
+    elif rows is None:
+        work.extend([(index, r, take(r, late)) for index, r in table.items()])
+    else:
+        work.extend([(i, table[i], take(table[i], late)) for i in sorted(set(rows))
+                     if i in table])
+    step.late = bool(late)

@@ -1,0 +1,1 @@
+"""grammask as vLLM's logits processor (``plugin`` is the entry point vLLM loads)."""

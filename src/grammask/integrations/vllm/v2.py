@@ -1,0 +1,346 @@
+"""The V2 model runner's side of the plugin: request slots, device tokens, row mapping.
+
+V2 hands a processor per-*slot* state (slots are recycled with no removal hook) and a
+``LogitsContext`` per apply whose rows are in batch order. Committed tokens live in the
+runner's memory (``req_states.all_token_ids`` up to ``total_len``); getting them to the CPU
+matchers without stalling the GPU is the token watch's job (``vllm_v2_watch``,
+``vllm_v2_device``). This class only translates vLLM's calls:
+
+1. ``add_request(slot, params)``: a key check, note the slot; True for ours (0.34:
+   ``may_mask_logits``). The processor is not touched: a watch may be stepping it; the
+   slot's old occupant leaves the processor in ``apply``.
+2. ``apply_staged_writes()`` (admission steps, before the forward): start non-blocking
+   copies of a new slot's prompt / resumed output to the host, and hand the step's new
+   requests to the parse thread, which parses them and starts their compiles while the
+   forward runs (the runner's thread pays a key check per new request, not the parse).
+3. ``apply(logits, ctx)``, once or several times a step (vLLM 0.34's rejection sampler
+   verifies a large speculative batch in request chunks): settle the pending commits of the
+   slots this call samples (``TokenWatch.settle``: their tokens read and fill started, never
+   waiting for the forward the host just launched), admit new slots, mask the logits rows of
+   the sampling slots (``apply_mapped``, or ``apply_drafts`` along speculative drafts), then
+   hand those slots to the watch (``TokenWatch.watch``).
+
+Rows of unconstrained slots and chunked-prefill rows (their sample is discarded) are left
+alone. A row sampling for the first time (its final prefill chunk) is filled in ``apply``.
+A resumed request (``prefill_len > prompt_len``) replays its earlier output.
+Speculative decoding: a request owns one logits row per draft position plus the bonus row;
+the processor fills them along the drafts; vLLM 0.34 keeps logits processors active under
+drafts, and its rejection sampler reads ``add_request``'s answer to keep masked vocabulary
+blocks. The processor is touched under one lock by the host and the watch.
+Nothing here raises into vLLM's step: a failure fails the slots it concerns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from ... import metrics
+from ...decode.admissions import Admission
+from ...decode.processor import BatchProcessor
+from ...kernels.apply import warm_device_apply
+from ...specs.request import thinking_of
+from .common import PluginCore
+from .v2_device import CudaPort, DevicePort, TokenReader
+from .v2_watch import Items, SlotTokens, TokenWatch
+
+log = logging.getLogger("grammask")
+
+
+@dataclass
+class _Slot:
+    params: Any  # the request's sampling params, parsed off the runner's thread (``_admit``)
+    resumed: bool  # a preempted request added again (its output is prefilled again)
+    prompt_len: int
+    prefill_len: int
+    wants_prompt: bool  # its thinking gate reads the prompt (from its keys: ``thinking_of``)
+    admission: Admission | None = None  # the parse's result: request, compile, host_masks
+    parsing: Future[None] | None = None  # the parse thread's parse of this step's requests
+    tokens: SlotTokens = field(default_factory=SlotTokens)  # the live list and its reads
+    prompt: list[int] = field(default_factory=list)
+    fetched: bool = False  # prompt / resumed output copied to the host
+    fetch: tuple[Any, torch.Tensor] | None = None  # (event, host copy) started before forward
+    added: bool = False  # in the processor
+    failed: str | None = None  # lost track of this slot's tokens: fail it in the processor
+
+
+def bind_device(device: torch.device) -> None:
+    """A helper thread's initializer: its CUDA calls go to the rank's device (under tensor
+    parallelism each rank's threads would otherwise make a context on GPU 0)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+class V2Batch:
+    """The V2 runner's slots mapped onto ``BatchProcessor`` rows (row index = slot)."""
+
+    def __init__(self, vllm_config: Any, req_states: Any, *,
+                 port: DevicePort | None = None) -> None:
+        n = int(req_states.max_num_reqs)
+        spec = getattr(vllm_config, "speculative_config", None)
+        #: draft tokens per request and step (0: no speculative decoding)
+        self.num_spec = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
+        self.core = PluginCore(vllm_config, "v2", n)
+        self.rs = req_states
+        self.device: torch.device = req_states.device
+        self._cuda = self.device.type == "cuda"
+        self._slots: dict[int, _Slot] = {}
+        self._leaving: set[int] = set()  # slots whose old occupant leaves the processor
+        self._unjoined: set[int] = set()  # constrained slots not in the processor yet
+        self._unparsed: list[_Slot] = []  # added this step: parsed on the parse thread
+        self._tracked = np.zeros(n, dtype=bool)
+        self._prefill = np.zeros(n, dtype=np.int64)
+        self._threads: dict[str, ThreadPoolExecutor] = {}
+        #: the processor is touched by the host's apply and the watch's step: one at a time
+        self._lock = threading.Lock()
+        if port is None:
+            port = CudaPort(self.device) if self._cuda and self.core.active else DevicePort()
+        self.port = port
+        # a step commits up to the accepted drafts plus the bonus token
+        self.watch = TokenWatch(TokenReader(req_states, 1 + self.num_spec, port), port,
+                                lengths=self.num_spec > 0, step=self._step_rows,
+                                fail=self._fail_slot, pool=partial(self._thread, "tokens"))
+        #: applies that read draft inputs in stream order (speculative decoding)
+        self.draft_reads = 0
+        if self.core.active:
+            warm_device_apply(self.device, int(req_states.vocab_size))
+
+    def use_port(self, port: DevicePort) -> None:
+        """Order device work through ``port`` (a host with its own stream model: the tests'
+        stand-in device). Call before the first request."""
+        self.port = self.watch.port = self.watch.reader.port = port
+
+    # ------------------------------------------------------------------ runner hooks
+    def add_request(self, slot: int, sampling_params: Any) -> bool:
+        """Reset the (recycled) slot; True when the request is constrained. Never touches
+        the processor (a watch may be stepping it): ``apply`` removes the old occupant."""
+        core = self.core
+        if not core.active:
+            return False
+        old = self._slots.pop(slot, None)
+        if old is not None:
+            self.watch.forget(old.tokens)
+            self._tracked[slot] = False
+            self._leaving.add(slot)
+            self._unjoined.discard(slot)
+        if not core.claims(sampling_params):
+            return False
+        prompt_len = int(self.rs.prompt_len.np[slot])
+        prefill_len = int(self.rs.prefill_len.np[slot])
+        thinking, think_end = thinking_of(sampling_params.extra_args)
+        # a preempted request comes back with its output to prefill again
+        st = _Slot(sampling_params, prefill_len > prompt_len, prompt_len, prefill_len,
+                   thinking and (think_end is not None or core.default_marker))
+        self._slots[slot] = st
+        self._unparsed.append(st)
+        self._tracked[slot] = True
+        self._prefill[slot] = prefill_len
+        self._unjoined.add(slot)
+        return True
+
+    def apply_staged_writes(self) -> None:
+        """Admission steps (every step before vLLM 0.34): start copying new slots' prompts
+        and resumed outputs to the host, so ``apply`` need not wait for them."""
+        if not self.core.active:
+            return
+        if self._unparsed:
+            new, self._unparsed = self._unparsed, []
+            parsing = self._thread("parse").submit(self._admit, new)
+            for st in new:
+                st.parsing = parsing
+        all_ids = self.rs.all_token_ids.gpu
+        for slot in self._unjoined:  # only slots not in the processor yet can need a fetch
+            st = self._slots[slot]
+            if st.fetched or st.fetch is not None:
+                continue
+            lo = 0 if st.wants_prompt else st.prompt_len
+            host = torch.empty(st.prefill_len - lo, dtype=all_ids.dtype, pin_memory=self._cuda)
+            source = all_ids[slot, lo:st.prefill_len]
+            # after the runner's staged write of the prompt (stream order)
+            self.port.ordered(partial(_copy_into, host, source, self._cuda))
+            st.fetch = (self.port.mark(), host)
+
+    def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+        core = self.core
+        if not core.active or not (self._slots or self._leaving):
+            return logits
+        started = time.perf_counter()
+        slots_np = np.asarray(ctx.idx_mapping_np)
+        tracked = (slots_np >= 0) & self._tracked[np.maximum(slots_np, 0)]
+        # the final prefill chunk and decode rows sample; earlier chunks' samples are dropped
+        seq = np.asarray(ctx.seq_lens_upper_bound_np)
+        rows = np.flatnonzero(tracked & (seq >= self._prefill[np.maximum(slots_np, 0)]))
+        slots: list[int] = slots_np[rows].tolist()
+        self.watch.settle(slots)
+        with self._lock:
+            if self._leaving:
+                proc = core.proc_or_none
+                if proc is not None:
+                    for slot in self._leaving:  # before the new occupant joins (``_prepare``)
+                        proc.remove(slot)
+                self._leaving.clear()
+            if not slots:
+                return logits
+            try:
+                if logits.shape[0] == slots_np.shape[0] and not self.num_spec:
+                    self._prepare(slots).apply_mapped(logits, rows.tolist(), slots)
+                else:
+                    self._mask_drafts(logits, ctx, slots)
+            except Exception as exc:  # a bug of ours: these rows end, vLLM's step goes on
+                log.exception("grammask: masking failed; its rows get stop-only masks")
+                for slot in slots:
+                    self._fail_slot(slot, f"masking failed: {type(exc).__name__}: {exc}")
+                expanded = _host(ctx.expanded_idx_mapping)
+                _stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
+                           core.compiler.vocab.stop_ids if core.compiler is not None else ())
+                return logits
+        self.watch.watch([(slot, self._slots[slot].tokens) for slot in slots
+                          if self._slots[slot].failed is None])
+        metrics.V2_APPLY_SECONDS.observe(time.perf_counter() - started)
+        return logits
+
+    def close(self) -> None:
+        """Stop the helper threads (after their queued work)."""
+        for pool in self._threads.values():
+            pool.shutdown(wait=True, cancel_futures=False)
+        self._threads.clear()
+
+    def _prepare(self, slots: list[int]) -> BatchProcessor:
+        """Every sampling slot in the processor (the common step: one set check)."""
+        proc = self.core.processor()
+        if self._unjoined:
+            for slot in self._unjoined.intersection(slots):
+                self._join(slot, self._slots[slot])
+                self._unjoined.discard(slot)
+        return proc
+
+    def _mask_drafts(self, logits: torch.Tensor, ctx: Any, slots: list[int]) -> None:
+        """Speculative decoding: a request owns one logits row per draft token plus the
+        bonus row (``expanded_local_pos`` 0..n); row k's mask follows the first k drafts,
+        which are this step's ``input_ids`` of rows 1..k (row 0's input is committed)."""
+        # the drafts exist on the device only (0.34's drafter proposes there, and
+        # ``prepare_inputs`` writes them into ``input_ids`` before the forward): they are
+        # read in stream order, which waits for the forward (``draft_reads``)
+        self.port.wait(self.port.mark())
+        self.draft_reads += 1
+        expanded = _host(ctx.expanded_idx_mapping)
+        sampling = set(slots)
+        rows = [int(s) if int(s) in sampling else -1 for s in expanded.tolist()]
+        self._prepare(slots).apply_drafts(logits, rows, _host(ctx.expanded_local_pos).tolist(),
+                                          _host(ctx.input_ids).tolist())
+
+    # ------------------------------------------------------------------ internals
+    def _step_rows(self, items: Items) -> None:
+        """The watch's hand-over: the fill of the slots whose tokens it read starts (those
+        still held by the request it read them for)."""
+        with self._lock:
+            rows = [slot for slot, t in items
+                    if (st := self._slots.get(slot)) is not None and st.tokens is t
+                    and st.added]
+            if rows:
+                self.core.processor().step(rows)
+
+    def _thread(self, name: str) -> ThreadPoolExecutor:
+        """A helper thread, on the rank's device: ``tokens`` (the watches, in step order)
+        or ``parse`` (new requests' parses; apart, so a parse never waits behind a watch)."""
+        pool = self._threads.get(name)
+        if pool is None:
+            pool = self._threads[name] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"grammask-v2-{name}", initializer=bind_device,
+                initargs=(self.device,))
+        return pool
+
+    def _fail_slot(self, slot: int, message: str) -> None:
+        st = self._slots.get(slot)
+        if st is None or st.failed is not None:
+            return
+        st.failed = message
+        proc = self.core.proc_or_none
+        if st.added and proc is not None:
+            proc.fail(slot, message)
+
+    def _admit(self, slots: list[_Slot]) -> None:
+        """The parse thread's parse of a step's new requests (their compiles start here). A
+        parse that raises leaves the admission to ``_admitted``, where the processor makes
+        the row: raising again there errors that row alone."""
+        for st in slots:
+            try:
+                st.admission = self.core.admission(st.params, st.resumed)
+            except Exception:
+                log.exception("grammask: admitting a request failed")
+
+    def _admitted(self, st: _Slot) -> Admission:
+        """The slot's admission (``BatchProcessor.add_later``'s resolve): the parse
+        thread's, or made now when none came (no staged writes before this step, or its
+        parse raised)."""
+        return (st.admission if st.admission is not None
+                else self.core.admission(st.params, st.resumed))
+
+    def _join(self, slot: int, st: _Slot) -> None:
+        """Put the slot in the processor (its live list replays what it holds). The parse
+        is waited for here, on the runner's thread: a fill job that waited for it could
+        deadlock with a watch's ``step``."""
+        if not st.fetched:
+            self._fetch(slot, st)
+        if st.parsing is not None:
+            try:
+                st.parsing.result()
+            except Exception:  # the parse thread's own failure: ``_admitted`` parses instead
+                log.exception("grammask: the helper's parse failed; parsing here")
+            st.parsing = None
+        proc = self.core.processor()
+        proc.add_later(slot, partial(self._admitted, st), st.prompt, st.tokens.output)
+        st.added = True
+        if st.failed is not None:
+            proc.fail(slot, st.failed)
+
+    def _fetch(self, slot: int, st: _Slot) -> None:
+        """The prompt (thinking gate) and resumed output: from the copy started before the
+        forward, or read now."""
+        if st.fetch is not None:
+            marker, host = st.fetch
+            self.port.wait(marker)
+            ids = host.tolist()
+            st.fetch = None
+        else:  # no staged writes before this step: read in stream order
+            lo = 0 if st.wants_prompt else st.prompt_len
+            self.port.wait(self.port.mark())
+            ids = self.rs.all_token_ids.gpu[slot, lo:st.prefill_len].tolist()
+        if st.wants_prompt:
+            st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
+        else:
+            replay = ids
+        st.tokens.output.extend(replay)
+        st.tokens.known = st.prefill_len
+        st.fetched = True
+
+
+def _copy_into(host: torch.Tensor, source: torch.Tensor, cuda: bool) -> None:
+    host.copy_(source, non_blocking=cuda)
+
+
+def _stop_only(logits: torch.Tensor, rows: list[int], stop_ids: tuple[int, ...] | list[int]
+               ) -> None:
+    """The emergency mask: only stop tokens in ``rows`` (the request ends now)."""
+    index = torch.tensor(rows, device=logits.device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=logits.device)
+    block = logits[index]
+    kept = block[:, stops]
+    block.fill_(float("-inf"))
+    block[:, stops] = kept
+    logits[index] = block
+
+
+def _host(tensor: Any) -> np.ndarray:
+    """A small index tensor on the host (a device sync on GPU: after the forward anyway)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    return np.asarray(tensor.detach().to("cpu").numpy())

@@ -32,8 +32,8 @@ def _state(future: Future[Grammar] | None) -> int:
 
 
 def hedge_spec(compiler: Compiler, spec: GrammarSpec) -> GrammarSpec | None:
-    """The spec forced onto the plan's hedge backend (``grammask.compile.router.Plan.hedge``), or
-    None when the other backend may not serve it."""
+    """The spec forced onto the plan's hedge backend (``compile.router.Plan.hedge``), or None
+    when the other backend may not serve it."""
     hedge = compiler.plan(spec).hedge
     return None if hedge is None else spec.with_backend(hedge.backend)
 

@@ -75,7 +75,7 @@ def test_allowed_token_ids_disjoint_from_the_grammar(compiler: Compiler,
 
 def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
         compiler: Compiler, qwen25: Vocabulary) -> None:
-    """The apply skips the restore's pass while no row asks for it (``HostLogits.risky``);
+    """The apply skips the restore's pass while no row asks for it (``HostLogits.host_masks_seen``);
     a row that asks is still restored when it joins after a plain row, when a plain row
     joins after it, after a move, and after a step where it was not masked (thinking) and
     only a plain row was. Once the rows that asked have left, the pass is skipped again."""
@@ -102,7 +102,7 @@ def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
     try:
         proc.add(0, CHOICE, output_ids=list(done), grammar=grammar)
         step([], [0])
-        assert not proc._logits.risky
+        assert not proc._logits.host_masks_seen
         proc.add(1, CHOICE, output_ids=list(done), grammar=grammar, host_masks=True)
         step([1], [0])
         proc.add(2, CHOICE, output_ids=list(done), grammar=grammar)
@@ -116,7 +116,7 @@ def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
         step([3], [2])
         proc.remove(3)
         step([], [2])
-        assert not proc._logits.risky
+        assert not proc._logits.host_masks_seen
     finally:
         proc.close()
 

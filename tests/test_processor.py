@@ -708,17 +708,17 @@ def test_draft_positions_sit_right_above_the_rows_in_use(
     """A sparse batch (one request in slot 1 of 64) with drafts: the draft positions take
     the bitmask rows right above slot 1, so the apply (and a device copy of the rows it
     reads) spans 4 rows, not the 64 of every slot; the masks match the reference."""
-    import grammask.decode.hostlogits as hostlogits_module
+    import grammask.decode.step_apply as step_apply_module
 
     seen: list[list[int]] = []
-    real = hostlogits_module.apply_pairs
+    real = step_apply_module.apply_pairs
 
     def spy(logits: torch.Tensor, bitmask: torch.Tensor, at: Any, rows: Any,
             **kwargs: Any) -> None:
         seen.append([int(r) for r in rows])
         real(logits, bitmask, at, rows, **kwargs)
 
-    monkeypatch.setattr(hostlogits_module, "apply_pairs", spy)
+    monkeypatch.setattr(step_apply_module, "apply_pairs", spy)
     regex = grammars[2]
     drafts = qwen25.encode("ab") + qwen25.encode("1")
     with BatchProcessor(compiler, max_batch=64, **PATIENT) as proc:

@@ -7,7 +7,7 @@ the last valid mask (which already refuses that token, so the rejection sampler 
 there and no later row is used); after a placeholder (negative id) positions are free; an
 errored row gets its error mask everywhere.
 
-``Drafts.place`` lays a batch's masks out for the apply (``hostlogits``) as one row map into
+``Drafts.place`` lays a batch's masks out for the apply (``step_apply``) as one row map into
 the step's bitmask: committed positions at their rows' own masks, so the step's CPU plan
 serves them, and draft and bonus positions in rows above those the step uses.
 """

@@ -45,7 +45,7 @@ All methods are to be called from one host thread; the worker thread only runs f
 ``BatchProcessor`` is the facade hosts call; each job lives in its own module: a row and its
 lifecycle (``rows.py``), the per-step fill job (``stepjob.py``), first masks
 (``firstmask.py``), errored and thinking rows' masks (``rowmasks.py``), speculative drafts
-(``drafts.py``), masks into the host's logits (``hostlogits.py``).
+(``drafts.py``), masks into the host's logits (``step_apply.py``).
 """
 
 from __future__ import annotations
@@ -65,12 +65,11 @@ from .digests import MaskDigests
 from .drafts import Drafts
 from .filler import Filler
 from .firstmask import FirstMasks
-from .hostlogits import HostLogits
 from .pending import PendingGrammar
 from .row_table import RowTable
 from .rowmasks import ErrorPolicy, RowMasks
 from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
-from .step_apply import StepApply
+from .step_apply import HostLogits, StepApply
 from .stepjob import StepJobs
 from .steptypes import FillStats
 
@@ -370,7 +369,7 @@ class BatchProcessor:
             return failed_row(entry, f"adding the request failed: {type(exc).__name__}: "
                                      f"{exc}", self.vocab)
         if admission.host_masks:
-            self._logits.risky = True
+            self._logits.host_masks_seen = True
         return r
 
 

@@ -12,14 +12,123 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
+from .. import metrics
+from ..kernels.apply import apply_pairs, cpu_layout, restore_empty_rows
+from ..kernels.buffers import MaskBuffers
+from ..kernels.cpu_plan import CpuPlan, LogitsLayout
+from .digests import MaskDigests, row_key
 from .drafts import Drafts
-from .hostlogits import HostLogits
 from .rows import Row
 from .stepjob import StepJobs
-from .steptypes import StepMasks
+from .steptypes import DraftMasks, StepMasks
+
+
+class HostLogits:
+    """Masks logits with a step's bitmask, with the hooks (digests, the restore);
+    ``table`` arguments are the batch's rows."""
+
+    def __init__(self, *, max_batch: int, vocab_size: int, buffers: MaskBuffers,
+                 digests: MaskDigests | None = None) -> None:
+        self.max_batch = max_batch
+        self.vocab_size = vocab_size
+        self.buffers = buffers  # the step's (row order)
+        #: per-rank mask digests (a debug setting; ``digests.py``), None: off
+        self.digests = digests
+        #: some row of the table may have ``host_masks`` (set when such a row is made,
+        #: cleared by ``_restore`` once none has): while False, the apply skips the restore
+        self.host_masks_seen = False
+
+    def into_batch(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
+              layout: LogitsLayout | None = None) -> None:
+        """Logits row ``i`` gets row ``i``'s mask; ``layout``: the logits'
+        (``apply.cpu_layout``), when the caller has read it."""
+        bitmask, rows, plan = step
+        if rows:
+            self._pairs(table, logits, bitmask, None, rows, plan, layout)
+
+    def into_mapped(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
+                     logits_rows: Sequence[int], rows: Sequence[int],
+                     layout: LogitsLayout | None = None) -> None:
+        """``logits[logits_rows[i]]`` gets row ``rows[i]``'s mask (rows the step did not
+        mask are left alone): no Python work per row."""
+        bitmask, masked, plan = step
+        if not masked:
+            return
+        at = np.asarray(logits_rows, dtype=np.intp)
+        mask_rows = np.asarray(rows, dtype=np.intp)
+        ready = np.zeros(max(self.max_batch, masked[-1] + 1), dtype=bool)
+        ready[masked] = True
+        keep = ready[mask_rows]
+        if not keep.all():
+            at, mask_rows = at[keep], mask_rows[keep]
+            plan = None  # made for every masked row
+        elif len(masked) != len(mask_rows):
+            plan = None
+        if at.size:
+            self._pairs(table, logits, bitmask, at, mask_rows, plan, layout)
+
+    def into_drafts(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
+                     plan: CpuPlan | None, placed: DraftMasks,
+                     layout: LogitsLayout | None = None) -> None:
+        """Masks at draft positions (``drafts.Drafts.place``: pairs into ``bitmask``, the
+        step's with room for them, ``MaskBuffers.room``), in one apply as ``apply_mapped``'s:
+        the step's ``plan`` for the committed positions, digests of those, the restore of
+        every pair."""
+        if placed.at.size:
+            self._pairs(table, logits, bitmask, placed.at, placed.rows,
+                        None if placed.stale else plan, layout, placed.owners,
+                        placed.committed)
+
+    def _pairs(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
+               at: np.ndarray[Any, np.dtype[np.intp]] | None,
+               rows: list[int] | np.ndarray[Any, np.dtype[np.intp]], plan: CpuPlan | None,
+               layout: LogitsLayout | None,
+               owners: np.ndarray[Any, np.dtype[np.intp]] | None = None,
+               committed: int | None = None) -> None:
+        """``apply_pairs`` with the hooks: digests of the committed masks (the first
+        ``committed`` pairs; None: all), then the restore (``owners[i]``: pair ``i``'s row;
+        None: its mask row)."""
+        # rows as a list only for the per-row hooks (the V2 path has none by default)
+        hooks = self.digests is not None or self.host_masks_seen
+        listed = (rows if isinstance(rows, list) else rows.tolist()) if hooks else []
+        if self.digests is not None:
+            self._record(table, bitmask, listed if committed is None else listed[:committed])
+            plan = None if self.digests.fault else plan
+        apply_pairs(logits, bitmask, at, rows, vocab_size=self.vocab_size,
+                    buffers=self.buffers, plan=plan, layout=layout)
+        if self.host_masks_seen:
+            spots = listed if at is None else at.tolist()
+            belong = listed if owners is None else owners.tolist()
+            self._restore(table, logits, bitmask, list(zip(spots, listed, belong, strict=True)))
+
+    def _record(self, table: dict[int, Row], bitmask: torch.Tensor,
+                rows: Sequence[int]) -> None:
+        """Mask digests for comparing ranks (``digests.py``; a debug setting)."""
+        assert self.digests is not None
+        self.digests.observe(bitmask, [
+            (i, row_key(r.request.spec.key, r.output[:r.seen],
+                        r.grammar.backend if r.grammar is not None else "")
+             if r is not None else "?")
+            for i in rows for r in [table.get(i)]])
+
+    def _restore(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
+                 spots: Sequence[tuple[int, int, int]]) -> None:
+        """The grammar wins over the host's own processors (rows that asked for it);
+        ``spots``: (logits row, mask row, the row it belongs to)."""
+        if not self.host_masks_seen:
+            return
+        asked = [(at, mask_row) for at, mask_row, row in spots
+                 if (r := table.get(row)) is not None and r.host_masks]
+        if not asked and not any(r.host_masks for r in table.values()):
+            self.host_masks_seen = False  # the rows that asked have left the batch
+        if asked and (n := restore_empty_rows(logits, bitmask, asked,
+                                              vocab_size=self.vocab_size)) > 0:
+            metrics.HOST_CONFLICTS.inc(n)
 
 
 @dataclass
@@ -54,8 +163,9 @@ class StepApply:
     def batch(self, logits: torch.Tensor) -> None:
         """Logits row ``i`` gets row ``i``'s mask (``BatchProcessor.apply``)."""
         self._ended = None
-        step, layout = self._jobs.wait_for_apply(self.table, logits)
-        self._logits.apply(self.table, logits, step, layout)
+        layout = cpu_layout(logits)
+        step = self._jobs.wait_for_apply(self.table, layout)
+        self._logits.into_batch(self.table, logits, step, layout)
 
     def wait(self, rows: Collection[int] | None) -> tuple[torch.Tensor, list[int]]:
         """The step's bitmask and its rows (``BatchProcessor.wait_masks``)."""
@@ -68,11 +178,12 @@ class StepApply:
         """``logits[logits_rows[i]]`` gets row ``rows[i]``'s mask."""
         ended = self._reusable(rows)
         if ended is not None:
-            self._logits.apply_mapped(self.table, logits, ended.step, logits_rows, rows)
+            self._logits.into_mapped(self.table, logits, ended.step, logits_rows, rows)
             return
-        step, layout = self._jobs.wait_for_apply(self.table, logits, rows)
+        layout = cpu_layout(logits)
+        step = self._jobs.wait_for_apply(self.table, layout, rows)
         self._ended = _Ended(step, set(step.rows))
-        self._logits.apply_mapped(self.table, logits, step, logits_rows, rows, layout)
+        self._logits.into_mapped(self.table, logits, step, logits_rows, rows, layout)
 
     def drafts(self, logits: torch.Tensor, rows: Sequence[int], positions: Sequence[int],
                inputs: Sequence[int]) -> None:
@@ -88,7 +199,8 @@ class StepApply:
         ended = self._reusable(sampling)
         layout = None
         if ended is None:
-            step, layout = self._jobs.wait_for_apply(self.table, logits, sorted(sampling))
+            layout = cpu_layout(logits)
+            step = self._jobs.wait_for_apply(self.table, layout, sorted(sampling))
             ended = self._ended = _Ended(step, set(step.rows))
         step = ended.step
         # draft positions right after the highest row this step uses: a device copy of the
@@ -101,7 +213,7 @@ class StepApply:
         bitmask = self._jobs.buffers.room(step.bitmask, base, len(rows))
         placed = self._drafts.place(self.table, step.rows, bitmask, base, rows, positions,
                                     inputs, sampling)
-        self._logits.apply_drafts(self.table, logits, bitmask, step.plan, placed, layout)
+        self._logits.into_drafts(self.table, logits, bitmask, step.plan, placed, layout)
 
     def _reusable(self, rows: Collection[int]) -> _Ended | None:
         """The ended step, when it still holds every one of ``rows`` (and no step began)."""

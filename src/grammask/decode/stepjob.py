@@ -19,7 +19,7 @@ import torch
 
 from .. import metrics
 from ..backends.base import Matcher
-from ..kernels.apply import cpu_layout, plan_cpu_apply
+from ..kernels.apply import plan_cpu_apply
 from ..kernels.buffers import MaskBuffers
 from ..kernels.cpu_plan import CpuPlan, LogitsLayout
 from .admissions import Admissions, Queued
@@ -177,19 +177,17 @@ class StepJobs:
         step = self.pending
         return () if step is None or step.admits is None else step.admits[0].keys()
 
-    def wait_for_apply(self, table: dict[int, Row], logits: torch.Tensor,
-                       rows: Collection[int] | None = None
-                       ) -> tuple[StepMasks, LogitsLayout | None]:
-        """``wait``, for an apply on ``logits``: also reads their layout (once: the apply
-        takes it too), which the next job plans the CPU apply for when the last job found
-        that planning fits (``_plan_fits``, decided by the job: not on the critical path).
-        The plan is made for the job's rows; an apply at other logits rows moves it there
-        (``apply.apply_pairs``)."""
+    def wait_for_apply(self, table: dict[int, Row], layout: LogitsLayout | None,
+                       rows: Collection[int] | None = None) -> StepMasks:
+        """``wait``, for an apply on logits laid out as ``layout`` (``apply.cpu_layout``,
+        read once by the apply): the next job plans the CPU apply for that layout when the
+        last job found that planning fits (``_plan_fits``, decided by the job: not on the
+        critical path). The plan is made for the job's rows; an apply at other logits rows
+        moves it there (``apply.apply_pairs``)."""
         self._window_ms = (time.perf_counter() - self._stepped_at) * 1000
         masks = self.wait(table, rows)
-        layout = cpu_layout(logits)
         self.cpu_layout = layout if self._plan_next else None
-        return masks, layout
+        return masks
 
     def wait(self, table: dict[int, Row], rows: Collection[int] | None) -> StepMasks:
         """Wait for this step's fill (``step`` now, when none is pending); rows read late and

@@ -1,7 +1,7 @@
 """The decode step's data types, shared by the fill job, the apply and the host adapters.
 
 It imports nothing of the decode side, so every decode module may use these types without
-depending on another one's job (``stepjob``, ``drafts``, ``hostlogits``); the apply's own
+depending on another one's job (``stepjob``, ``drafts``, ``step_apply``); the apply's own
 types (``CpuPlan``, ``LogitsLayout``) are ``grammask.kernels.cpu_plan``.
 """
 

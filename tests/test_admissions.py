@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from grammask import Compiler, Grammar, GrammarSpec, Vocabulary
+from grammask import Compiler, Grammar, GrammarSpec, Mapped, Vocabulary
 from grammask.decode.processor import Admission, BatchProcessor
 from grammask.decode.rows import RowMaker
 
@@ -146,7 +146,7 @@ def test_an_add_after_a_named_step_is_masked_in_its_apply(
         proc.step([0])
         proc.add(2, CHOICES[2], grammar=grammars[2])
         logits = torch.zeros(2, qwen25.vocab_size)
-        proc.apply_mapped(logits, [1, 0], [0, 2])
+        proc.apply(logits, Mapped([1, 0], [0, 2]))
         expect(logits, 1, grammars[0], qwen25)
         expect(logits, 0, grammars[2], qwen25)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from grammask import Compiler, ConstraintRequest, GrammarSpec, Vocabulary
+from grammask import AlongDrafts, Compiler, ConstraintRequest, GrammarSpec, Vocabulary
 from grammask.decode.processor import BatchProcessor
 
 from .helpers import RawReference
@@ -126,7 +126,7 @@ def only_finite(row: torch.Tensor) -> list[int]:
 
 
 def test_draft_positions_are_restored_too(compiler: Compiler, qwen25: Vocabulary) -> None:
-    """Speculative decoding (``apply_drafts``): at the committed position and at each draft
+    """Speculative decoding (``AlongDrafts``): at the committed position and at each draft
     position of a ``host_masks`` row, logits the host left with no grammar token get the
     grammar's tokens of that position back; a row without the flag is left as the host made
     it."""
@@ -141,7 +141,7 @@ def test_draft_positions_are_restored_too(compiler: Compiler, qwen25: Vocabulary
         # row 0 at logits rows 0 (committed), 1 (after "a") and 2 (the bonus, after "ac");
         # row 1 at logits row 3 (committed)
         logits = torch.full((4, qwen25.vocab_size), float("-inf"))
-        proc.apply_drafts(logits, [0, 0, 0, 1], [0, 1, 2, 0], [0, *drafts, 0])
+        proc.apply(logits, AlongDrafts([0, 0, 0, 1], [0, 1, 2, 0], [0, *drafts, 0]))
         for at in range(3):
             want = RawReference.of(grammar, qwen25)
             assert all(want.accept(t) for t in drafts[:at])

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from grammask import Compiler, Grammar, GrammarError, GrammarSpec, Vocabulary
+from grammask import AlongDrafts, Compiler, Grammar, GrammarError, GrammarSpec, Mapped, Vocabulary
 from grammask.backends import Matcher
 from grammask.backends.base import BatchFills
 from grammask.decode.filler import Filler
@@ -648,7 +648,7 @@ def test_a_server_fault_is_counted_apart_from_the_requests_own_error(
     assert after.get(key % "compile", 0.0) == before.get(key % "compile", 0.0)
 
 
-def test_apply_mapped_and_apply_drafts_place_masks_in_the_hosts_row_order(
+def test_mapped_and_draft_rows_place_masks_in_the_hosts_row_order(
         compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary) -> None:
     """A host whose logits rows are not the processor's rows (vLLM V2: slots vs batch order)
     gets each row's mask where it says, and the rows of drafts follow the draft tokens."""
@@ -658,7 +658,7 @@ def test_apply_mapped_and_apply_drafts_place_masks_in_the_hosts_row_order(
         proc.add(0, choice.spec, grammar=choice)
         proc.step()
         logits = torch.zeros(3, qwen25.vocab_size)
-        proc.apply_mapped(logits, [2, 0], [0, 3])  # logits row 1: unconstrained
+        proc.apply(logits, Mapped([2, 0], [0, 3]))  # logits row 1: unconstrained
         assert torch.equal(allowed(logits[2]), RawReference.of(choice, qwen25).allowed())
         assert torch.equal(allowed(logits[0]), RawReference.of(regex, qwen25).allowed())
         assert bool(allowed(logits[1]).all())
@@ -666,14 +666,14 @@ def test_apply_mapped_and_apply_drafts_place_masks_in_the_hosts_row_order(
         assert len(a) == 1 and len(b) == 1
         proc.step()
         logits = torch.zeros(3, qwen25.vocab_size)
-        proc.apply_drafts(logits, [3, 3, 3], [0, 1, 2], [0, a[0], b[0]])
+        proc.apply(logits, AlongDrafts([3, 3, 3], [0, 1, 2], [0, a[0], b[0]]))
         for at, fed in enumerate([[], a, a + b]):
             expected = RawReference.of(regex, qwen25)
             assert all(expected.accept(t) for t in fed)
             assert torch.equal(allowed(logits[at]), expected.allowed()), at
         proc.step()  # the drafts were tentative: the row is still at its start
         logits = torch.zeros(1, qwen25.vocab_size)
-        proc.apply_mapped(logits, [0], [3])
+        proc.apply(logits, Mapped([0], [3]))
         assert torch.equal(allowed(logits[0]), RawReference.of(regex, qwen25).allowed())
 
 
@@ -692,8 +692,8 @@ def test_drafts_outgrowing_the_step_bitmask_keep_every_mask(
             proc.step()
             logits = torch.zeros(6, qwen25.vocab_size)
             # row 1 at logits rows 5, 3, 1; row 0 at 0, 2, 4 (positions 0, 1, 2)
-            proc.apply_drafts(logits, [0, 1, 0, 1, 0, 1], [0, 2, 1, 1, 2, 0],
-                              [0, drafts[1], drafts[0], drafts[0], drafts[1], 0])
+            proc.apply(logits, AlongDrafts([0, 1, 0, 1, 0, 1], [0, 2, 1, 1, 2, 0],
+                              [0, drafts[1], drafts[0], drafts[0], drafts[1], 0]))
             for at, fed in ((0, []), (2, drafts[:1]), (4, drafts), (5, []),
                             (3, drafts[:1]), (1, drafts)):
                 expected = RawReference.of(regex, qwen25)
@@ -725,7 +725,7 @@ def test_draft_positions_sit_right_above_the_rows_in_use(
         proc.add(1, regex.spec, grammar=regex)
         proc.step()
         logits = torch.zeros(3, qwen25.vocab_size)
-        proc.apply_drafts(logits, [1, 1, 1], [0, 1, 2], [0, *drafts])
+        proc.apply(logits, AlongDrafts([1, 1, 1], [0, 1, 2], [0, *drafts]))
         for at, fed in enumerate([[], drafts[:1], drafts]):
             expected = RawReference.of(regex, qwen25)
             assert all(expected.accept(t) for t in fed)
@@ -733,11 +733,11 @@ def test_draft_positions_sit_right_above_the_rows_in_use(
     assert seen == [[1, 2, 3]]
 
 
-def test_apply_drafts_masks_committed_positions_through_the_steps_plan(
+def test_draft_rows_mask_committed_positions_through_the_steps_plan(
         compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the fill job plans (CPU logits, a forward long enough), the committed positions
-    of ``apply_drafts`` take the step's plan moved to their logits rows (``apply_pairs``),
+    of an ``AlongDrafts`` apply take the step's plan moved to their logits rows (``apply_pairs``),
     beside draft positions from the drafts' own buffer, with the masks of the reference."""
     import grammask.kernels.apply as apply_module
 
@@ -759,8 +759,8 @@ def test_apply_drafts_masks_committed_positions_through_the_steps_plan(
             time.sleep(0.08)  # the forward the job overlaps (planning must fit in it)
             logits = torch.zeros(5, qwen25.vocab_size)
             # row 1 at logits row 0 (no drafts); logits row 1: no request; row 3 at 2, 3, 4
-            proc.apply_drafts(logits, [1, -1, 3, 3, 3], [0, 0, 0, 1, 2],
-                              [0, 0, 0, a[0], b[0]])
+            proc.apply(logits, AlongDrafts([1, -1, 3, 3, 3], [0, 0, 0, 1, 2],
+                              [0, 0, 0, a[0], b[0]]))
             assert torch.equal(allowed(logits[0]), RawReference.of(choice, qwen25).allowed())
             assert bool(allowed(logits[1]).all())
             for at, fed in zip((2, 3, 4), ([], a, a + b), strict=True):
@@ -796,7 +796,7 @@ def test_a_draft_failure_masks_the_committed_position_too(
         proc.add(1, choice.spec, grammar=choice)
         proc.step([1, 3])
         logits = torch.zeros(3, qwen25.vocab_size)
-        proc.apply_drafts(logits, [3, 3, 1], [0, 1, 0], [0, a[0], 0])
+        proc.apply(logits, AlongDrafts([3, 3, 1], [0, 1, 0], [0, a[0], 0]))
         assert "injected" in (proc.error(3) or "")
         assert torch.equal(allowed(logits[0]), stops)
         assert torch.equal(allowed(logits[1]), stops)

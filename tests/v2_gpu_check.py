@@ -19,8 +19,8 @@ Each step t, in 0.34's async order, with no host sync in the runner's part:
 1. forward(t): ``torch.cuda._sleep`` calibrated to F ms, then the logits ``[B, 151936]``
    fp32 (on CPU: a sleep of F ms, run in sequence);
 2. apply(t): ``TokenWatch.settle`` (step t-1's tokens read, their fill started), the mask
-   under the lock (``BatchProcessor.apply_mapped``), ``TokenWatch.watch`` (sentinels in
-   stream order);
+   under the lock (``BatchProcessor.apply``, ``Mapped`` rows), ``TokenWatch.watch`` (sentinels
+   in stream order);
 3. the sampler, queued: argmax of the masked logits, then ``post_update`` as device ops in
    the kernel's store order (``last_sampled_tokens``, ``total_len[slots] += 1``, then
    ``all_token_ids[slots, old_total] = tokens``); a timing event after it.
@@ -72,7 +72,7 @@ if __package__ in (None, ""):  # run as a file: make ``tests`` and ``bench`` imp
 from bench.stats import render_table, write_json
 from bench.step import VLLM_CHUNK, VLLM_SERIAL_MAX, vllm_workers
 
-from grammask import Compiler, Grammar, GrammarSpec, Vocabulary, load_vocabulary
+from grammask import Compiler, Grammar, GrammarSpec, Mapped, Vocabulary, load_vocabulary
 from grammask.decode.processor import BatchProcessor
 from grammask.integrations.vllm.v2 import bind_device
 from grammask.integrations.vllm.v2_device import CudaPort, DevicePort, TokenReader
@@ -238,7 +238,7 @@ class V2Apply:
     def apply(self, logits: torch.Tensor, rows: list[int], slots: list[int]) -> None:
         self.watch.settle(slots)
         with self.lock:
-            self.proc.apply_mapped(logits, rows, slots)
+            self.proc.apply(logits, Mapped(rows, slots))
         self.watch.watch([(s, self.tokens[s]) for s in slots if s not in self.failed])
 
     def _step(self, items: Items) -> None:

@@ -14,6 +14,7 @@ from .compile.compiler import Compiler, Grammar, Stats
 from .compile.router import Route, route
 from .decode.processor import BatchProcessor, RowInfo
 from .decode.reasoning import ThinkGate, ThinkMarker
+from .decode.step_apply import AlongDrafts, Mapped
 from .errors import (
     CompileFailure,
     CompilerClosedError,
@@ -33,6 +34,7 @@ from .specs.request import ConstraintRequest, parse_extra_args
 from .vocab import Vocabulary, load_vocabulary
 
 __all__ = [
+    "AlongDrafts",
     "BatchProcessor",
     "CompileFailure",
     "CompileTimeoutError",
@@ -47,6 +49,7 @@ __all__ = [
     "InvalidRegexError",
     "InvalidSchemaError",
     "InvalidSpecError",
+    "Mapped",
     "Route",
     "RowInfo",
     "ServerFault",

@@ -36,7 +36,7 @@ class Drafts:
     def place(self, table: dict[int, Row], masked: Sequence[int], bitmask: torch.Tensor,
               base: int, rows: Sequence[int], positions: Sequence[int],
               inputs: Sequence[int], sampling: set[int]) -> DraftMasks:
-        """Each row's masks along its drafts (``BatchProcessor.apply_drafts``: logits row
+        """Each row's masks along its drafts (``AlongDrafts``: logits row
         ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``), in
         the step's ``bitmask``: a committed position at its row's own mask (``masked``: the
         rows the step masked), the draft positions in rows ``base``, ``base + 1``, ... (above

@@ -69,7 +69,7 @@ from .pending import PendingGrammar
 from .row_table import RowTable
 from .rowmasks import ErrorPolicy, RowMasks
 from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
-from .step_apply import HostLogits, StepApply
+from .step_apply import HostLogits, HostRows, StepApply
 from .stepjob import StepJobs
 from .steptypes import FillStats
 
@@ -248,13 +248,15 @@ class BatchProcessor:
         self._apply.end()
         self._jobs.step(self._rows, rows, tokens, live_rows=self._table.live > 0)
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Wait for this step's fill and mask ``logits`` in place (2-D, float, CPU or CUDA;
-        logits row ``i`` belongs to row ``i``). Rows the step did not mask are left alone.
-        Never raises for a row's failure; ValueError for logits with fewer rows than a
-        masked row's index."""
-        self._apply.batch(logits)
-
+    def apply(self, logits: torch.Tensor, host_rows: HostRows = None) -> None:
+        """Wait for this step's fill and mask ``logits`` in place (2-D, float, CPU or CUDA),
+        the one apply of every host; ``host_rows`` says which logits row takes which row's
+        mask (``step_apply``): None, logits row ``i`` is row ``i`` (vLLM's V1 runner,
+        transformers); ``Mapped`` (vLLM's V2 runner: rows are request slots, logits are in
+        batch order); ``AlongDrafts`` (speculative decoding). Logits rows no mask is for are
+        left alone. Never raises for a row's failure; ValueError for logits with fewer rows
+        than a masked row's index."""
+        self._apply.apply(logits, host_rows)
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
@@ -266,26 +268,6 @@ class BatchProcessor:
         until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
         Ends the step like ``apply``. Never raises for a row's failure."""
         return self._apply.wait(rows)
-
-
-    def apply_mapped(self, logits: torch.Tensor, logits_rows: Sequence[int],
-                     rows: Sequence[int]) -> None:
-        """Like ``apply``, for a host whose logits rows are not the processor's rows (vLLM's
-        V2 runner: rows are request slots, logits are in batch order): ``logits[logits_rows[i]]``
-        gets row ``rows[i]``'s mask (both distinct, of equal length). Other logits rows are
-        left alone."""
-        self._apply.mapped(logits, logits_rows, rows)
-
-    def apply_drafts(self, logits: torch.Tensor, rows: Sequence[int],
-                     positions: Sequence[int], inputs: Sequence[int]) -> None:
-        """Speculative decoding: logits row ``i`` belongs to processor row ``rows[i]`` (-1 or
-        a row not sampling: left alone) at draft position ``positions[i]`` (0: the committed
-        state; k: after the first k draft tokens; the last: the bonus position), and
-        ``inputs[i]`` is the token fed at that logits row (the draft tokens of positions
-        1.. are the inputs of the rows before them). Each row's masks follow its drafts
-        (``fill_drafts``); the committed positions take the step's masks as ``apply_mapped``
-        does. The three sequences have one entry per logits row."""
-        self._apply.drafts(logits, rows, positions, inputs)
 
     def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
                     out_rows: Sequence[int]) -> None:

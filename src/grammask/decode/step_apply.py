@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -76,7 +76,7 @@ class HostLogits:
                      plan: CpuPlan | None, placed: DraftMasks,
                      layout: LogitsLayout | None = None) -> None:
         """Masks at draft positions (``drafts.Drafts.place``: pairs into ``bitmask``, the
-        step's with room for them, ``MaskBuffers.room``), in one apply as ``apply_mapped``'s:
+        step's with room for them, ``MaskBuffers.room``), in one apply as ``into_mapped``'s:
         the step's ``plan`` for the committed positions, digests of those, the restore of
         every pair."""
         if placed.at.size:
@@ -131,6 +131,30 @@ class HostLogits:
             metrics.HOST_CONFLICTS.inc(n)
 
 
+class Mapped(NamedTuple):
+    """``logits[logits_rows[i]]`` takes row ``rows[i]``'s mask (both distinct, of equal
+    length): vLLM's V2 runner, whose rows are request slots and logits in batch order."""
+
+    logits_rows: Sequence[int]
+    rows: Sequence[int]
+
+
+class AlongDrafts(NamedTuple):
+    """Speculative decoding: logits row ``i`` belongs to processor row ``rows[i]`` (-1 or a
+    row not sampling: left alone) at draft position ``positions[i]`` (0: the committed state;
+    k: after the first k draft tokens; the last: the bonus position), and ``inputs[i]`` is
+    the token fed at that logits row (the draft tokens of positions 1.. are the inputs of
+    the rows before them). One entry per logits row in each."""
+
+    rows: Sequence[int]
+    positions: Sequence[int]
+    inputs: Sequence[int]
+
+
+#: How a host's logits rows take the processor's rows: None, logits row ``i`` is row ``i``.
+HostRows = Mapped | AlongDrafts | None
+
+
 @dataclass
 class _Ended:
     """A step whose masks an apply took; later applies of the same step take theirs."""
@@ -160,8 +184,17 @@ class StepApply:
         if self._ended is not None:
             self._ended.rows.discard(row)
 
+    def apply(self, logits: torch.Tensor, host_rows: HostRows) -> None:
+        """The step's masks into ``logits``, laid out as ``host_rows`` says."""
+        if host_rows is None:
+            self.batch(logits)
+        elif isinstance(host_rows, Mapped):
+            self.mapped(logits, host_rows.logits_rows, host_rows.rows)
+        else:
+            self.drafts(logits, *host_rows)
+
     def batch(self, logits: torch.Tensor) -> None:
-        """Logits row ``i`` gets row ``i``'s mask (``BatchProcessor.apply``)."""
+        """Logits row ``i`` gets row ``i``'s mask."""
         self._ended = None
         layout = cpu_layout(logits)
         step = self._jobs.wait_for_apply(self.table, layout)

@@ -17,7 +17,7 @@ matchers without stalling the GPU is the token watch's job (``vllm_v2_watch``,
    verifies a large speculative batch in request chunks): settle the pending commits of the
    slots this call samples (``TokenWatch.settle``: their tokens read and fill started, never
    waiting for the forward the host just launched), admit new slots, mask the logits rows of
-   the sampling slots (``apply_mapped``, or ``apply_drafts`` along speculative drafts), then
+   the sampling slots (``BatchProcessor.apply`` with ``Mapped`` rows, or ``AlongDrafts``), then
    hand those slots to the watch (``TokenWatch.watch``).
 
 Rows of unconstrained slots and chunked-prefill rows (their sample is discarded) are left
@@ -46,6 +46,7 @@ import torch
 from ... import metrics
 from ...decode.admissions import Admission
 from ...decode.processor import BatchProcessor
+from ...decode.step_apply import AlongDrafts, Mapped
 from ...kernels.apply import warm_device_apply
 from ...specs.request import thinking_of
 from .common import PluginCore
@@ -191,7 +192,7 @@ class V2Batch:
                 return logits
             try:
                 if logits.shape[0] == slots_np.shape[0] and not self.num_spec:
-                    self._prepare(slots).apply_mapped(logits, rows.tolist(), slots)
+                    self._prepare(slots).apply(logits, Mapped(rows.tolist(), slots))
                 else:
                     self._mask_drafts(logits, ctx, slots)
             except Exception as exc:  # a bug of ours: these rows end, vLLM's step goes on
@@ -234,8 +235,8 @@ class V2Batch:
         expanded = _host(ctx.expanded_idx_mapping)
         sampling = set(slots)
         rows = [int(s) if int(s) in sampling else -1 for s in expanded.tolist()]
-        self._prepare(slots).apply_drafts(logits, rows, _host(ctx.expanded_local_pos).tolist(),
-                                          _host(ctx.input_ids).tolist())
+        self._prepare(slots).apply(logits, AlongDrafts(
+            rows, _host(ctx.expanded_local_pos).tolist(), _host(ctx.input_ids).tolist()))
 
     # ------------------------------------------------------------------ internals
     def _step_rows(self, items: Items) -> None:

@@ -714,9 +714,9 @@ def test_draft_positions_sit_right_above_the_rows_in_use(
     real = step_apply_module.apply_pairs
 
     def spy(logits: torch.Tensor, bitmask: torch.Tensor, at: Any, rows: Any,
-            **kwargs: Any) -> None:
+            **kwargs: Any) -> Any:
         seen.append([int(r) for r in rows])
-        real(logits, bitmask, at, rows, **kwargs)
+        return real(logits, bitmask, at, rows, **kwargs)
 
     monkeypatch.setattr(step_apply_module, "apply_pairs", spy)
     regex = grammars[2]

@@ -256,7 +256,7 @@ class BatchProcessor:
         batch order); ``AlongDrafts`` (speculative decoding). Logits rows no mask is for are
         left alone. Never raises for a row's failure; ValueError for logits with fewer rows
         than a masked row's index."""
-        self._apply.apply(logits, host_rows)
+        self._apply.into_logits(logits, host_rows)
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:

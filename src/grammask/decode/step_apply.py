@@ -18,18 +18,32 @@ import numpy as np
 import torch
 
 from .. import metrics
-from ..kernels.apply import apply_pairs, cpu_layout, restore_empty_rows
+from ..kernels.apply import apply_pairs
 from ..kernels.buffers import MaskBuffers
 from ..kernels.cpu_plan import CpuPlan, LogitsLayout
 from .digests import MaskDigests, row_key
 from .drafts import Drafts
 from .rows import Row
 from .stepjob import StepJobs
-from .steptypes import DraftMasks, StepMasks
+from .steptypes import StepMasks
+
+
+class Pairs(NamedTuple):
+    """(logits row, mask row) pairs of one apply: ``at`` None means logits row ``rows[i]``
+    (sorted, distinct); ``plan``: the step's CPU plan where it holds; ``owners[i]``: the row
+    pair ``i`` belongs to (None: its mask row); ``committed``: how many leading pairs are
+    committed positions (None: all), the ones whose digests are recorded."""
+
+    bitmask: torch.Tensor
+    at: np.ndarray[Any, np.dtype[np.intp]] | None
+    rows: list[int] | np.ndarray[Any, np.dtype[np.intp]]
+    plan: CpuPlan | None
+    owners: np.ndarray[Any, np.dtype[np.intp]] | None = None
+    committed: int | None = None
 
 
 class HostLogits:
-    """Masks logits with a step's bitmask, with the hooks (digests, the restore);
+    """Masks logits with a step's pairs, with the hooks (digests, the restore);
     ``table`` arguments are the batch's rows."""
 
     def __init__(self, *, max_batch: int, vocab_size: int, buffers: MaskBuffers,
@@ -40,25 +54,16 @@ class HostLogits:
         #: per-rank mask digests (a debug setting; ``digests.py``), None: off
         self.digests = digests
         #: some row of the table may have ``host_masks`` (set when such a row is made,
-        #: cleared by ``_restore`` once none has): while False, the apply skips the restore
+        #: cleared once none has): while False, the apply skips the restore
         self.host_masks_seen = False
 
-    def into_batch(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
-              layout: LogitsLayout | None = None) -> None:
-        """Logits row ``i`` gets row ``i``'s mask; ``layout``: the logits'
-        (``apply.cpu_layout``), when the caller has read it."""
-        bitmask, rows, plan = step
-        if rows:
-            self._pairs(table, logits, bitmask, None, rows, plan, layout)
-
-    def into_mapped(self, table: dict[int, Row], logits: torch.Tensor, step: StepMasks,
-                     logits_rows: Sequence[int], rows: Sequence[int],
-                     layout: LogitsLayout | None = None) -> None:
-        """``logits[logits_rows[i]]`` gets row ``rows[i]``'s mask (rows the step did not
-        mask are left alone): no Python work per row."""
+    def mapped(self, step: StepMasks, logits_rows: Sequence[int], rows: Sequence[int]
+               ) -> Pairs | None:
+        """``logits[logits_rows[i]]`` takes row ``rows[i]``'s mask; rows the step did not
+        mask are left out (no Python work per row)."""
         bitmask, masked, plan = step
         if not masked:
-            return
+            return None
         at = np.asarray(logits_rows, dtype=np.intp)
         mask_rows = np.asarray(rows, dtype=np.intp)
         ready = np.zeros(max(self.max_batch, masked[-1] + 1), dtype=bool)
@@ -69,42 +74,26 @@ class HostLogits:
             plan = None  # made for every masked row
         elif len(masked) != len(mask_rows):
             plan = None
-        if at.size:
-            self._pairs(table, logits, bitmask, at, mask_rows, plan, layout)
+        return Pairs(bitmask, at, mask_rows, plan) if at.size else None
 
-    def into_drafts(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
-                     plan: CpuPlan | None, placed: DraftMasks,
-                     layout: LogitsLayout | None = None) -> None:
-        """Masks at draft positions (``drafts.Drafts.place``: pairs into ``bitmask``, the
-        step's with room for them, ``MaskBuffers.room``), in one apply as ``into_mapped``'s:
-        the step's ``plan`` for the committed positions, digests of those, the restore of
-        every pair."""
-        if placed.at.size:
-            self._pairs(table, logits, bitmask, placed.at, placed.rows,
-                        None if placed.stale else plan, layout, placed.owners,
-                        placed.committed)
-
-    def _pairs(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
-               at: np.ndarray[Any, np.dtype[np.intp]] | None,
-               rows: list[int] | np.ndarray[Any, np.dtype[np.intp]], plan: CpuPlan | None,
-               layout: LogitsLayout | None,
-               owners: np.ndarray[Any, np.dtype[np.intp]] | None = None,
-               committed: int | None = None) -> None:
-        """``apply_pairs`` with the hooks: digests of the committed masks (the first
-        ``committed`` pairs; None: all), then the restore (``owners[i]``: pair ``i``'s row;
-        None: its mask row)."""
+    def mask(self, table: dict[int, Row], logits: torch.Tensor, pairs: Pairs
+             ) -> LogitsLayout | None:
+        """``apply_pairs`` with the hooks: digests of the committed masks first, and the
+        grammar's tokens back in rows whose host left none (rows that asked for it);
+        returns the logits' layout, as the apply read it."""
+        bitmask, at, rows, plan, owners, committed = pairs
         # rows as a list only for the per-row hooks (the V2 path has none by default)
         hooks = self.digests is not None or self.host_masks_seen
         listed = (rows if isinstance(rows, list) else rows.tolist()) if hooks else []
         if self.digests is not None:
             self._record(table, bitmask, listed if committed is None else listed[:committed])
             plan = None if self.digests.fault else plan
-        apply_pairs(logits, bitmask, at, rows, vocab_size=self.vocab_size,
-                    buffers=self.buffers, plan=plan, layout=layout)
-        if self.host_masks_seen:
-            spots = listed if at is None else at.tolist()
-            belong = listed if owners is None else owners.tolist()
-            self._restore(table, logits, bitmask, list(zip(spots, listed, belong, strict=True)))
+        asked = self._asked(table, listed, at, owners) if self.host_masks_seen else []
+        layout, restored = apply_pairs(logits, bitmask, at, rows, vocab_size=self.vocab_size,
+                                       buffers=self.buffers, plan=plan, restore=asked)
+        if restored > 0:
+            metrics.HOST_CONFLICTS.inc(restored)
+        return layout
 
     def _record(self, table: dict[int, Row], bitmask: torch.Tensor,
                 rows: Sequence[int]) -> None:
@@ -116,19 +105,19 @@ class HostLogits:
              if r is not None else "?")
             for i in rows for r in [table.get(i)]])
 
-    def _restore(self, table: dict[int, Row], logits: torch.Tensor, bitmask: torch.Tensor,
-                 spots: Sequence[tuple[int, int, int]]) -> None:
-        """The grammar wins over the host's own processors (rows that asked for it);
-        ``spots``: (logits row, mask row, the row it belongs to)."""
-        if not self.host_masks_seen:
-            return
-        asked = [(at, mask_row) for at, mask_row, row in spots
+    def _asked(self, table: dict[int, Row], listed: list[int],
+               at: np.ndarray[Any, Any] | None, owners: np.ndarray[Any, Any] | None
+               ) -> list[tuple[int, int]]:
+        """(logits row, mask row) of the pairs whose row asked that the grammar win over
+        the host's own processors (``host_masks``)."""
+        spots = listed if at is None else at.tolist()
+        belong = listed if owners is None else owners.tolist()
+        asked = [(spot, mask_row) for spot, mask_row, row in zip(spots, listed, belong,
+                                                                 strict=True)
                  if (r := table.get(row)) is not None and r.host_masks]
         if not asked and not any(r.host_masks for r in table.values()):
             self.host_masks_seen = False  # the rows that asked have left the batch
-        if asked and (n := restore_empty_rows(logits, bitmask, asked,
-                                              vocab_size=self.vocab_size)) > 0:
-            metrics.HOST_CONFLICTS.inc(n)
+        return asked
 
 
 class Mapped(NamedTuple):
@@ -184,21 +173,16 @@ class StepApply:
         if self._ended is not None:
             self._ended.rows.discard(row)
 
-    def apply(self, logits: torch.Tensor, host_rows: HostRows) -> None:
-        """The step's masks into ``logits``, laid out as ``host_rows`` says."""
-        if host_rows is None:
-            self.batch(logits)
-        elif isinstance(host_rows, Mapped):
-            self.mapped(logits, host_rows.logits_rows, host_rows.rows)
-        else:
-            self.drafts(logits, *host_rows)
-
-    def batch(self, logits: torch.Tensor) -> None:
-        """Logits row ``i`` gets row ``i``'s mask."""
-        self._ended = None
-        layout = cpu_layout(logits)
-        step = self._jobs.wait_for_apply(self.table, layout)
-        self._logits.into_batch(self.table, logits, step, layout)
+    def into_logits(self, logits: torch.Tensor, host_rows: HostRows) -> None:
+        """The step's masks into ``logits``, laid out as ``host_rows`` says: the layout
+        becomes pairs (waiting for the step's fill), then one masking call."""
+        pairs = (self._batch() if host_rows is None
+                 else self._mapped(*host_rows) if isinstance(host_rows, Mapped)
+                 else self._drafts_of(*host_rows))
+        if pairs is not None:
+            layout = self._logits.mask(self.table, logits, pairs)
+            # the next job plans the CPU apply for these logits when planning fits
+            self._jobs.cpu_layout = layout if self._jobs.plan_next else None
 
     def wait(self, rows: Collection[int] | None) -> tuple[torch.Tensor, list[int]]:
         """The step's bitmask and its rows (``BatchProcessor.wait_masks``)."""
@@ -206,34 +190,30 @@ class StepApply:
         step = self._jobs.wait(self.table, rows)
         return step.bitmask, step.rows
 
-    def mapped(self, logits: torch.Tensor, logits_rows: Sequence[int],
-               rows: Sequence[int]) -> None:
-        """``logits[logits_rows[i]]`` gets row ``rows[i]``'s mask."""
-        ended = self._reusable(rows)
-        if ended is not None:
-            self._logits.into_mapped(self.table, logits, ended.step, logits_rows, rows)
-            return
-        layout = cpu_layout(logits)
-        step = self._jobs.wait_for_apply(self.table, layout, rows)
-        self._ended = _Ended(step, set(step.rows))
-        self._logits.into_mapped(self.table, logits, step, logits_rows, rows, layout)
+    def _batch(self) -> Pairs | None:
+        """Logits row ``i`` takes row ``i``'s mask."""
+        self._ended = None
+        bitmask, rows, plan = self._jobs.wait_for_apply(self.table)
+        return Pairs(bitmask, None, rows, plan) if rows else None
 
-    def drafts(self, logits: torch.Tensor, rows: Sequence[int], positions: Sequence[int],
-               inputs: Sequence[int]) -> None:
-        """Speculative decoding: logits row ``i`` belongs to processor row ``rows[i]`` (-1 or
-        a row not sampling: left alone) at draft position ``positions[i]`` (0: the committed
-        state; k: after the first k draft tokens; the last: the bonus position), and
-        ``inputs[i]`` is the token fed at that logits row (the draft tokens of positions
-        1.. are the inputs of the rows before them). Each row's masks follow its drafts
-        (``Drafts.place``); the committed positions take the step's masks as ``mapped``
-        does. The three sequences have one entry per logits row."""
+    def _mapped(self, logits_rows: Sequence[int], rows: Sequence[int]) -> Pairs | None:
+        """``Mapped``: from the step's masks, or the ended step's for a later chunk."""
+        ended = self._reusable(rows)
+        if ended is None:
+            step = self._jobs.wait_for_apply(self.table, rows)
+            ended = self._ended = _Ended(step, set(step.rows))
+        return self._logits.mapped(ended.step, logits_rows, rows)
+
+    def _drafts_of(self, rows: Sequence[int], positions: Sequence[int],
+                   inputs: Sequence[int]) -> Pairs | None:
+        """``AlongDrafts``: each row's masks follow its drafts (``Drafts.place``) in rows of
+        the step's bitmask above those it uses; the committed positions take the step's
+        masks as ``Mapped`` rows do."""
         self._jobs.admit_now(self.table)
         sampling = {int(r) for r in rows if int(r) in self.table}
         ended = self._reusable(sampling)
-        layout = None
         if ended is None:
-            layout = cpu_layout(logits)
-            step = self._jobs.wait_for_apply(self.table, layout, sorted(sampling))
+            step = self._jobs.wait_for_apply(self.table, sorted(sampling))
             ended = self._ended = _Ended(step, set(step.rows))
         step = ended.step
         # draft positions right after the highest row this step uses: a device copy of the
@@ -246,7 +226,10 @@ class StepApply:
         bitmask = self._jobs.buffers.room(step.bitmask, base, len(rows))
         placed = self._drafts.place(self.table, step.rows, bitmask, base, rows, positions,
                                     inputs, sampling)
-        self._logits.into_drafts(self.table, logits, bitmask, step.plan, placed, layout)
+        if not placed.at.size:
+            return None
+        return Pairs(bitmask, placed.at, placed.rows, None if placed.stale else step.plan,
+                     placed.owners, placed.committed)
 
     def _reusable(self, rows: Collection[int]) -> _Ended | None:
         """The ended step, when it still holds every one of ``rows`` (and no step began)."""

@@ -77,7 +77,7 @@ class StepJobs:
         #: or planning would not fit in the forward: see ``_plan_fits``)
         self.cpu_layout: LogitsLayout | None = None
         #: the job's own ``_plan_fits`` verdict for the job after it (off the critical path)
-        self._plan_next = True
+        self.plan_next = True
         self._window_ms = float("inf")  # from the last step's hand-over to its apply
         self._stepped_at = 0.0  # when the last step's job was handed over
         self._steps = 0
@@ -177,17 +177,15 @@ class StepJobs:
         step = self.pending
         return () if step is None or step.admits is None else step.admits[0].keys()
 
-    def wait_for_apply(self, table: dict[int, Row], layout: LogitsLayout | None,
-                       rows: Collection[int] | None = None) -> StepMasks:
-        """``wait``, for an apply on logits laid out as ``layout`` (``apply.cpu_layout``,
-        read once by the apply): the next job plans the CPU apply for that layout when the
-        last job found that planning fits (``_plan_fits``, decided by the job: not on the
+    def wait_for_apply(self, table: dict[int, Row], rows: Collection[int] | None = None
+                       ) -> StepMasks:
+        """``wait``, for an apply into the host's logits: notes how long the forward left
+        the job (``_plan_fits``). The apply then sets ``cpu_layout`` (the next job plans
+        the CPU apply for it when ``plan_next``: planning fit, decided by the job, not on the
         critical path). The plan is made for the job's rows; an apply at other logits rows
         moves it there (``apply.apply_pairs``)."""
         self._window_ms = (time.perf_counter() - self._stepped_at) * 1000
-        masks = self.wait(table, rows)
-        self.cpu_layout = layout if self._plan_next else None
-        return masks
+        return self.wait(table, rows)
 
     def wait(self, table: dict[int, Row], rows: Collection[int] | None) -> StepMasks:
         """Wait for this step's fill (``step`` now, when none is pending); rows read late and
@@ -286,7 +284,7 @@ class StepJobs:
             if self._plans > 2:
                 self._plan_ms.append(plan_ms)
         self.stats.last_plan_ms = plan_ms
-        self._plan_next = self._plan_fits(self._window_ms)
+        self.plan_next = self._plan_fits(self._window_ms)
         return StepMasks(step.buffer, indices, step.plan)
 
     def _run(self, work: list[Work], buffer: torch.Tensor) -> list[int]:

@@ -28,7 +28,7 @@ from .cpu_plan import CpuPlan, LogitsLayout
 log = logging.getLogger("grammask")
 
 __all__ = ["CpuPlan", "LogitsLayout", "apply_bitmask", "apply_pairs", "cpu_layout",
-           "plan_cpu_apply", "restore_empty_rows", "warm_device_apply"]
+           "plan_cpu_apply", "restore_empty_rows", "stop_only", "warm_device_apply"]
 
 #: Dtypes of the planned CPU apply (as same-width ints: -inf's bit pattern); anything else
 #: goes through the torch fallback.
@@ -212,7 +212,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
 def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any, Any] | None,
                 rows: np.ndarray[Any, Any] | Sequence[int], *, vocab_size: int,
                 buffers: MaskBuffers | None = None, plan: CpuPlan | None = None,
-                layout: LogitsLayout | None = None) -> None:
+                layout: LogitsLayout | None = None,
+                restore: Sequence[tuple[int, int]] = ()) -> tuple[LogitsLayout | None, int]:
     """Mask logits row ``at[i]`` with bitmask row ``rows[i]``, in place: the one apply of the
     decode path, whether logits rows are the processor's rows (``at`` None: logits row
     ``rows[i]`` takes bitmask row ``rows[i]``, ``rows`` sorted; the V1 runner, transformers,
@@ -225,7 +226,22 @@ def apply_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any,
     plan that holds, through ``apply_bitmask``'s kernels on the mask rows gathered into the
     logits' order. CUDA logits: the bitmask is copied once (pinned, non-blocking), gathered
     into the logits' order on the device, and masked by the kernel. Raises ValueError for
-    rows outside the logits or the bitmask."""
+    rows outside the logits or the bitmask.
+
+    ``restore``: (logits row, mask row) pairs whose grammar wins over the host's own
+    processors (``restore_empty_rows``, after masking). Returns (the logits' layout,
+    ``cpu_layout``; rows restored)."""
+    _mask_pairs(logits, bitmask, at, rows, vocab_size=vocab_size, buffers=buffers, plan=plan,
+                layout=layout)
+    restored = restore_empty_rows(logits, bitmask, restore, vocab_size=vocab_size)
+    return (cpu_layout(logits) if layout is None else layout), restored
+
+
+def _mask_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any, Any] | None,
+                rows: np.ndarray[Any, Any] | Sequence[int], *, vocab_size: int,
+                buffers: MaskBuffers | None, plan: CpuPlan | None,
+                layout: LogitsLayout | None) -> None:
+    """``apply_pairs``' masking."""
     if at is None:
         if len(rows) == 0:
             return
@@ -473,6 +489,18 @@ def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
             logits[:, covered:] = float("-inf")
         else:
             logits[index.long(), covered:] = float("-inf")
+
+
+def stop_only(logits: torch.Tensor, rows: Sequence[int], stop_ids: Sequence[int]) -> None:
+    """The emergency mask, in place: only the stop tokens in logits ``rows`` (their
+    requests end now; an adapter's own failure, where no bitmask can be trusted)."""
+    index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=logits.device)
+    block = logits[index]
+    kept = block[:, stops]
+    block.fill_(float("-inf"))
+    block[:, stops] = kept
+    logits[index] = block
 
 
 #: Row counts the apply kernel is warmed for: Triton specializes an int argument that is 1

@@ -47,7 +47,7 @@ from ... import metrics
 from ...decode.admissions import Admission
 from ...decode.processor import BatchProcessor
 from ...decode.step_apply import AlongDrafts, Mapped
-from ...kernels.apply import warm_device_apply
+from ...kernels.apply import stop_only, warm_device_apply
 from ...specs.request import thinking_of
 from .common import PluginCore
 from .v2_device import CudaPort, DevicePort, TokenReader
@@ -190,18 +190,18 @@ class V2Batch:
                 self._leaving.clear()
             if not slots:
                 return logits
-            try:
-                if logits.shape[0] == slots_np.shape[0] and not self.num_spec:
-                    self._prepare(slots).apply(logits, Mapped(rows.tolist(), slots))
-                else:
-                    self._mask_drafts(logits, ctx, slots)
+            try:  # the rows as the processor takes them, then one apply
+                host_rows = (Mapped(rows.tolist(), slots)
+                             if logits.shape[0] == slots_np.shape[0] and not self.num_spec
+                             else self._draft_rows(ctx, slots))
+                self._prepare(slots).apply(logits, host_rows)
             except Exception as exc:  # a bug of ours: these rows end, vLLM's step goes on
                 log.exception("grammask: masking failed; its rows get stop-only masks")
                 for slot in slots:
                     self._fail_slot(slot, f"masking failed: {type(exc).__name__}: {exc}")
                 expanded = _host(ctx.expanded_idx_mapping)
-                _stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
-                           core.compiler.vocab.stop_ids if core.compiler is not None else ())
+                stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
+                          core.compiler.vocab.stop_ids if core.compiler is not None else ())
                 return logits
         self.watch.watch([(slot, self._slots[slot].tokens) for slot in slots
                           if self._slots[slot].failed is None])
@@ -223,7 +223,7 @@ class V2Batch:
                 self._unjoined.discard(slot)
         return proc
 
-    def _mask_drafts(self, logits: torch.Tensor, ctx: Any, slots: list[int]) -> None:
+    def _draft_rows(self, ctx: Any, slots: list[int]) -> AlongDrafts:
         """Speculative decoding: a request owns one logits row per draft token plus the
         bonus row (``expanded_local_pos`` 0..n); row k's mask follows the first k drafts,
         which are this step's ``input_ids`` of rows 1..k (row 0's input is committed)."""
@@ -235,8 +235,8 @@ class V2Batch:
         expanded = _host(ctx.expanded_idx_mapping)
         sampling = set(slots)
         rows = [int(s) if int(s) in sampling else -1 for s in expanded.tolist()]
-        self._prepare(slots).apply(logits, AlongDrafts(
-            rows, _host(ctx.expanded_local_pos).tolist(), _host(ctx.input_ids).tolist()))
+        return AlongDrafts(rows, _host(ctx.expanded_local_pos).tolist(),
+                           _host(ctx.input_ids).tolist())
 
     # ------------------------------------------------------------------ internals
     def _step_rows(self, items: Items) -> None:
@@ -326,18 +326,6 @@ class V2Batch:
 
 def _copy_into(host: torch.Tensor, source: torch.Tensor, cuda: bool) -> None:
     host.copy_(source, non_blocking=cuda)
-
-
-def _stop_only(logits: torch.Tensor, rows: list[int], stop_ids: tuple[int, ...] | list[int]
-               ) -> None:
-    """The emergency mask: only stop tokens in ``rows`` (the request ends now)."""
-    index = torch.tensor(rows, device=logits.device)
-    stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=logits.device)
-    block = logits[index]
-    kept = block[:, stops]
-    block.fill_(float("-inf"))
-    block[:, stops] = kept
-    logits[index] = block
 
 
 def _host(tensor: Any) -> np.ndarray:

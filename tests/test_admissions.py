@@ -194,14 +194,14 @@ def test_a_step_is_freed_by_the_next_job_and_steps_never_chain(
         proc.add(0, CHOICES[0], grammar=grammars[0])
         proc.step()
         proc.wait_masks()
-        waited = jobs._spent
+        waited = jobs._last_waited
         assert waited is not None and waited.work  # the host keeps it until the next job
         proc.step()
         proc.wait_masks()
-        assert jobs._spent is not None and jobs._spent is not waited
-        assert jobs._spent.spent is None  # the job dropped the one before
+        assert jobs._last_waited is not None and jobs._last_waited is not waited
+        assert jobs._last_waited.before is None  # the job dropped the one before
         proc.remove(0)
         for _ in range(5):  # no rows: no job
             proc.step()
             proc.wait_masks()
-            assert jobs._spent is not None and jobs._spent.spent is None
+            assert jobs._last_waited is not None and jobs._last_waited.before is None

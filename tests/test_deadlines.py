@@ -21,7 +21,7 @@ import pytest
 from grammask.backends import get_backend, registry
 from grammask.backends.registry import BackendInfo, Cost
 from grammask.compile.compiler import Compiler
-from grammask.compile.slots import HERE_MAX_CHARS, HERE_SHARE, here_cost_s, may_run_here
+from grammask.compile.slots import HERE_MAX_CHARS, HERE_SHARE, may_run_here, own_thread_cost_s
 from grammask.compile.warmup import warm
 from grammask.errors import CompileTimeoutError
 from grammask.specs.grammar_spec import GrammarSpec
@@ -166,7 +166,7 @@ def test_the_here_rule() -> None:
     """Small and sure to end within a tenth of the time left: on the caller; else a worker."""
     assert may_run_here(500, 10.0)
     assert not may_run_here(HERE_MAX_CHARS + 1, 1e9)  # too large, however much time is left
-    assert here_cost_s(HERE_MAX_CHARS) > here_cost_s(500) > 0
+    assert own_thread_cost_s(HERE_MAX_CHARS) > own_thread_cost_s(500) > 0
     # a small spec with almost no time left (a fallback late in its budget) goes to a worker
-    assert not may_run_here(500, here_cost_s(500) / HERE_SHARE * 0.9)
-    assert may_run_here(500, here_cost_s(500) / HERE_SHARE * 1.1)
+    assert not may_run_here(500, own_thread_cost_s(500) / HERE_SHARE * 0.9)
+    assert may_run_here(500, own_thread_cost_s(500) / HERE_SHARE * 1.1)

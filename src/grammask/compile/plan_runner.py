@@ -49,7 +49,7 @@ class PlanRunner:
         self._keep = keep
         # (key, backend) -> its abandoned compile, still running: later requests wait on it
         # rather than start another runaway
-        self._slow: dict[tuple[str, str], Job] = {}
+        self._abandoned: dict[tuple[str, str], Job] = {}
 
     def run(self, spec: GrammarSpec, plan: Plan, deadline: float) -> Grammar:
         """Run the router's plan: each attempt in order, within its share of the time left,
@@ -107,9 +107,9 @@ class PlanRunner:
                  skip_busy: bool = False, slot_deadline: float | None = None) -> Grammar:
         backend = step.backend
         impl = get_backend(backend)
-        slow_key = (spec.key, backend)
+        abandoned_key = (spec.key, backend)
         with self._lock:
-            running = self._slow.get(slow_key)
+            running = self._abandoned.get(abandoned_key)
         impl.prepare(self.vocab)
         codec = disk_backend(backend) if self._disk is not None else None
         if codec is not None:
@@ -124,7 +124,7 @@ class PlanRunner:
         def abandoned(job: Job) -> None:
             with self._lock:  # a job already done has had its late result handled
                 if not job.done.is_set():
-                    self._slow[slow_key] = job
+                    self._abandoned[abandoned_key] = job
 
         try:
             if running is not None:  # an earlier request's compile of it is still going
@@ -237,7 +237,7 @@ class PlanRunner:
         if error is None:  # a runaway's result is what the disk cache is for
             self._to_disk(spec, step, value, elapsed)  # type: ignore[arg-type]
         with self._lock:
-            self._slow.pop((spec.key, backend), None)
+            self._abandoned.pop((spec.key, backend), None)
             self.stats.abandoned = self._runners.abandoned()
         if error is not None:
             return

@@ -49,14 +49,6 @@ from ..schema.features import Feature
 from ..schema.keywords import check_keywords
 from ..specs.grammar_spec import BackendName, GrammarSpec
 
-#: Neither backend enforces these; listed in ``unenforced`` but not a reason to switch backends
-#: (nor to refuse in strict mode: both backends accept the impossible date 2023-02-29).
-COMMON_GAPS: dict[Feature, str] = {
-    Feature.FORMAT_DATE: "day-of-month not checked (2023-02-29 passes)",
-    Feature.FORMAT_NEITHER: "idn-email, idn-hostname, iri, iri-reference and regex are "
-                            "not checked",
-}
-
 
 @dataclass(frozen=True)
 class Route:
@@ -224,7 +216,8 @@ def _gaps(features: Features, backend: BackendInfo) -> list[str]:
 
 
 def _common(features: Features) -> tuple[str, ...]:
-    return tuple(f"{n} ({COMMON_GAPS[n]})" for n in features if n in COMMON_GAPS)
+    common = registry.COMMON_GAPS
+    return tuple(f"{n} ({common[n]})" for n in features if n in common)
 
 
 def _on_backend(backend: BackendInfo, features: Features) -> tuple[tuple[str, ...], bool]:

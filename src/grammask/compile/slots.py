@@ -55,11 +55,11 @@ def trim_heap() -> bool:
 #: 100,000-string choice compile for 18 s and 10,000 properties for 17 s.
 HERE_MAX_CHARS = 8192
 #: The share of the time left that a compile on the calling thread may be expected to take
-#: at worst (``here_cost_s``): the caller then overshoots its deadline by at most this much.
+#: at worst (``own_thread_cost_s``): the caller then overshoots its deadline by at most this much.
 HERE_SHARE = 0.1
 
 
-def here_cost_s(chars: int) -> float:
+def own_thread_cost_s(chars: int) -> float:
     """A pessimistic compile time for a spec of ``chars`` characters (llguidance, measured:
     the corpus' worst is 7 us a character; properties grow quadratically, 10 us a character
     at 100 KB)."""
@@ -71,7 +71,7 @@ def may_run_here(chars: int, left_s: float) -> bool:
     ``left_s`` seconds to its deadline: small, and sure to end within ``HERE_SHARE`` of it.
     Past that it goes to a worker (one thread hop each way: 60-250 us, 1-5% of such a
     compile)."""
-    return chars <= HERE_MAX_CHARS and here_cost_s(chars) <= HERE_SHARE * left_s
+    return chars <= HERE_MAX_CHARS and own_thread_cost_s(chars) <= HERE_SHARE * left_s
 
 
 class Job:

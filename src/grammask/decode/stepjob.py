@@ -54,7 +54,7 @@ class Step:
     admits: tuple[dict[int, Queued], list[Row]] | None = None
     #: the step before, ended: dropped by this step's job, so that freeing its work (a
     #: tuple and a token list per row) costs the fill thread, not the host's ``wait``
-    spent: Step | None = None
+    before: Step | None = None
 
 
 class StepJobs:
@@ -72,7 +72,7 @@ class StepJobs:
         self._filler = filler
         self._worker = FillWorker(cpus=filler.cpus)
         self.pending: Step | None = None
-        self._spent: Step | None = None  # the last step waited for (``Step.spent``)
+        self._last_waited: Step | None = None  # the last step waited for (``Step.before``)
         #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
         #: or planning would not fit in the forward: see ``_plan_fits``)
         self.cpu_layout: LogitsLayout | None = None
@@ -121,15 +121,15 @@ class StepJobs:
                     i in queued and queued[i].output_ids is not None)), None)
         step = Step(None, self.buffers.acquire(), [],
                     rows=frozenset(order) if order is not None else None,
-                    admits=self.admissions.hand_over(), spent=self._spent)
-        self._spent = None
+                    admits=self.admissions.hand_over(), before=self._last_waited)
+        self._last_waited = None
         self._stepped_at = time.perf_counter()
         self._steps += 1
         if table or step.admits is not None:
             step.future = self._worker.run(
                 partial(self._job, step, self.cpu_layout, table, order, handed))
         else:  # no job to drop it: steps of an empty batch must not chain
-            step.spent = None
+            step.before = None
         self.pending = step
         if live is not None:  # the other rows' job runs: the host's mistake is this row's
             raise ValueError(f"row {live} reads a live output list; append to it instead")
@@ -195,7 +195,7 @@ class StepJobs:
         step = self.pending
         assert step is not None
         self.pending = None
-        self._spent = step
+        self._last_waited = step
         if step.future is None:
             indices: set[int] = set()
         else:
@@ -261,7 +261,7 @@ class StepJobs:
         rows, so the apply on the host's critical path is only gather / memset / scatter.
         The rows come back sorted and distinct (``step(rows, tokens)`` may list a row twice),
         so ``wait`` has nothing left to do but return them."""
-        step.spent = None
+        step.before = None
         try:
             if step.admits is not None:
                 self.admissions.admit(table, step.admits)

@@ -204,12 +204,12 @@ class GuidanceMatcher(BackendMatcher):
             return
         if n <= 1 or not all(m._owner is None or m._owner.parallel for m, _ in rows):
             # one thread: one LLExecutor call, not a fill per row. Alone on the machine the
-            # per-row fills are faster (the executor's thread runs on cold caches: 64 rows
-            # 0.81 ms against 1.23, bench.fillscale), but each lets the GIL go and takes it
-            # back: beside a host thread that runs Python, every re-take waits for it
-            # (``stepjob``: one re-take a step). A Python tokenizer callback (forced text)
-            # takes the GIL inside fills: threads would take turns on it, slower than one
-            # (16 cores: 1.4 ms alone, 2.0 on 8), so such rows take this one thread too.
+            # per-row fills are faster (the executor's thread runs on cold caches), but each
+            # lets the GIL go and takes it back: beside a host thread that runs Python,
+            # every re-take waits for it (``stepjob``: one re-take a step). A Python
+            # tokenizer callback (forced text) takes the GIL inside fills: threads would
+            # take turns on it, slower than one, so such rows take this one thread too
+            # (measurements: docs/benchmarks.md).
             _fill_rows(state, 0, rows, bitmask)
             return
         shares = _place(rows, n)

@@ -404,7 +404,7 @@ _LINE = re.compile(r"(line \d+(?:,? ?(?:col(?:umn)?)? ?\d+)?)", re.IGNORECASE)
 
 
 #: What xgrammar 0.2.8 ignores, gets wrong or refuses, keyword by keyword (measured with
-#: bench/keyword_probe.py; table in docs/keyword-probe.md).
+#: the retired keyword probe, its table in docs/keyword-probe.md; held by `grammask check`).
 GAPS: dict[Feature, str] = {
     Feature.UNIQUE_ITEMS: "ignored",
     Feature.CONTAINS: "wrong: accepts only []",

@@ -9,7 +9,7 @@ policy:
 1. a forced backend (``spec.backend``) wins;
 2. the spec's ``workload`` (a JSON schema with or without free-form text or open objects, a
    regex, GBNF, ...) and, for JSON schemas, the features each backend does not enforce (its
-   ``gaps``, measured with bench/keyword_probe.py) decide: of the backends that enforce
+   ``gaps``, docs/keyword-probe.md) decide: of the backends that enforce
    everything, the cheapest for the workload by its declared ``Cost`` (``prefer`` first);
    the runner-up is the fallback. Measured facts behind the costs (corpus schemas, Qwen2.5
    vocabulary): xgrammar compiles schemas without free-form text (no plain string, free key

@@ -23,9 +23,9 @@ class Filler:
 
     ``parallel_min``: the fewest matchers of one backend filled on the backend's threads;
     fewer fill on the fill thread, in one batch call. None picks by the machine: on 2 cores
-    the fill thread already has the only spare core (``bench/overlap.py``: more threads were
-    no faster), so the backends' threads are used from 32 rows only where at least 4 cores
-    are available.
+    the fill thread already has the only spare core (more threads were no faster:
+    docs/benchmarks.md), so the backends' threads are used from 32 rows only where at least
+    4 cores are available.
     ``threads``: worker threads of the batch fills (None: the backend's default).
     ``cpus``: the CPUs the fill thread runs on (None: where the host started it).
     """

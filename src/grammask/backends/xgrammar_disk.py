@@ -5,7 +5,8 @@ vocabulary (seconds for large JSON schemas, minutes for pathological ones), and 
 a faithful serialization of it (``xgrammar.CompiledGrammar.serialize_json`` /
 ``deserialize_json``, which needs the vocabulary's ``TokenizerInfo`` and checks its metadata;
 it is xgrammar's only format). Loading costs a fraction of the compile
-(``bench/diskcache_heavy.py``, docs/benchmarks.md). llguidance compiles in milliseconds and has no such format.
+(``bench/diskcache_heavy.py``, docs/benchmarks.md). llguidance compiles in milliseconds and
+has no such format.
 
 Where the time and the memory go (xgrammar 0.2): a load is xgrammar parsing its JSON, mostly
 the adaptive token mask table: one entry per parser state, a dense one is a 4,750-word bitset

@@ -7,25 +7,26 @@ side share its ``rows`` dict), instead of a table passed from hand to hand.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .admissions import Admissions, Queued
 from .rows import Row
 from .step_apply import StepApply
 from .stepjob import StepJobs
 
 
+@dataclass(eq=False)
 class RowTable:
     """Rows ``0 .. max_batch - 1``: made or queued; mutations settle what they touch."""
 
-    def __init__(self, max_batch: int, rows: dict[int, Row], admissions: Admissions,
-                 jobs: StepJobs, apply: StepApply) -> None:
-        self.max_batch = max_batch
-        self.rows = rows
-        self.admissions = admissions
-        self._jobs = jobs
-        self._apply = apply
-        #: rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which
-        #: may count an add that turned out unconstrained until its row is reused
-        self.live = 0
+    max_batch: int
+    rows: dict[int, Row]  # the made rows, shared with the step jobs and the apply side
+    admissions: Admissions  # the queued ones
+    jobs: StepJobs
+    apply: StepApply
+    #: rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which may
+    #: count an add that turned out unconstrained until its row is reused
+    live: int = 0
 
     def check(self, row: int) -> None:
         """Raises IndexError for a row out of range."""
@@ -34,13 +35,13 @@ class RowTable:
 
     def made(self, row: int) -> Row | None:
         """``row``'s request, made now when it was only queued (None: unconstrained)."""
-        self._jobs.admit_now(self.rows)
+        self.jobs.admit_now(self.rows)
         return self.rows.get(row)
 
     def queue(self, row: int, entry: Queued | None) -> None:
         """The row's previous request leaves; ``entry`` (None: none) waits for a fill job
         to make its row."""
-        self._jobs.drop(row)
+        self.jobs.drop(row)
         self.pop(row)
         if entry is not None:
             self.admissions.queued[row] = entry
@@ -49,7 +50,7 @@ class RowTable:
     def pop(self, row: int) -> None:
         """Drop the row's request, made or queued, if any (the live-list count follows); a
         made row's matcher is released by the next fill job (``Admissions.retired``)."""
-        self._apply.forget(row)
+        self.apply.forget(row)
         r = self.rows.pop(row, None)
         if r is not None:
             self.live -= not r.owned
@@ -62,8 +63,8 @@ class RowTable:
         """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped."""
         self.check(src)
         self.check(dst)
-        self._apply.end()
-        self._jobs.discard()
+        self.apply.end()
+        self.jobs.discard()
         moved = self.rows.pop(src, None)
         self.pop(dst)
         if moved is not None:
@@ -74,8 +75,8 @@ class RowTable:
         """Rows ``a`` and ``b`` trade requests."""
         self.check(a)
         self.check(b)
-        self._apply.end()
-        self._jobs.discard()
+        self.apply.end()
+        self.jobs.discard()
         ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
         if ra is not None:
             self.rows[b] = ra

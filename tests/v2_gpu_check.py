@@ -77,7 +77,7 @@ from grammask.decode.processor import BatchProcessor
 from grammask.integrations.vllm.v2 import bind_device
 from grammask.integrations.vllm.v2_device import CudaPort, DevicePort, TokenReader
 from grammask.integrations.vllm.v2_watch import Items, SlotTokens, TokenWatch
-from grammask.kernels.apply import _triton_kernel, warm_device_apply
+from grammask.kernels.apply import _device_kernel, warm_device_apply
 from grammask.kernels.bitmask import allocate_bitmask, bitmask_words
 from tests.helpers import RawReference
 
@@ -339,7 +339,7 @@ def run_vllm(dev: Device, xgr_grammar: Any, vocab: Vocabulary, batch: int, ms: f
     bitmask = allocate_bitmask(batch, vocab.vocab_size, pin=dev.cuda)
     sampled = torch.zeros(batch, dtype=torch.int32, pin_memory=dev.cuda)
     logits = torch.empty(batch, vocab.vocab_size, dtype=torch.float32, device=dev.device)
-    kernel = _triton_kernel() if dev.cuda else None
+    kernel = _device_kernel() if dev.cuda else None
     landings = Landings(dev.device)
     rejects = 0
 

@@ -14,6 +14,7 @@ import torch
 import xgrammar as xgr
 
 from ..errors import GrammarError, InvalidGrammarError, InvalidRegexError, InvalidSchemaError
+from ..kernels.lent import lend
 from ..schema import jsontext
 from ..schema.features import Feature
 from ..schema.normalize import locate, normalize_schema
@@ -462,3 +463,27 @@ register(BackendInfo(
         "structural_tag": Cost(1, "has structural tags natively"),
         "structural_tag_legacy": Cost(1, "has structural tags natively"),
     }))
+
+
+def _cpu_kernel(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
+                rows: list[int]) -> None:
+    """xgrammar's CPU apply (fast for rows that allow most tokens), lent to ``kernels``."""
+    from xgrammar.kernels.apply_token_bitmask_inplace_cpu import (
+        apply_token_bitmask_inplace_cpu,
+    )
+
+    apply_token_bitmask_inplace_cpu(logits, bitmask, vocab_size, rows)
+
+
+def _device_kernel() -> Any:
+    """xgrammar's Triton apply kernel, or None without Triton."""
+    try:
+        from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+            apply_token_bitmask_inplace_triton,
+        )
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace_triton
+
+
+lend(cpu=_cpu_kernel, device=_device_kernel)

@@ -5,8 +5,9 @@
   memset of the rows that allow few tokens, a gather/scatter of their allowed logits, and a
   scatter of -inf at the refused tokens of the other rows.
 - ``apply_bitmask``: masks logits in place. CPU logits go through such a plan when one is
-  given and fits, else through xgrammar's CPU kernel (rows that allow few tokens memset and
-  restored). CUDA logits use the Triton kernel (untested: no GPU where this was written).
+  given and fits, else through the CPU kernel a backend lent (``kernels.lent``; rows that
+  allow few tokens memset and restored). CUDA logits use the lent device kernel (xgrammar's
+  Triton kernel), torch where none is.
   ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile``.
 
 The measurements behind these choices are in docs/benchmarks.md (CPU apply).
@@ -24,6 +25,7 @@ import torch
 
 from .buffers import MaskBuffers, copy_runs
 from .cpu_plan import CpuPlan, LogitsLayout
+from .lent import LENT
 
 log = logging.getLogger("grammask")
 
@@ -173,7 +175,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: in
     - Device: CPU logits go through ``plan``, a ``CpuPlan`` made ahead by ``plan_cpu_apply``
       from this bitmask's current contents (the fill thread does, when the forward leaves it
       time), when it fits these logits (``layout``: theirs, from ``cpu_layout``, when the
-      caller has read it already) and rows; else through xgrammar's CPU kernel, with
+      caller has read it already) and rows; else through a lent CPU kernel, with
       rows that allow few tokens memset and restored. CUDA logits copy the (pinned) bitmask to the
       device and use the Triton kernel: that branch is untested here (no GPU).
     """
@@ -389,9 +391,9 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
                rows: list[int]) -> None:
     """CPU apply, split by how much a row allows.
 
-    xgrammar's kernel skips all-ones words but writes -inf one element at a time, so it is
-    fast for rows that allow most tokens (free text) and slow for the common structural rows
-    that allow a handful. Those *sparse* rows are instead saved at their allowed ids, filled
+    The lent kernel (xgrammar's) skips all-ones words but writes -inf one element at a time:
+    it is fast for rows that allow most tokens (free text) and slow for the common structural
+    rows that allow a handful. Those *sparse* rows are instead saved at their allowed ids, filled
     with -inf wholesale (a memset, the cheapest write there is) and restored. The index work
     is done in numpy: its calls cost a tenth of torch's."""
     nwords = (covered + 31) // 32
@@ -399,13 +401,11 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
     flags = np.count_nonzero(words, axis=1) <= max(_SPARSE_WORDS, nwords // 4)
     sparse_rows = [r for r, s in zip(rows, flags.tolist(), strict=True) if s]
     if len(sparse_rows) < len(rows):
-        from xgrammar.kernels.apply_token_bitmask_inplace_cpu import (
-            apply_token_bitmask_inplace_cpu,
-        )
-
-        apply_token_bitmask_inplace_cpu(
-            logits, bitmask, covered, [r for r, s in zip(rows, flags.tolist(), strict=True)
-                                       if not s])
+        dense = [r for r, s in zip(rows, flags.tolist(), strict=True) if not s]
+        if LENT.cpu is not None:
+            LENT.cpu(logits, bitmask, covered, dense)
+        else:
+            _apply_torch(logits, bitmask, covered, dense)
         if not sparse_rows:
             return
         words = words[flags]
@@ -448,7 +448,7 @@ def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
 def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
                   indices: Sequence[int] | np.ndarray[Any, Any] | None,
                   buffers: MaskBuffers | None) -> None:
-    """CUDA logits: the (pinned) bitmask copied without blocking, then xgrammar's Triton
+    """CUDA logits: the (pinned) bitmask copied without blocking, then the lent device
     kernel called directly (its generic entry point checks and picks a backend on every
     call). Rows are checked in numpy (no Python work per row); no index at all when they are
     every row of the logits in order (the common case), else a pinned index copied without
@@ -475,15 +475,12 @@ def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
     index = None
     if index_np is not None:
         index = torch.from_numpy(index_np).pin_memory().to(logits.device, non_blocking=True)
-    kernel = _triton_kernel()
+    kernel = _device_kernel()
     if kernel is not None:
         kernel(logits, device_mask, covered, index)
     else:
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=covered,
-                                        indices=None if index is None else index.tolist(),
-                                        backend="torch_native")
+        _apply_torch(logits, device_mask, covered,
+                     list(range(n)) if index is None else index.tolist())
     if width > covered:  # model padding past the mask
         if index is None:
             logits[:, covered:] = float("-inf")
@@ -514,10 +511,10 @@ def warm_device_apply(device: torch.device, vocab_size: int, *,
     """Compile the device apply kernel for ``vocab_size`` logits of ``dtype`` on ``device``
     before the first step (a first constrained step would pay the JIT compile, and each new
     specialization again); returns the launches made (0 off CUDA or without Triton).
-    ``kernel``: the one to warm (default: xgrammar's Triton kernel on CUDA). A failure is
+    ``kernel``: the one to warm (default: the device kernel a backend lent, on CUDA). A failure is
     logged, never raised: the first step compiles instead."""
     if kernel is None and device.type == "cuda":
-        kernel = _triton_kernel()
+        kernel = _device_kernel()
     if kernel is None:
         return 0
     launches = 0
@@ -537,13 +534,12 @@ def warm_device_apply(device: torch.device, vocab_size: int, *,
     return launches
 
 
+def _device_kernel() -> Any:
+    """The device apply kernel a backend lent (``kernels.lent``), or None."""
+    getter = LENT.device
+    return None if getter is None else _cached_device(getter)
+
+
 @cache
-def _triton_kernel() -> Any:
-    """xgrammar's Triton apply kernel, or None without Triton."""
-    try:
-        from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
-            apply_token_bitmask_inplace_triton,
-        )
-    except ImportError:
-        return None
-    return apply_token_bitmask_inplace_triton
+def _cached_device(getter: Any) -> Any:
+    return getter()

@@ -8,7 +8,6 @@ failure when ``GRAMMASK_V34_REQUIRED`` is set.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -17,36 +16,18 @@ import pytest
 from .vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
     VOCAB,
     cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
+    spec_config,
+    v34_missing,
     vllm_config,
 )
 
 # isort: split
-import vllm
-
-if not str(vllm.__version__).startswith("0.34."):
-    if os.environ.get("GRAMMASK_V34_REQUIRED"):
-        raise RuntimeError(f"GRAMMASK_V34_REQUIRED is set but vLLM {vllm.__version__} is "
-                           "first on the path (make unit34 puts .vllm34/site first)")
-    pytest.skip(f"vLLM 0.34 only (found {vllm.__version__})", allow_module_level=True)
+if why := v34_missing():
+    pytest.skip(why, allow_module_level=True)
 
 from vllm.v1.worker.gpu.spec_decode import rejection_sampler as rsm
 
 from .v34_driver import Driver
-
-
-def _spec_config(max_reqs: int, num_spec: int) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
-    from .vllm_fixtures import model_dir, triton_check_stubbed
-
-    with triton_check_stubbed():
-        return EngineArgs(model=str(model_dir()), dtype="float32", max_model_len=256,
-                          max_num_seqs=max_reqs, enforce_eager=True,
-                          additional_config={"grammask": {"wait_s": 120, "hedge_s": 60,
-                                                          "disk_cache": "off"}},
-                          speculative_config={"method": "ngram",
-                                              "num_speculative_tokens": num_spec,
-                                              "prompt_lookup_max": 2}).create_engine_config()
 
 
 def _chunk_logits(monkeypatch: pytest.MonkeyPatch, rows: int) -> int:
@@ -95,8 +76,8 @@ def test_every_case_of_0_34s_order_on_a_thousand_slots(monkeypatch: pytest.Monke
     """Async order, drafts with rejections in three verification chunks, preemption and
     resume, slots reused in the same step, slots from the top of 1,024."""
     max_reqs, num_spec = 1024, 2
-    d = Driver(_spec_config(max_reqs, num_spec), max_reqs=max_reqs, num_spec=num_spec,
-               chunk_logits=_chunk_logits(monkeypatch, 7), seed=7)
+    d = Driver(spec_config(max_reqs=max_reqs, num_spec=num_spec), max_reqs=max_reqs,
+               num_spec=num_spec, chunk_logits=_chunk_logits(monkeypatch, 7), seed=7)
     try:
         _run(d, 40, preempt_at=(12, 25))
         c = d.counts

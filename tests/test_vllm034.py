@@ -19,7 +19,6 @@ The rejection sampler's Triton kernel cannot run here: the flag it reads
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any
 
 import pytest
@@ -28,18 +27,14 @@ from .vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLL
     CONSTRAINTS,
     VOCAB,
     cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
+    v34_missing,
     vllm_config,
     xargs,
 )
 
 # isort: split
-import vllm
-
-if not str(vllm.__version__).startswith("0.34."):
-    if os.environ.get("GRAMMASK_V34_REQUIRED"):
-        raise RuntimeError(f"GRAMMASK_V34_REQUIRED is set but vLLM {vllm.__version__} is "
-                           "first on the path (make unit34 puts .vllm34/site first)")
-    pytest.skip(f"vLLM 0.34 only (found {vllm.__version__})", allow_module_level=True)
+if why := v34_missing():
+    pytest.skip(why, allow_module_level=True)
 
 import torch
 from vllm import SamplingParams

@@ -29,6 +29,7 @@ from .vllm_fixtures import (
     cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
     post_update,
     ref_allowed,
+    spec_config,
     xargs,
 )
 
@@ -50,27 +51,12 @@ NUM_SPEC = 4
 
 
 
-def spec_config() -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
-    from .vllm_fixtures import model_dir, triton_check_stubbed
-
-    with triton_check_stubbed():
-        return EngineArgs(model=str(model_dir()), dtype="float32", max_model_len=256,
-                          max_num_seqs=MAX_REQS, enforce_eager=True,
-                          additional_config={"grammask": {"wait_s": 120, "hedge_s": 60,
-                                                          "disk_cache": "off"}},
-                          speculative_config={"method": "ngram",
-                                              "num_speculative_tokens": NUM_SPEC,
-                                              "prompt_lookup_max": 2}).create_engine_config()
-
-
 class SpecRunner:
     """The V2 runner's per-step calls with draft tokens (no forward, no rejection sampler:
     the test decides what is accepted, as the sampler would from the masked logits)."""
 
     def __init__(self) -> None:
-        config = spec_config()
+        config = spec_config(max_reqs=MAX_REQS, num_spec=NUM_SPEC)
         self.rs = RequestState(max_num_reqs=MAX_REQS, max_model_len=256,
                                max_num_batched_tokens=256, num_speculative_steps=NUM_SPEC,
                                vocab_size=VOCAB, device=torch.device("cpu"))
@@ -281,7 +267,7 @@ def test_v1_runner_with_speculative_decoding_is_a_clear_400(
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
-    config = spec_config()
+    config = spec_config(max_reqs=MAX_REQS, num_spec=NUM_SPEC)
     params = SamplingParams(extra_args=xargs({"regex": "a+"}))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert not config.use_v2_model_runner

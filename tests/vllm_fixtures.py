@@ -124,6 +124,34 @@ def vllm_config(*, max_num_seqs: int = 4, logits_processors: list[str] | None = 
         return VllmConfig(model_config=mc, scheduler_config=sc, additional_config=extra)
 
 
+def spec_config(*, max_reqs: int, num_spec: int) -> Any:
+    """A ``VllmConfig`` with n-gram speculative decoding (``num_spec`` drafts a step)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with triton_check_stubbed():
+        return EngineArgs(model=str(model_dir()), dtype="float32", max_model_len=256,
+                          max_num_seqs=max_reqs, enforce_eager=True,
+                          additional_config={"grammask": {"wait_s": 120, "hedge_s": 60,
+                                                          "disk_cache": "off"}},
+                          speculative_config={"method": "ngram",
+                                              "num_speculative_tokens": num_spec,
+                                              "prompt_lookup_max": 2}).create_engine_config()
+
+
+def v34_missing() -> str | None:
+    """Why the calling module cannot run (None: vLLM 0.34 is first on the path, as ``make
+    unit34`` puts it); raises instead when ``GRAMMASK_V34_REQUIRED`` is set. Call it as
+    ``if why := v34_missing(): pytest.skip(why, allow_module_level=True)``."""
+    import vllm
+
+    if str(vllm.__version__).startswith("0.34."):
+        return None
+    if os.environ.get("GRAMMASK_V34_REQUIRED"):
+        raise RuntimeError(f"GRAMMASK_V34_REQUIRED is set but vLLM {vllm.__version__} is "
+                           "first on the path (make unit34 puts .vllm34/site first)")
+    return f"vLLM 0.34 only (found {vllm.__version__})"
+
+
 @contextmanager
 def triton_check_stubbed() -> Iterator[None]:
     """vLLM 0.34's CPU platform refuses to build a ``VllmConfig`` on x86 without triton-cpu

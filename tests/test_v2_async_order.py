@@ -165,3 +165,26 @@ def test_start_up_warms_the_kernel_and_binds_the_helpers(monkeypatch: pytest.Mon
             assert pool._initargs == (d.rs.device,)  # type: ignore[attr-defined]
     finally:
         d.close()
+
+
+def test_a_watch_that_cannot_start_ends_its_rows_not_the_step() -> None:
+    """A failure while marking a step's tokens (a device error) never raises into vLLM's
+    step: the rows of that apply end with stop-only masks, and others go on."""
+    d = Driver(vllm_config(max_num_seqs=8), max_reqs=8, seed=13)
+    mark = d.batch.watch.reader.mark
+    calls = {"n": 0}
+
+    def failing(slots: Any, starts: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        mark(slots, starts)
+
+    d.batch.watch.reader.mark = failing  # type: ignore[method-assign]
+    try:
+        _run(d, 8, admit_every=100)
+        proc = d.plugin.core.proc_or_none
+        assert proc is not None
+        assert any("watching tokens failed" in (e or "") for e in proc.errors.values())
+    finally:
+        d.close()

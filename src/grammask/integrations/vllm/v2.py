@@ -203,8 +203,15 @@ class V2Batch:
                 stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
                           core.compiler.vocab.stop_ids if core.compiler is not None else ())
                 return logits
-        self.watch.watch([(slot, self._slots[slot].tokens) for slot in slots
-                          if self._slots[slot].failed is None])
+        try:
+            self.watch.watch([(slot, self._slots[slot].tokens) for slot in slots
+                              if self._slots[slot].failed is None])
+        except Exception as exc:  # the step's tokens cannot be watched: these rows end
+            log.exception("grammask: watching this step's tokens failed")
+            with self._lock:
+                for slot in slots:
+                    self._fail_slot(slot, f"watching tokens failed: {type(exc).__name__}: "
+                                          f"{exc}")
         metrics.V2_APPLY_SECONDS.observe(time.perf_counter() - started)
         return logits
 

@@ -89,7 +89,7 @@ def _frontend_settings(config: Any = None) -> Settings:
     """Settings as the API server process sees them.
 
     vLLM calls ``validate_params`` (a classmethod) without its config; the ``InputProcessor``
-    that calls us holds it (``vllm_compat.admission_config``). Without it (another host) only
+    that calls us holds it (``compat.admission_config``). Without it (another host) only
     the environment counts."""
     config = admission_config() if config is None else config
     extra = getattr(config, "additional_config", None) if config is not None else None
@@ -134,7 +134,7 @@ def _opt_out(sampling_params: Any, so: Any) -> None:
 
 
 def _forced_tool_tag(so: Any, drop: DropIn, settings: Settings) -> str | None:
-    """A forced tool call's tag with each tool's ``parameters`` (``vllm_tools``), or None
+    """A forced tool call's tag with each tool's ``parameters`` (``tools``), or None
     (not a forced call, setting ``tool_arguments=vllm``). A bad schema: a 400 naming the
     tool (``tools[i].function.parameters``)."""
     tag = getattr(so, "structural_tag", None)

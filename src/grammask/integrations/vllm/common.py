@@ -1,7 +1,7 @@
 """What the vLLM V1 and V2 adapters share: ``PluginCore`` (settings, compiler, processor, the
 TP agreement, inertness). The parts live in their own modules, re-exported here:
-``vllm_settings`` (settings), ``vllm_admission`` (request parsing and the 400s),
-``vllm_compiler`` (the shared compiler and vocabulary).
+``settings`` (settings), ``admission`` (request parsing and the 400s),
+``compiler`` (the shared compiler and vocabulary).
 
 - Settings come from ``--additional-config '{"grammask": {...}}'`` first, then ``GRAMMASK_*``
   environment variables, then defaults (``SETTINGS`` lists them; docs/vllm.md has the table).

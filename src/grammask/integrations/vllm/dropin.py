@@ -15,7 +15,7 @@ that the installed vLLM is one whose flow this relies on (the version line, and 
 serve the configuration (speculative decoding on the V1 runner, a vLLM backend grammask does
 not have, the setting ``structured_outputs=vllm``), the requests stay with vLLM's engine and
 the start-up log says why. It never half-works: both processes decide from the same inputs.
-What this relies on in vLLM is checked in ``vllm_compat``.
+What this relies on in vLLM is checked in ``compat``.
 
 The request's params object is changed in place (vLLM's own ``verify`` does the same to
 ``_backend``); a params object reused for another request still carries the constraint, now
@@ -124,7 +124,7 @@ def reasoning_end(vllm_config: Any, parser: str) -> tuple[str | None, str]:
 
 def translate(so: Any, drop: DropIn, tag: str | None = None) -> dict[str, Any]:
     """The grammask object (a vLLM ``structured_outputs`` dict) for one request; ``tag``
-    replaces its structural tag (``vllm_tools.forced_tool_tag``)."""
+    replaces its structural tag (``tools.forced_tool_tag``)."""
     given = [k for k in KINDS if getattr(so, k, None) not in (None, False)]
     if len(given) != 1:
         raise GrammarError(f"structured outputs need exactly one of {', '.join(KINDS)}, "

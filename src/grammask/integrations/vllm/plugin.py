@@ -1,12 +1,12 @@
 """The vLLM plugin: ``GrammaskLogitsProcessor``, the class the ``vllm.logits_processors`` entry
 point names. Importing this module never raises, on any vLLM.
 
-- **A supported vLLM** (``vllm_compat.SUPPORTED_VLLM``): the class subclasses every
+- **A supported vLLM** (``compat.SUPPORTED_VLLM``): the class subclasses every
   logits-processor interface that vLLM has (0.32/0.33: V1 and V2; 0.34: V2 only, the V1
   runner is gone) and dispatches on the constructor's argument types
-  (``vllm_compat.runner_of``): ``(vllm_config, device, is_pin_memory)`` is the V1 runner
-  (``vllm_v1_batch.V1Batch``), ``(vllm_config, req_states)`` the V2 runner
-  (``vllm_v2.V2Batch``). It holds no logic of its own.
+  (``compat.runner_of``): ``(vllm_config, device, is_pin_memory)`` is the V1 runner
+  (``v1_batch.V1Batch``), ``(vllm_config, req_states)`` the V2 runner
+  (``v2.V2Batch``). It holds no logic of its own.
 - **Any other vLLM** (a newer line, a moved module, a broken import of grammask's own): the
   class is ``StandAside``, built on whichever interfaces vLLM has so that its loader accepts
   it. It masks nothing, leaves vLLM's structured outputs to vLLM's engine, refuses requests

@@ -1,6 +1,6 @@
 """The serving plugin class, built on the logits-processor interfaces the installed vLLM has.
 
-``vllm_plugin`` calls ``served_class`` only on a supported vLLM; this module may import
+``plugin`` calls ``served_class`` only on a supported vLLM; this module may import
 grammask's engine (torch, the backends) freely, since a failure here makes the plugin stand
 aside instead of stopping vLLM's server.
 """

@@ -1,5 +1,5 @@
 """The V1 model runner's side of the plugin (``V1Batch``); the plugin class itself lives in
-``vllm_plugin``.
+``plugin``.
 
 V1 runner, as vLLM drives it (``InputBatch``):
 

@@ -3,8 +3,8 @@
 V2 hands a processor per-*slot* state (slots are recycled with no removal hook) and a
 ``LogitsContext`` per apply whose rows are in batch order. Committed tokens live in the
 runner's memory (``req_states.all_token_ids`` up to ``total_len``); getting them to the CPU
-matchers without stalling the GPU is the token watch's job (``vllm_v2_watch``,
-``vllm_v2_device``). This class only translates vLLM's calls:
+matchers without stalling the GPU is the token watch's job (``v2_watch``,
+``v2_device``). This class only translates vLLM's calls:
 
 1. ``add_request(slot, params)``: a key check, note the slot; True for ours (0.34:
    ``may_mask_logits``). The processor is not touched: a watch may be stepping it; the

@@ -7,7 +7,7 @@ request ranges, ``spec_decode/rejection_sampler.py``: ``_verify_in_chunks``):
 - a slot masked in an apply commits once (one token, or the accepted drafts plus the bonus
   token) before it is masked again. Its commit is *pending* until read.
 - ``watch`` (the host, after masking) marks the slots pending: sentinels in stream order
-  (``vllm_v2_device``), then into this step's *open* watch. The chunks of one step join the
+  (``v2_device``), then into this step's *open* watch. The chunks of one step join the
   same open watch: their tokens land in one ``post_update``, queued after the last chunk, so
   a chunk is always added before any token of its step can land (a chunk added while the
   watch polls is picked up before it declares the step landed).

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from grammask.kernels.apply import apply_pairs, cpu_layout, plan_cpu_apply
+from grammask.kernels.apply import apply_pairs, cpu_layout
+from grammask.kernels.cpu_plan import plan_cpu_apply
 
 VOCAB, WIDTH = 1000, 1024  # model padding past the mask
 

@@ -20,8 +20,9 @@ from grammask.backends.guidance import tokenizer_view
 from grammask.decode.fill_worker import FillWorker
 from grammask.decode.filler import Filler, stop_only_row
 from grammask.decode.processor import BatchProcessor
-from grammask.kernels.apply import apply_bitmask, plan_cpu_apply
+from grammask.kernels.apply import apply_bitmask
 from grammask.kernels.buffers import MaskBuffers
+from grammask.kernels.cpu_plan import plan_cpu_apply
 
 from .helpers import feed
 

@@ -16,7 +16,8 @@ import torch
 from grammask.integrations.vllm import v2 as vllm_v2
 from grammask.integrations.vllm import v2_device as vllm_v2_device
 from grammask.kernels import apply as apply_mod
-from grammask.kernels.buffers import MaskBuffers, copy_runs
+from grammask.kernels.apply import copy_runs, copy_to_device
+from grammask.kernels.buffers import MaskBuffers
 
 VOCAB = 151_936
 
@@ -44,12 +45,12 @@ def test_a_device_copy_moves_the_rows_in_use_not_every_row_below_the_highest() -
     buffers = MaskBuffers(1024, VOCAB)
     bitmask = buffers.acquire()
     bitmask[1023] = 7
-    dev = buffers.to_device(bitmask, copy_runs(np.array([1023])), torch.device("cpu"))
+    dev = copy_to_device(buffers, bitmask, copy_runs(np.array([1023])), torch.device("cpu"))
     assert buffers.rows_copied == 1 and int(dev[1023, 0]) == 7
     slots = np.array([1023, 1021, 1018, 700, 3])
-    buffers.to_device(bitmask, copy_runs(slots), torch.device("cpu"))
+    copy_to_device(buffers, bitmask, copy_runs(slots), torch.device("cpu"))
     assert buffers.rows_copied == 6 + 1 + 1  # 1018..1023, 700, 3
-    buffers.to_device(bitmask, 1024, torch.device("cpu"))  # the old way, for contrast
+    copy_to_device(buffers, bitmask, 1024, torch.device("cpu"))  # the old way, for contrast
     assert buffers.rows_copied == 1024
 
 

@@ -19,9 +19,8 @@ import torch
 
 from .. import metrics
 from ..backends.base import Matcher
-from ..kernels.apply import plan_cpu_apply
 from ..kernels.buffers import MaskBuffers
-from ..kernels.cpu_plan import CpuPlan, LogitsLayout
+from ..kernels.cpu_plan import CpuPlan, LogitsLayout, plan_cpu_apply
 from .admissions import Admissions, Queued
 from .fill_worker import FillWorker, Ticket
 from .filler import Filler

@@ -1,13 +1,13 @@
-"""Masking logits with a filled bitmask: the apply side of a decode step.
+"""Masking logits with a filled bitmask: the apply side of a decode step, everything the
+logits pass through.
 
-- ``plan_cpu_apply`` / ``CpuPlan``: the bitmask expanded into flat logit indices, made on the
-  fill thread (it overlaps the forward) so that the CPU apply on the critical path is only a
-  memset of the rows that allow few tokens, a gather/scatter of their allowed logits, and a
-  scatter of -inf at the refused tokens of the other rows.
-- ``apply_bitmask``: masks logits in place. CPU logits go through such a plan when one is
-  given and fits, else through the CPU kernel a backend lent (``kernels.lent``; rows that
-  allow few tokens memset and restored). CUDA logits use the lent device kernel (xgrammar's
-  Triton kernel), torch where none is.
+- ``apply_pairs``: the one entry of the decode path: logits row ``at[i]`` masked with bitmask
+  row ``rows[i]``, rows whose host left no token restored.
+- ``apply_bitmask``: masks logits in place. CPU logits go through a ``CpuPlan`` (made on the
+  fill thread by ``kernels.cpu_plan``) when one is given and fits, else through the CPU kernel
+  a backend lent (``kernels.lent``; rows that allow few tokens memset and restored). CUDA
+  logits take the mask rows in use to the device (``copy_to_device``) and use the lent device
+  kernel (xgrammar's Triton kernel), torch where none is.
   ``llguidance.torch`` is deliberately never used: its first call runs ``torch.compile``.
 
 The measurements behind these choices are in docs/benchmarks.md (CPU apply).
@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .buffers import MaskBuffers, copy_runs
+from .buffers import MaskBuffers
 from .cpu_plan import CpuPlan, LogitsLayout
 from .lent import LENT
 
 log = logging.getLogger("grammask")
 
-__all__ = ["CpuPlan", "LogitsLayout", "apply_bitmask", "apply_pairs", "cpu_layout",
-           "plan_cpu_apply", "restore_empty_rows", "stop_only", "warm_device_apply"]
+__all__ = ["apply_bitmask", "apply_pairs", "copy_runs", "copy_to_device", "cpu_layout",
+           "restore_empty_rows", "stop_only", "warm_device_apply"]
 
 #: Dtypes of the planned CPU apply (as same-width ints: -inf's bit pattern); anything else
 #: goes through the torch fallback.
@@ -42,40 +42,6 @@ _INT_VIEW: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float16: (torch.int16, int(np.array(-np.inf, np.float16).view(np.int16))),
     torch.bfloat16: (torch.int16, -128),  # 0xFF80
 }
-#: Cost model of the planned apply, per logit: a memset costs this fraction of one scattered
-#: index, a kept logit two indexed accesses (gather before the memset, scatter after).
-_WIPE_DIVISOR = 32
-#: mask words the plan expands at a time (a chunk of rows; see ``plan_cpu_apply``)
-_PLAN_CHUNK_BYTES = 1 << 18
-
-
-def _flat_bits(words: np.ndarray[Any, np.dtype[np.uint32]]
-               ) -> np.ndarray[Any, np.dtype[np.intp]]:
-    """The position (``32 * word + bit``, words in row-major order) of every set bit of a
-    2-D uint32 array, ascending.
-
-    Only non-zero words are unpacked; ``nonzero`` runs on bool arrays (numpy's fast path)."""
-    at = np.flatnonzero(words != 0)
-    bits = np.unpackbits(words.ravel()[at].view(np.uint8), bitorder="little").view(np.bool_)
-    found = np.flatnonzero(bits)
-    flat: np.ndarray[Any, np.dtype[np.intp]] = (at[found >> 5] << 5) | (found & 31)
-    return flat
-
-
-def _logit_indices(words: np.ndarray[Any, np.dtype[np.uint32]],
-                   rows: np.ndarray[Any, np.dtype[np.intp]],
-                   counts: np.ndarray[Any, np.dtype[np.int64]],
-                   stride: int) -> np.ndarray[Any, np.dtype[np.intp]]:
-    """Flat logit indices (``rows[i] * stride + token``) of the set bits of ``words``: row
-    ``i`` of it belongs to logits row ``rows[i]`` and has ``counts[i]`` bits set.
-
-    Bit ``token`` of row ``i`` sits at ``i * 32 * nwords + token`` of ``words``: its index is
-    that plus one offset per row, repeated over the row's bits (no division per bit to find
-    its row)."""
-    offsets = rows * stride - np.arange(len(rows), dtype=np.intp) * (words.shape[1] * 32)
-    flat = _flat_bits(words)
-    flat += np.repeat(offsets, counts)
-    return flat
 
 
 def cpu_layout(logits: torch.Tensor) -> LogitsLayout | None:
@@ -91,74 +57,6 @@ def cpu_layout(logits: torch.Tensor) -> LogitsLayout | None:
     if stride[1] != 1 or dtype not in _KERNEL_DTYPES:
         return None
     return LogitsLayout(shape[0], shape[1], stride[0], dtype)
-
-
-def plan_cpu_apply(bitmask: torch.Tensor, rows: Sequence[int], *, vocab_size: int, width: int,
-                   stride: int) -> CpuPlan:
-    """Expand ``bitmask[rows]`` into the indices ``apply_bitmask`` masks CPU logits with.
-
-    The logits' layout (``width`` columns, rows ``stride`` elements apart) is fixed here.
-    Each row takes the cheaper way by its allowed count ``k`` and refused count ``d``:
-    wipe and restore (a memset of the row plus ``2k`` indexed accesses) or scatter -inf at
-    the ``d`` refused tokens. Costs O(rows x words) numpy work; made on the fill thread, a
-    few rows at a time (``_PLAN_CHUNK_BYTES`` of mask words): the temporaries then stay in
-    cache and in the allocator's free lists, where whole-batch ones came back as fresh pages
-    (page faults on every plan)."""
-    covered = min(width, vocab_size, bitmask.shape[1] * 32)
-    nwords = (covered + 31) // 32
-    order = tuple(rows)
-    index = np.asarray(order, dtype=np.intp)
-    if index.size and (index.min() < 0 or index.max() >= bitmask.shape[0]):
-        raise ValueError(f"row indices {index.min()}..{index.max()} outside bitmask "
-                         f"{tuple(bitmask.shape)}")
-    source = bitmask.numpy().view(np.uint32)
-    tail = np.uint32((1 << (covered % 32)) - 1) if covered % 32 else np.uint32(0xFFFFFFFF)
-    keeps: list[np.ndarray[Any, np.dtype[np.intp]]] = []
-    kills: list[np.ndarray[Any, np.dtype[np.intp]]] = []
-    wiped_rows: list[int] = []
-    chunk = max(1, _PLAN_CHUNK_BYTES // (4 * max(1, nwords)))
-    for lo in range(0, len(index), chunk):
-        part = index[lo:lo + chunk]
-        words = source[part, :nwords]  # a copy
-        if nwords:
-            words[:, -1] &= tail  # bits at or past ``covered`` never count
-        allowed = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
-        wipe = 2 * allowed + width // _WIPE_DIVISOR < covered - allowed
-        if wipe.any():
-            wiped = part[wipe]
-            keeps.append(_logit_indices(words[wipe], wiped, allowed[wipe], stride))
-            wiped_rows += wiped.tolist()
-        if not wipe.all():
-            scattered = part[~wipe]
-            refused = words[~wipe]  # a copy: inverted in place
-            np.invert(refused, out=refused)
-            if nwords:
-                refused[:, -1] &= tail
-            # ``words`` has no bit at or past ``covered``: each row refuses the rest
-            kills.append(_logit_indices(refused, scattered, covered - allowed[~wipe], stride))
-            if width > covered:  # model padding past the mask
-                pad = np.arange(covered, width, dtype=np.intp)
-                kills.append((scattered[:, None] * stride + pad).ravel())
-    empty = np.zeros(0, dtype=np.intp)
-    runs: list[tuple[int, int]] = []
-    start = prev = -2
-    for r in sorted(set(wiped_rows)):  # fill runs of consecutive rows at once
-        if r != prev + 1:
-            if prev >= 0:
-                runs.append((start, prev + 1))
-            start = r
-        prev = r
-    if wiped_rows:
-        runs.append((start, prev + 1))
-    return CpuPlan(order, stride, width, covered,
-                   _joined(keeps, empty), _joined(kills, empty), tuple(runs),
-                   int(index.max()) + 1 if index.size else 0,
-                   np.asarray(wiped_rows, dtype=np.intp))
-
-
-def _joined(parts: list[np.ndarray[Any, np.dtype[np.intp]]],
-            empty: np.ndarray[Any, np.dtype[np.intp]]) -> np.ndarray[Any, np.dtype[np.intp]]:
-    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else empty
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, vocab_size: int,
@@ -280,7 +178,7 @@ def _mask_pairs(logits: torch.Tensor, bitmask: torch.Tensor, at: np.ndarray[Any,
                       indices=np.sort(at).tolist())
         return
     if buffers is not None:  # the rows in use, not every row up to the highest
-        device_mask = buffers.to_device(bitmask, copy_runs(rows), logits.device)
+        device_mask = copy_to_device(buffers, bitmask, copy_runs(rows), logits.device)
     else:
         device_mask = bitmask[:int(rows.max()) + 1].to(logits.device, non_blocking=True)
     index = torch.from_numpy(rows.astype(np.int64)).pin_memory().to(logits.device,
@@ -324,13 +222,14 @@ def _apply_plan_moved(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout,
 
 def _plan_holds(layout: LogitsLayout, bitmask: torch.Tensor, vocab_size: int,
                 indices: Sequence[int] | None, plan: CpuPlan) -> bool:
-    """Whether ``plan`` masks exactly these rows of logits laid out as ``layout``: the
-    apply's checks in O(1) plus one compare of the rows (on the critical path, right after
-    the forward)."""
+    """Whether ``plan`` masks exactly these rows of logits laid out as ``layout``: checks in
+    O(1) plus one compare of the rows (on the critical path, right after the forward)."""
     rows = tuple(range(layout.rows)) if indices is None else tuple(indices)
     words = bitmask.shape
     return (bool(rows) and len(words) == 2 and plan.bound <= words[0]
-            and plan.holds(layout, rows, min(layout.width, vocab_size, words[1] * 32)))
+            and plan.bound <= layout.rows and layout.stride == plan.stride
+            and layout.width == plan.width and rows == plan.rows
+            and plan.covered == min(layout.width, vocab_size, words[1] * 32))
 
 
 def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
@@ -470,7 +369,8 @@ def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
             index_np = None  # 0..n-1 in order: every row
     width = logits.shape[1]
     covered = min(width, vocab_size, bitmask.shape[1] * 32)
-    device_mask = (buffers.to_device(bitmask, bound, logits.device) if buffers is not None
+    device_mask = (copy_to_device(buffers, bitmask, bound, logits.device)
+                   if buffers is not None
                    else bitmask[:bound].to(logits.device, non_blocking=True))
     index = None
     if index_np is not None:
@@ -486,6 +386,47 @@ def _apply_device(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
             logits[:, covered:] = float("-inf")
         else:
             logits[index.long(), covered:] = float("-inf")
+
+
+def copy_to_device(buffers: MaskBuffers, bitmask: torch.Tensor,
+                   rows: int | Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Copy the first ``rows`` rows of ``bitmask`` (one of ``buffers``; or the row ranges
+    ``[lo, hi)`` given, ``copy_runs``) to ``device`` without blocking the host, into a device
+    buffer kept across steps on ``buffers`` (stream order keeps it safe; rows not copied hold
+    stale bits), and mark the host buffer busy until the copy ran
+    (``MaskBuffers.copy_queued``)."""
+    runs = [(0, rows)] if isinstance(rows, int) else list(rows)
+    top = max((hi for _, hi in runs), default=0)
+    dev = buffers.device_copy
+    if (dev is None or dev.device != device or dev.shape[0] < top
+            or dev.shape[1] != bitmask.shape[1]):
+        dev = buffers.device_copy = torch.empty(max(top, buffers.max_batch), bitmask.shape[1],
+                                                dtype=torch.int32, device=device)
+    for lo, hi in runs:
+        dev[lo:hi].copy_(bitmask[lo:hi], non_blocking=True)
+    buffers.rows_copied = sum(hi - lo for lo, hi in runs)
+    if device.type == "cuda":  # else a synchronous copy: nothing to wait for
+        buffers.copy_queued(bitmask)
+    return dev
+
+
+def copy_runs(rows: np.ndarray[Any, Any], *, gap: int = 8, most: int = 16
+              ) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` covering ``rows`` for a device copy that follows the rows in
+    use, not the highest of them (vLLM 0.34 hands slots out from the top of its free list:
+    one request at slot 1023 would copy 1,024 rows). Ranges less than ``gap`` rows apart
+    are joined (a copy call costs more than a few rows); at most ``most`` ranges, the
+    closest joined first."""
+    if rows.size == 0:
+        return []
+    ordered = np.unique(rows)
+    breaks = np.flatnonzero(np.diff(ordered) > gap)
+    if breaks.size >= most:  # keep the ``most - 1`` widest gaps as breaks
+        widths = np.diff(ordered)[breaks]
+        breaks = np.sort(breaks[np.argsort(widths, kind="stable")[-(most - 1):]])
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [ordered.size - 1]))
+    return [(int(ordered[a]), int(ordered[b]) + 1) for a, b in zip(starts, ends, strict=True)]
 
 
 def stop_only(logits: torch.Tensor, rows: Sequence[int], stop_ids: Sequence[int]) -> None:

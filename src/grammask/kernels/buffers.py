@@ -9,10 +9,8 @@ keeps a single code path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from .bitmask import allocate_bitmask, bitmask_words
@@ -33,11 +31,12 @@ class MaskBuffers:
         self._buffers = [allocate_bitmask(max_batch, vocab_size, pin=self.pinned)
                          for _ in range(count)]
         self._retired: list[torch.Tensor] = []  # outgrown: a device copy may still read one
-        # GPU only (untested here): the copy of buffer i to the device, recorded by apply().
+        # GPU only: the copy of buffer i to the device (``copy_queued``)
         self._copy_done: list[Any | None] = [None] * count
         self._events: list[Any | None] = [None] * count  # made once, recorded per copy
-        self._device: torch.Tensor | None = None  # the device copy's buffer
-        #: mask rows the last device copy moved (``copy_runs``: the rows in use)
+        #: the device copy's buffer, kept across steps (``kernels.apply.copy_to_device``)
+        self.device_copy: torch.Tensor | None = None
+        #: mask rows the last device copy moved (``apply.copy_runs``: the rows in use)
         self.rows_copied = 0
         self._next = 0
 
@@ -83,24 +82,10 @@ class MaskBuffers:
         self._retired.append(larger)
         return larger
 
-    def to_device(self, bitmask: torch.Tensor, rows: int | Sequence[tuple[int, int]],
-                  device: torch.device) -> torch.Tensor:
-        """Copy the first ``rows`` rows (or the row ranges ``[lo, hi)`` given,
-        ``copy_runs``) to ``device`` without blocking the host, into a device buffer kept
-        across steps (stream order keeps it safe; rows not copied hold stale bits), and mark
-        the host buffer busy until the copy ran (one event per buffer, made once)."""
-        runs = [(0, rows)] if isinstance(rows, int) else list(rows)
-        top = max((hi for _, hi in runs), default=0)
-        dev = self._device
-        if (dev is None or dev.device != device or dev.shape[0] < top
-                or dev.shape[1] != bitmask.shape[1]):
-            dev = self._device = torch.empty(max(top, self.max_batch), bitmask.shape[1],
-                                             dtype=torch.int32, device=device)
-        for lo, hi in runs:
-            dev[lo:hi].copy_(bitmask[lo:hi], non_blocking=True)
-        self.rows_copied = sum(hi - lo for lo, hi in runs)
-        if device.type != "cuda":  # a synchronous copy: nothing to wait for
-            return dev
+    def copy_queued(self, bitmask: torch.Tensor) -> None:
+        """A device copy of ``bitmask`` (one of these buffers) was just queued on the current
+        CUDA stream: ``acquire`` hands that buffer out again only once it ran (one event per
+        buffer, made once)."""
         pointer = bitmask.data_ptr()
         for i, buf in enumerate(self._buffers):
             if buf.data_ptr() == pointer:
@@ -110,23 +95,3 @@ class MaskBuffers:
                         blocking=True)
                 event.record()
                 self._copy_done[i] = event
-        return dev
-
-
-def copy_runs(rows: np.ndarray[Any, Any], *, gap: int = 8, most: int = 16
-              ) -> list[tuple[int, int]]:
-    """Row ranges ``[lo, hi)`` covering ``rows`` for a device copy that follows the rows in
-    use, not the highest of them (vLLM 0.34 hands slots out from the top of its free list:
-    one request at slot 1023 would copy 1,024 rows). Ranges less than ``gap`` rows apart
-    are joined (a copy call costs more than a few rows); at most ``most`` ranges, the
-    closest joined first."""
-    if rows.size == 0:
-        return []
-    ordered = np.unique(rows)
-    breaks = np.flatnonzero(np.diff(ordered) > gap)
-    if breaks.size >= most:  # keep the ``most - 1`` widest gaps as breaks
-        widths = np.diff(ordered)[breaks]
-        breaks = np.sort(breaks[np.argsort(widths, kind="stable")[-(most - 1):]])
-    starts = np.concatenate(([0], breaks + 1))
-    ends = np.concatenate((breaks, [ordered.size - 1]))
-    return [(int(ordered[a]), int(ordered[b]) + 1) for a, b in zip(starts, ends, strict=True)]

@@ -37,6 +37,13 @@ ABOVE_THE_VALUE_LAYER = ("grammask.backends", "grammask.compile", "grammask.kern
                          "grammask.decode", "grammask.integrations", "grammask.harness",
                          "grammask.cli", "grammask.specs.frontends", "grammask.specs.request")
 
+#: The backend adapters sit below what drives them: they import none of these, not even in a
+#: function (the decode core places batch fills on threads; a backend only says which lock a
+#: row fills under: ``capabilities.FillLanes``)
+BACKENDS = "grammask.backends"
+ABOVE_THE_BACKENDS = ("grammask.decode", "grammask.compile", "grammask.integrations",
+                      "grammask.harness", "grammask.cli")
+
 
 @dataclass(frozen=True)
 class Edge:
@@ -207,6 +214,19 @@ def test_command_lines_and_harness_are_in_no_cycle() -> None:
 
 def test_no_import_back_up_into_a_parents_cli() -> None:
     assert upward(edges()) == [], report()
+
+
+def test_the_backends_never_import_the_layers_above_them() -> None:
+    """``grammask.backends`` is below the decode core (and the compile layer, the
+    integrations, the harness, the command line): backend knowledge stays in the backends,
+    the policies that use it (batch-fill placement: ``decode.fill_placement``) above."""
+    graph_edges = edges()
+    up = [e for e in graph_edges
+          if _within(e.source, (BACKENDS,)) and _within(e.target, ABOVE_THE_BACKENDS)]
+    assert up == [], up
+    # the check sees the edges the other way (the decode core reads the capability)
+    assert any(e.source == "grammask.decode.filler" and e.target.startswith(BACKENDS)
+               for e in graph_edges)
 
 
 def test_the_installed_package_never_imports_the_repository() -> None:

@@ -83,7 +83,7 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
     ("format-xgrammar-only", {"type": "string", "format": "json-pointer"}, "xgrammar", "",
      "/a/b", "abc"),
     ("format-neither", {"type": "string", "format": "iri"}, "guidance",
-     "format (neither backend)", "http://x.org/a", 5),
+     "format: iri (no backend checks it)", "http://x.org/a", 5),
     # llguidance refuses look-around even leniently; xgrammar ignores it: said, not silent
     ("ref-root", {"type": "object", "properties": {"x": {"$ref": "#"}}}, "guidance", "",
      {"x": {}}, {"x": 1}),
@@ -558,6 +558,12 @@ def test_a_refused_schema_gets_the_checkers_own_error() -> None:
 
 
 
+
+_SPEC_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
+    "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
+    "json-pointer", "relative-json-pointer", "regex"})
+
 def _features_as_written_before(node: dict[str, Any]) -> list[str]:
     """``node_features`` before it skipped groups by the node's keys (commit 5fbaca5),
     kept as the reference the faster one must agree with."""
@@ -621,15 +627,9 @@ def _features_as_written_before(node: dict[str, Any]) -> list[str]:
         out.append("allOf (several branches)")
     fmt = node.get("format")
     if isinstance(fmt, str) and node.get("type") in ("string", None):
-        if fmt == "date":
-            out.append("format: date")
-        elif fmt in r.XGRAMMAR_ONLY_FORMATS:
-            out.append("format (llguidance unknown)")
-        elif fmt in r.UNENFORCED_FORMATS:
-            out.append("format (neither backend)")
-        elif fmt not in r.KNOWN_FORMATS:
-            out.append("format (unknown)")
-        if "type" not in node and fmt not in r.UNENFORCED_FORMATS:
+        # JSON Schema 2020-12's formats (its validation vocabulary, section 7.3)
+        out.append(f"format: {fmt}" if fmt in _SPEC_FORMATS else "format (unknown)")
+        if "type" not in node:
             out.append("format (untyped)")
     if ("minProperties" in node or "maxProperties" in node) and r.has_optional(node):
         out.append("minProperties/maxProperties")

@@ -127,9 +127,10 @@ _exporter_port: int | None = None
 
 class Later:
     """Metric updates a fill job defers until its masks are handed over (``defer``): a
-    Prometheus update takes a lock (~3 µs), and a step that starts 150 requests made ~0.5 ms
-    of them on the fill thread, inside the window the host waits on. A thread enters a
-    scope with ``with Later() as later`` and runs them with ``later.flush()``."""
+    Prometheus update takes a lock, and a step that starts many requests made enough of them
+    on the fill thread to show inside the window the host waits on (docs/benchmarks.md,
+    Figures: decode host path). A thread enters a scope with ``with Later() as later`` and
+    runs them with ``later.flush()``."""
 
     _current = threading.local()
 
@@ -160,8 +161,8 @@ def defer(fn: Any, value: float) -> None:
 
 
 def observe_many(child: Any, value: float, count: int) -> None:
-    """``child.observe(value)`` ``count`` times as one update: a step that starts 150 rows
-    observes 150 zero first-mask waits, ~3 µs of locks each on the fill thread, which then
+    """``child.observe(value)`` ``count`` times as one update: a step that starts many rows
+    observes as many zero first-mask waits, a lock each on the fill thread, which then
     takes turns with the host's apply. prometheus_client's histogram child takes the sum
     and the one bucket in one ``inc`` each; anything else (another client version, the
     no-op) gets the loop."""

@@ -89,7 +89,8 @@ class Matcher(Protocol):
 
     def release(self) -> None:
         """The owner is done with the matcher: its backend state may go back to its grammar
-        for the next request (xgrammar: a reset costs ~1/15 of making one). It must not be
+        for the next request (xgrammar: a reset costs a small fraction of making one;
+        docs/benchmarks.md, Figures: decode host path). It must not be
         used again: both adapters then raise RuntimeError on any call."""
 
 
@@ -127,9 +128,10 @@ BatchFills = dict[type[BatchCalls], list[tuple[Matcher, int]]]
 
 class SpareBudget:
     """How many released native matchers (``Matcher.release``) the process keeps, across
-    every grammar: one xgrammar matcher holds ~40 KB after a JSON walk, so the default of
-    2,048 is ~80 MB at worst. A grammar keeps at most ``per_grammar`` (a 512-row batch of
-    short requests gives ~150 back a step). Past the budget a released matcher is freed:
+    every grammar: the default bounds the memory they hold at worst to a small share of a
+    serving process (an xgrammar matcher's size: docs/benchmarks.md, Figures: decode host
+    path). A grammar keeps at most ``per_grammar`` (a large batch of short requests gives
+    many back a step). Past the budget a released matcher is freed:
     the next request makes one, as without recycling."""
 
     def __init__(self, limit: int = 2048, per_grammar: int = 512) -> None:
@@ -265,7 +267,8 @@ class BackendMatcher:
     def _check_fill(self, bitmask: torch.Tensor, row: object) -> int:
         """Refuse what a backend would write wrongly or out of bounds: attribute reads only,
         and the cheap ones (a request's first fill runs on cold caches, where ``device.type``
-        alone, which makes a ``torch.device``, cost ~15 µs against ~2 for ``is_cpu``)."""
+        alone, which makes a ``torch.device``, costs far more than ``is_cpu``;
+        docs/benchmarks.md, Figures: decode host path)."""
         if not isinstance(bitmask, torch.Tensor):
             raise ValueError(f"fill: bitmask must be a torch.Tensor, got "
                              f"{type(bitmask).__name__}")
@@ -299,7 +302,7 @@ class BackendMatcher:
     def _stop_only(self, bitmask: torch.Tensor, index: int) -> None:
         """Write the stop-only row into a checked row: a copy of a row made once per stop
         set and width (terminated rows are common at large batches: three torch ops per
-        stop id cost ~10x the copy)."""
+        stop id cost far more than the copy; docs/benchmarks.md, Figures: decode host path)."""
         self._copy_first(bitmask, index, stop_only_first(self._stop_ids, self._words))
 
 
@@ -308,7 +311,8 @@ class FirstMask:
     check needs it): a request's first fill is then a copy. Read-only once made.
 
     A numpy row, not a tensor: on the cold path every framework call runs on cold caches,
-    and torch's allocation and reduction cost ~45 µs there against ~5 µs for numpy's."""
+    and torch's allocation and reduction cost far more there than numpy's
+    (docs/benchmarks.md, Figures: cold path)."""
 
     __slots__ = ("nbytes", "ptr", "words")
 
@@ -355,7 +359,9 @@ def fill_stop_only(rows: Sequence[tuple[BackendMatcher, int]], bitmask: torch.Te
     for matcher, row in rows:
         by_stops.setdefault(matcher._stop_ids, []).append(row)
     words = bitmask.shape[1]
-    rows_view = bitmask.numpy()  # numpy's fancy assignment: ~8x torch's index_put here
+    # numpy's fancy assignment: far cheaper than torch's index_put here
+    # (docs/benchmarks.md, Figures: decode host path)
+    rows_view = bitmask.numpy()
     for stop_ids, indices in by_stops.items():
         rows_view[indices] = stop_only_first(stop_ids, words).words
 

@@ -3,6 +3,8 @@ derives a backend's flags from the classes it declares, and callers reach a capa
 through these names (never by probing attributes).
 
 - ``BatchCalls``: its matcher class fills and advances many rows in a few native calls.
+- ``FillLanes``: beside ``BatchCalls``, its rows' fills take turns on locks that rows share;
+  the caller places the rows on fill threads by lock (``decode.fill_placement``).
 - ``DiskBackend``: its adapter stores compiled grammars in grammask's disk cache (through a
   ``diskcache.DiskCodec`` of its own).
 - ``Warnings``: its compiled grammar says what it ignored (a lenient compile's report).
@@ -12,7 +14,7 @@ Light on purpose (no backend, torch or numpy at import): ``registry`` imports it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -32,15 +34,54 @@ class BatchCalls(Protocol):
                    threads: int | None, state: dict[str, Any]) -> None:
         """Write ``bitmask[row]`` for every ``(matcher, row)`` (rows distinct, matchers of this
         class, none terminated); ``threads``: 1 fills on the calling thread, None the
-        backend's default; ``state``: the caller's dict for the backend's reusable pools.
-        ``ValueError`` (nothing written) for a bitmask or row outside ``fill``'s contract."""
+        backend's default (a class that offers ``FillLanes`` fills on the calling thread
+        here: several threads are the caller's to place); ``state``: the caller's dict for
+        the backend's reusable pools. ``ValueError`` (nothing written) for a bitmask or row
+        outside ``fill``'s contract."""
 
     @classmethod
     def batch_accept(cls, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
         """``[m.accept(t) for m, t in zip(matchers, tokens)]``, in fewer native calls."""
 
 
+#: a row as ``FillLanes.fill_lanes`` describes it: ``(lock group, lane, (matcher, row))``
+LaneRow = tuple[Hashable | None, int, tuple[Any, int]]
+#: one fill thread's rows (``FillLanes.fill_shares``): ``((matcher, row), lane to fill on)``
+FillShare = Sequence[tuple[tuple[Any, int], int]]
+
+
+@runtime_checkable
+class FillLanes(Protocol):
+    """A ``BatchCalls`` matcher class whose fills take turns on locks that several rows
+    share (llguidance: the copies of one template share its lexer), so that its rows fill
+    on several threads only when placed by lock: the caller asks the backend for each row's
+    lock group and lane (``fill_lanes``), places them (``decode.fill_placement``: backend
+    knowledge stays here, the policy there) and hands the backend the shares
+    (``fill_shares``), which moves the rows placed on another lane and fills natively."""
+
+    @classmethod
+    def fill_lanes(cls, rows: Sequence[tuple[Any, int]], bitmask: torch.Tensor,
+                   threads: int | None) -> tuple[int, Sequence[LaneRow]] | None:
+        """How ``rows`` (as ``batch_fill`` takes them) fill on several threads: the thread
+        count (``threads``, None: the backend's default) and each row's ``(lock group, lane,
+        (matcher, row))`` in the given order (a group of None: a row that cannot move),
+        once the rows passed ``batch_fill``'s checks (``ValueError``, nothing written).
+        None, nothing checked, when they fill on the calling thread instead (fewer than two
+        rows, one thread, or a row whose fills must not run beside others: the caller then
+        calls ``batch_fill``, which checks)."""
+
+    @classmethod
+    def fill_shares(cls, shares: Sequence[FillShare], bitmask: torch.Tensor,
+                    state: dict[str, Any]) -> None:
+        """Fill ``shares[k]`` on fill thread ``k`` (0: the calling thread; the backend's pool
+        for the others, kept in ``state``): each row moved to its lane first where that is
+        not its own (once: it stays there; a row that cannot move fills where it is, its
+        mask exact all the same), then one native fill per thread. The rows are those of a
+        ``fill_lanes`` answer, already checked."""
+
+
 _BATCH_CALLS: dict[type, type[BatchCalls] | None] = {}
+_FILL_LANES: dict[type, type[FillLanes] | None] = {}
 
 
 def batch_calls(matcher_class: type | None) -> type[BatchCalls] | None:
@@ -53,6 +94,18 @@ def batch_calls(matcher_class: type | None) -> type[BatchCalls] | None:
     except KeyError:
         found = matcher_class if issubclass(matcher_class, BatchCalls) else None
         _BATCH_CALLS[matcher_class] = found
+        return found
+
+
+def lane_calls(matcher_class: type | None) -> type[FillLanes] | None:
+    """``matcher_class`` when it offers ``FillLanes``' calls, else None (cached per class)."""
+    if matcher_class is None:
+        return None
+    try:
+        return _FILL_LANES[matcher_class]
+    except KeyError:
+        found = matcher_class if issubclass(matcher_class, FillLanes) else None
+        _FILL_LANES[matcher_class] = found
         return found
 
 

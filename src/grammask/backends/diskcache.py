@@ -63,13 +63,13 @@ STALE_TMP_S = 3600.0
 MAX_PENDING = 64
 #: Serialized on the writer thread only when the grammar is this small and its
 #: ``oneOf``/``anyOf`` nest at most ``INLINE_DEPTH`` deep; anything else goes to a child. The
-#: serializer's peak is 8 to 13 times its JSON, which is 1.5 to 8 times the grammar (maskbench:
-#: most grammars are under 1 MB and add 0-12 MB; 3.2 MB added 51 MB; the worst factor seen,
-#: 110x, would make 4 MB cost 0.45 GB) but up to 28 times with nested alternatives (depth 5:
-#: 0.65 MB, +35 MB; depth 6: 1.3 MB, +164 MB).
+#: serializer's peak is many times its JSON, itself a multiple of the grammar, and more with
+#: nested alternatives: a small, shallow grammar's peak is one a serving process can hold
+#: (docs/benchmarks.md, Figures: disk cache).
 INLINE_MEMORY = 4 * 1024 * 1024
-#: What the writer child may allocate past its start-up footprint (40 patterned properties:
-#: about 0.8 GB). A grammar that needs more is not written.
+#: What the writer child may allocate past its start-up footprint, with room above the
+#: heaviest benchmarked grammar's need (docs/benchmarks.md, Figures: disk cache). A grammar
+#: that needs more is not written.
 WRITER_MEMORY = 2 * 1024 * 1024 * 1024
 #: The eviction scan runs after a write when this process's estimate exceeds the bound, or
 #: when the last scan is older than this (other processes write too).

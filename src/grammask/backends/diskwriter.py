@@ -1,8 +1,9 @@
 """The disk cache's writer process: a grammar too heavy to serialize in the serving process is
 compiled again and written by a child, under a memory ceiling and a deadline.
 
-Why a child: a backend's serializer can peak far above its grammar (xgrammar's: 8 to 28 times
-its JSON, ``backends.xgrammar_disk``), and a serving process that runs it can be OOM-killed.
+Why a child: a backend's serializer can peak far above its grammar (xgrammar's: many times its
+JSON, ``backends.xgrammar_disk``; docs/benchmarks.md, Figures: disk cache), and a serving
+process that runs it can be OOM-killed.
 The child is ``python -P -c <the codec's entry>``, niced, ``oom_score_adj`` 1000 (the first the
 kernel kills), no core dump, ``SIGALRM`` at its deadline, and ``RLIMIT_DATA`` = its footprint
 after start-up plus ``DiskCache.writer_memory`` (set by the codec once its start-up is done:

@@ -187,32 +187,63 @@ class GuidanceMatcher(BackendMatcher):
     @classmethod
     def batch_fill(cls, rows: Sequence[tuple[GuidanceMatcher, int]], bitmask: torch.Tensor,
                    threads: int | None, state: dict[str, Any]) -> None:
-        """Fill many rows on ``threads`` fill threads (None: 80% of the cores, at most 8).
+        """Fill many rows on the calling thread, in one native call (the GIL released
+        throughout). ``threads`` is not read: several threads take the rows placed by lock
+        first (``fill_lanes`` and ``fill_shares``: ``capabilities.FillLanes``), which is the
+        caller's to do (``decode.fill_placement``).
 
-        Copies of one llguidance template share its lexer behind one lock, held through
-        each mask: two threads filling copies of one template take turns (two threads were
-        slower than one). So each thread has its lanes: a row is filled on the thread of
-        the template it was copied from, and a grammar with more rows than a thread's share
-        gets one template per thread, its rows moved there once (their tokens replayed on
-        a copy: same state, same masks). Each thread fills its rows in one native call
-        (the GIL released throughout); the calling thread takes the first share."""
+        One thread: one LLExecutor call, not a fill per row. Alone on the machine the
+        per-row fills are faster (the executor's thread runs on cold caches), but each lets
+        the GIL go and takes it back: beside a host thread that runs Python, every re-take
+        waits for it (``stepjob``: one re-take a step). Measurements: docs/benchmarks.md."""
         check_batch(rows, bitmask)
-        n = threads if threads is not None else _default_threads()
         if len(rows) < 2:
             for m, r in rows:
                 m.fill(bitmask, r)
             return
-        if n <= 1 or not all(m._owner is None or m._owner.parallel for m, _ in rows):
-            # one thread: one LLExecutor call, not a fill per row. Alone on the machine the
-            # per-row fills are faster (the executor's thread runs on cold caches), but each
-            # lets the GIL go and takes it back: beside a host thread that runs Python,
-            # every re-take waits for it (``stepjob``: one re-take a step). A Python
-            # tokenizer callback (forced text) takes the GIL inside fills: threads would
-            # take turns on it, slower than one, so such rows take this one thread too
-            # (measurements: docs/benchmarks.md).
-            _fill_rows(state, 0, rows, bitmask)
+        _fill_rows(state, 0, rows, bitmask)
+
+    @classmethod
+    def fill_lanes(cls, rows: Sequence[tuple[GuidanceMatcher, int]], bitmask: torch.Tensor,
+                   threads: int | None
+                   ) -> tuple[int, Sequence[tuple[GuidanceCompiled | None, int,
+                                                  tuple[GuidanceMatcher, int]]]] | None:
+        """The rows' lock groups and lanes (``capabilities.FillLanes``) on ``threads`` fill
+        threads (None: 80% of the cores, at most 8).
+
+        Copies of one llguidance template share its lexer behind one lock, held through
+        each mask: two threads filling copies of one template take turns (two threads were
+        slower than one). So a row's lock group is its grammar (its ``GuidanceCompiled``;
+        None for a row that lost it, on an error: it never moves) and its lane the template
+        it was copied from (``lane_template``); a row placed on another lane is moved there
+        by ``fill_shares``. None (one thread) also where a grammar's tokenizer is a Python
+        callback (forced text): it takes the GIL inside fills, so threads would take turns
+        on it, slower than one."""
+        n = threads if threads is not None else _default_threads()
+        if len(rows) < 2 or n <= 1:
+            return None
+        placed: list[tuple[GuidanceCompiled | None, int, tuple[GuidanceMatcher, int]]] = []
+        for row in rows:
+            m = row[0]
+            owner = m._owner
+            if owner is not None and not owner.parallel:
+                return None
+            placed.append((owner, m.lane, row))
+        check_batch(rows, bitmask)
+        return n, placed
+
+    @classmethod
+    def fill_shares(cls, shares: Sequence[Sequence[tuple[tuple[GuidanceMatcher, int], int]]],
+                    bitmask: torch.Tensor, state: dict[str, Any]) -> None:
+        """Fill ``shares[k]`` on fill thread ``k`` (``capabilities.FillLanes``): the calling
+        thread takes the first share, a pool per thread count (kept in ``state``) the others;
+        each thread moves its rows placed on a new lane (their tokens replayed on a copy of
+        that lane's template: same state, same masks), then fills them in one native call."""
+        n = len(shares)
+        if n <= 1:
+            for share in shares:
+                _fill_share(state, 0, share, bitmask)
             return
-        shares = _place(rows, n)
         pool = state.get(f"guidance_pool{n}")
         if pool is None:
             pool = state[f"guidance_pool{n}"] = ThreadPoolExecutor(
@@ -236,57 +267,17 @@ def _default_threads() -> int:
     return max(1, min(8, cores * 4 // 5))
 
 
-def _place(rows: Sequence[tuple[GuidanceMatcher, int]], n: int
-           ) -> list[list[tuple[GuidanceMatcher, int, int]]]:
-    """Rows by fill thread: ``(matcher, row, lane)`` for each of ``n`` threads.
-
-    The rows of one lane (one template: one lexer lock) go to one thread; lanes go to the
-    least loaded thread, largest first. A grammar with more rows than a thread's share is
-    spread over ``n`` lanes: a row keeps its lane while that lane is under its share of the
-    grammar's rows, the others move (once: they stay on their new lane)."""
-    share = -(-len(rows) // n)
-    by_owner: dict[int, list[tuple[GuidanceMatcher, int]]] = {}
-    for m, r in rows:
-        by_owner.setdefault(id(m._owner), []).append((m, r))
-    units: dict[tuple[int, int], list[tuple[GuidanceMatcher, int, int]]] = {}
-    for key, group in by_owner.items():
-        if len(group) <= share or group[0][0]._owner is None:
-            for m, r in group:
-                units.setdefault((key, m.lane), []).append((m, r, m.lane))
-            continue
-        cap = -(-len(group) // n)
-        count = [0] * n
-        surplus: list[tuple[GuidanceMatcher, int]] = []
-        for m, r in group:
-            if m.lane < n and count[m.lane] < cap:
-                count[m.lane] += 1
-                units.setdefault((key, m.lane), []).append((m, r, m.lane))
-            else:
-                surplus.append((m, r))
-        lane = 0
-        for m, r in surplus:
-            while count[lane] >= cap:
-                lane += 1
-            count[lane] += 1
-            units.setdefault((key, lane), []).append((m, r, lane))
-    out: list[list[tuple[GuidanceMatcher, int, int]]] = [[] for _ in range(n)]
-    load = [0] * n
-    for unit in sorted(units.values(), key=len, reverse=True):
-        k = load.index(min(load))
-        out[k].extend(unit)
-        load[k] += len(unit)
-    return out
-
-
 def _fill_share(state: dict[str, Any], thread: int,
-                share: list[tuple[GuidanceMatcher, int, int]], bitmask: torch.Tensor) -> None:
+                share: Sequence[tuple[tuple[GuidanceMatcher, int], int]],
+                bitmask: torch.Tensor) -> None:
     """One fill thread's rows: move the rows placed on a new lane, then one native fill."""
     rows: list[tuple[GuidanceMatcher, int]] = []
-    for m, r, lane in share:
+    for row, lane in share:
+        m = row[0]
         if m.lane != lane and not m._move(lane):
-            m.fill(bitmask, r)  # it stays where it was: filled alone, never wrongly
+            m.fill(bitmask, row[1])  # it stays where it was: filled alone, never wrongly
             continue
-        rows.append((m, r))
+        rows.append(row)
     _fill_rows(state, thread, rows, bitmask)
 
 
@@ -638,7 +629,9 @@ GAPS: dict[Feature, str] = {
     Feature.REMOTE_REF: "refused",
     Feature.ANCHOR_REF: "refused ($dynamicRef)",
     Feature.PROPERTY_COUNT: "refused unless every property is required",
-    Feature.FORMAT_XGRAMMAR_ONLY: "refused as unknown (lenient mode ignores it)",
+    **dict.fromkeys((Feature.FORMAT_URI_REFERENCE, Feature.FORMAT_URI_TEMPLATE,
+                     Feature.FORMAT_JSON_POINTER, Feature.FORMAT_RELATIVE_JSON_POINTER),
+                    "refused as unknown (lenient mode ignores it)"),
     Feature.PATTERN_LOOKAROUND: "refused, even in lenient mode",
     Feature.ONE_OF_OVERLAPPING: "refused; lenient mode treats it as anyOf (an instance "
                                 "matching several branches passes)",
@@ -649,8 +642,10 @@ GAPS: dict[Feature, str] = {
 LENIENT_CANNOT = frozenset({Feature.PATTERN_LOOKAROUND})
 
 #: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
-#: (unknown formats are annotations in JSON Schema 2020-12).
-LENIENT_EXACT = frozenset({Feature.FORMAT_UNKNOWN, Feature.FORMAT_NEITHER})
+#: (unknown formats are annotations in JSON Schema 2020-12; the others no backend checks).
+LENIENT_EXACT = frozenset({Feature.FORMAT_UNKNOWN, Feature.FORMAT_IDN_EMAIL,
+                           Feature.FORMAT_IDN_HOSTNAME, Feature.FORMAT_IRI,
+                           Feature.FORMAT_IRI_REFERENCE, Feature.FORMAT_REGEX})
 
 
 #: What lenient mode leaves unenforced beyond ``GAPS``: llguidance's default mode refuses a

@@ -37,10 +37,14 @@ Workload = Literal[
 #: What no registered backend enforces: listed in ``unenforced``, never a reason to switch
 #: backends (nor to refuse in strict mode: both backends accept the impossible date
 #: 2023-02-29). Kept here with the backends' own gaps; a backend that closes one removes it.
+#: Formats no registered backend checks at all (a node without ``type: string`` loses
+#: nothing of them).
+UNCHECKED_FORMATS = frozenset({Feature.FORMAT_IDN_EMAIL, Feature.FORMAT_IDN_HOSTNAME,
+                               Feature.FORMAT_IRI, Feature.FORMAT_IRI_REFERENCE,
+                               Feature.FORMAT_REGEX})
 COMMON_GAPS: dict[Feature, str] = {
     Feature.FORMAT_DATE: "day-of-month not checked (2023-02-29 passes)",
-    Feature.FORMAT_NEITHER: "idn-email, idn-hostname, iri, iri-reference and regex are "
-                            "not checked",
+    **dict.fromkeys(sorted(UNCHECKED_FORMATS), "no backend checks it"),
 }
 
 
@@ -90,9 +94,9 @@ class BackendInfo:
     #: its compiles are bounded by its own limits (llguidance: lexer fuel, grammar size), so
     #: none can run away: a small spec's runs on the compiling thread itself, with no
     #: hand-off to a compile worker (the hand-off is what lets a deadline abandon a compile;
-    #: it cost a cold llguidance compile 60-250 us here). Bounded is not short (a 100,000
-    #: string choice: 18 s), so a large spec's goes to a worker all the same
-    #: (``compile_slots.may_run_here``).
+    #: it costs a small share of a cold llguidance compile). Bounded is not short (a large
+    #: choice compiles for seconds), so a large spec's goes to a worker all the same
+    #: (``compile_slots.may_run_here``; docs/benchmarks.md, Figures: compile routing).
     bounded_compile: bool = False
     #: process memory per cached grammar = scale * the grammar's ``memory_bytes`` + base
     #: (measured with bench/stress.py --calibrate)
@@ -125,13 +129,16 @@ _adapters: dict[str, Any] = {}
 #: kept in step with ``_registered`` (rebuilt under the lock when it changes): every spec
 #: and every plan reads them, a sort and a scan each on a cold compile's path
 _ordered: tuple[BackendInfo, ...] = ()
+_named: frozenset[Feature] = frozenset(COMMON_GAPS)
 
 
 def _reindex() -> None:
     """Rebuild the ordered tuple and the name/alias index (``backend_names``; the caller
     holds the lock)."""
-    global _ordered
+    global _ordered, _named
     _ordered = tuple(sorted(_registered.values(), key=lambda b: b.priority))
+    _named = frozenset(COMMON_GAPS).union(*(
+        (*b.gaps, *b.lenient_exact, *b.lenient_cannot, *b.lenient_gaps) for b in _ordered))
     index: dict[str, str] = {}
     for b in _ordered:  # a name before any alias, in preference order, as the scan found
         index.setdefault(b.name, b.name)
@@ -165,6 +172,12 @@ def unregister(name: str) -> None:
 def backends() -> tuple[BackendInfo, ...]:
     """Every registered backend, in preference order (``priority``, then registration)."""
     return _ordered
+
+
+def named_features() -> frozenset[Feature]:
+    """Every feature some backend (or ``COMMON_GAPS``) names: the others (a format every
+    backend checks) do not matter for routing."""
+    return _named
 
 
 def names() -> tuple[str, ...]:

@@ -103,8 +103,9 @@ class XGrammarMatcher(BackendMatcher):
 
     def release(self) -> None:
         """Give the native matcher back to its grammar (``XGrammarCompiled.matcher`` resets
-        it for the next request: 2 µs against 23 for a new one, which a batch whose short
-        requests end often pays on the fill thread for every new row)."""
+        it for the next request: a fraction of a new one's cost, which a batch whose short
+        requests end often pays on the fill thread for every new row; docs/benchmarks.md,
+        Figures: decode host path)."""
         owner, inner = self._owner, self._m
         self._owner = None
         self._m = RELEASED
@@ -166,8 +167,9 @@ def _accept_all(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[b
     """Each matcher takes its token in one native call: None when all did, else who did.
 
     xgrammar's own wrapper turns the answer into a list element by element through the FFI
-    (0.4 ms for 256 rows, more than the accepts); asking the array whether it holds a
-    refusal is one call, and all are accepted in nearly every step."""
+    (at a large batch, more than the accepts cost: docs/benchmarks.md, Figures: decode host
+    path); asking the array whether it holds a refusal is one call, and all are accepted
+    in nearly every step."""
     if _CORE_BATCH is None:
         done = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         return None if all(done) else done

@@ -10,14 +10,12 @@ has no such format.
 
 Where the time and the memory go (xgrammar 0.2): a load is xgrammar parsing its JSON, mostly
 the adaptive token mask table: one entry per parser state, a dense one is a 4,750-word bitset
-written as decimal numbers (``strtoll`` and picojson's per-number values dominate; about
-100 kB/ms, and at least ~55 ns per number whatever its digits). That parse is the floor of a
-load: 40 patterned properties are 9.3 million numbers, 0.8 s. The entries repeat (3,061 entries,
-47 distinct: 71 MB of JSON, 11 MB with each entry stored once, 2.9 MB compressed), which saves
-the file and the inflate, not the parse. The serializer and the parser both build the whole
-picojson tree: 8 to 13 times the JSON (the serializer's peak, 71 MB: +0.58 GB; the parser's,
-+0.5 GB), and the JSON grows far faster than the grammar with nested ``oneOf``/``anyOf``
-(depth 8: a 5 MB grammar, 151 MB of JSON, +2.5 GB; a vLLM worker was OOM-killed at depth 10).
+written as decimal numbers (``strtoll`` and picojson's per-number values dominate, with a
+floor per number whatever its digits). That parse is the floor of a load. The entries repeat
+(few distinct among thousands), which saves the file and the inflate, not the parse. The
+serializer and the parser both build the whole picojson tree, many times the JSON, and the
+JSON grows far faster than the grammar with nested ``oneOf``/``anyOf`` (deep nesting got a
+vLLM worker OOM-killed). The figures: docs/benchmarks.md, Figures: disk cache.
 
 Hence the writer: a grammar that is small and shallow (``inline_memory``, ``INLINE_DEPTH``) is
 serialized on the writer thread; any other is compiled again and serialized by a child process
@@ -66,17 +64,19 @@ CompileFn = Callable[["GrammarSpec", "Vocabulary", bool], xgr.CompiledGrammar]
 _PIECES = struct.Struct("<IIQ")  # distinct pieces, sequence length, characters of the JSON
 INLINE_DEPTH = 4
 #: A child costs seconds of (niced) CPU: start-up, a second compile. A grammar that compiled
-#: faster than this is not worth one (nested ``oneOf`` compiles in 0.1 s into 38 MB of JSON).
+#: faster than this is not worth one (a nested ``oneOf`` can compile fast into large JSON:
+#: docs/benchmarks.md, Figures: disk cache).
 CHILD_MIN_COMPILE_MS = 250.0
 #: The child's deadline: this, plus four times the parent's compile time.
 CHILD_TIMEOUT_S = 120.0
-#: Loading (xgrammar's parse) handles its JSON at roughly this many bytes per millisecond; a
-#: grammar whose load would not beat its compile by ``WORTH`` is not written. The JSON is at
-#: least the grammar's memory size, so a compile faster than that bound is skipped unseen.
+#: Loading (xgrammar's parse) handles its JSON at roughly this many bytes per millisecond
+#: (docs/benchmarks.md, Figures: disk cache); a grammar whose load would not beat its compile
+#: by ``WORTH`` is not written. The JSON is at least the grammar's memory size, so a compile
+#: faster than that bound is skipped unseen.
 LOAD_BYTES_PER_MS = 100_000
 WORTH = 0.8
-#: Parsing holds about 7 times the JSON in the serving process (71 MB: +0.5 GB): longer JSON is
-#: neither written nor loaded (it would also load slowly: 1.2 GB took 44 s).
+#: Parsing holds several times the JSON in the serving process: longer JSON is neither
+#: written nor loaded (it would also load slowly; docs/benchmarks.md, Figures: disk cache).
 MAX_JSON_BYTES = 128 * 1024 * 1024
 #: One entry of xgrammar's adaptive token mask table: a flat object of integer lists. A quote
 #: inside a JSON string is escaped, so this cannot match inside one; either way the pieces
@@ -159,7 +159,8 @@ def alternation_depth(spec: GrammarSpec) -> int:
 
 def pack_json(text: str) -> bytes:
     """xgrammar's JSON as pieces cut at its mask entries, each distinct piece once (the
-    entries repeat: 71 MB of JSON become 11 MB); ``unpack_json`` joins them back exactly."""
+    entries repeat, so the pieces are a fraction of the JSON); ``unpack_json`` joins them
+    back exactly."""
     index: dict[str, int] = {}
     sequence = array("I")
     pos = 0

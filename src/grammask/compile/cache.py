@@ -25,12 +25,12 @@ MAX_PLANS = 4096
 TRIM_INTERVAL_S = 1.0
 #: Grammar bytes inserted since the last trim that make one due (evictions always do): a
 #: trim hands free pages back that the next compiles fault in again, which costs a small
-#: compile more than the scratch it frees (measured: a cold llguidance TTFM 1.0 -> 1.7 ms
-#: with a trim before each); large compiles leave large scratch and get there at once.
+#: compile more than the scratch it frees; large compiles leave large scratch and get there
+#: at once (docs/benchmarks.md, Figures: compile cache).
 TRIM_AFTER_BYTES = 8 << 20
 #: A compile at least this long makes a trim due at once (no ``TRIM_INTERVAL_S`` wait): its
-#: scratch, freed when it ended, is large (measured: a 650 ms llguidance compile of a 54 KB
-#: schema left 17 MiB resident that a 1.2 ms trim handed back), and the trim costs it <1%.
+#: scratch, freed when it ended, is large, and the trim costs a small share of such a
+#: compile (docs/benchmarks.md, Figures: compile cache).
 TRIM_AFTER_COMPILE_MS = 100.0
 
 

@@ -2,9 +2,9 @@
 spec fills its masks cheaper on this machine.
 
 Which engine fills faster depends on the schema and on the machine (on the corpus, xgrammar is
-cheaper for 60% of the free-text schemas both enforce, by up to 10x, llguidance for the rest;
-on 2 cores here a free-text row costs xgrammar 15 µs and llguidance 29, on an H200's host
-about 40 and 55), so no constant of the router's cost model can decide it. The compiler
+cheaper for most of the free-text schemas both enforce, llguidance for the rest, and the gap
+between them differs from one machine to another: docs/benchmarks.md, Figures: compile
+routing), so no constant of the router's cost model can decide it. The compiler
 (``Compiler(tune_fill=True)``) serves the router's choice at once, compiles the other engine
 that enforces every keyword in the background, and ``compare``s them on a probe walk; when the
 other fills cheaper by more than ``MARGIN`` it serves that spec's later requests (rows already

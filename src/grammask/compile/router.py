@@ -11,12 +11,12 @@ policy:
    regex, GBNF, ...) and, for JSON schemas, the features each backend does not enforce (its
    ``gaps``, docs/keyword-probe.md) decide: of the backends that enforce
    everything, the cheapest for the workload by its declared ``Cost`` (``prefer`` first);
-   the runner-up is the fallback. Measured facts behind the costs (corpus schemas, Qwen2.5
-   vocabulary): xgrammar compiles schemas without free-form text (no plain string, free key
-   or untyped value) in 1-2 ms, but any free-form string costs ~25 ms and the tail reaches
-   seconds, while llguidance compiles in ~1.4 ms at p50; open objects (xgrammar's non-strict
-   mode) cost xgrammar 864 ms p50 on 300 corpus schemas; xgrammar's regex/Lark compiles are
-   5-80x slower. Reasons name the keyword and the backend, never a timing;
+   the runner-up is the fallback. The costs follow measured compile times (corpus schemas,
+   Qwen2.5 vocabulary; docs/benchmarks.md, Figures: compile routing): xgrammar compiles
+   schemas without free-form text (no plain string, free key or untyped value) about as fast
+   as llguidance, but any free-form string costs it far more and its tail reaches seconds;
+   open objects (xgrammar's non-strict mode) cost it more still; its regex/Lark compiles are
+   slower than llguidance's. Reasons name the keyword and the backend, never a timing;
 3. when none enforces everything: the one that misses fewest (a backend with a lenient mode
    first on a tie: it knows its gaps), the gaps listed in ``Route.unenforced``; in strict
    mode that is an ``UnsupportedError`` instead.
@@ -45,7 +45,7 @@ from ..schema.analysis import (
     overlapping_one_of,
     schema_features,
 )
-from ..schema.features import Feature
+from ..schema.features import FORMAT_FEATURES, Feature
 from ..schema.keywords import check_keywords
 from ..specs.grammar_spec import BackendName, GrammarSpec
 
@@ -107,8 +107,9 @@ class Plan:
         return self.route.backend
 
 
-#: The first attempt's shares when others follow (measured: llguidance, the usual fallback,
-#: compiles in milliseconds, so most of the budget may go to the first backend).
+#: The first attempt's shares when others follow (llguidance, the usual fallback, compiles
+#: in a small share of a budget, so most of it may go to the first backend; docs/benchmarks.md,
+#: Figures: compile routing).
 FIRST_BUDGET, FIRST_SLOT_BUDGET = 0.7, 0.2
 
 
@@ -254,6 +255,7 @@ def _analysis(spec: GrammarSpec) -> tuple[Features, tuple[Workload, str | None]]
         return _features(spec), workload(spec)
     features, free = walked
     _refuse(spec, features, checked=True)
+    features = _named(features)
     if spec.extra_properties:
         return features, ("json_open_objects", None)
     return features, (("json_closed", None) if free is None else ("json_free_text", free))
@@ -263,7 +265,22 @@ def _features(spec: GrammarSpec) -> Features:
     """The schema's routing features (one walk); raises for what no backend may serve."""
     features = schema_features(spec.schema) if spec.kind == "json_schema" else {}
     _refuse(spec, features, checked=False)
-    return features
+    return _named(features)
+
+
+def _named(features: Features) -> Features:
+    """The features some backend names (``registry.named_features``), in their order: a
+    format every backend checks is no reason to choose, nor a gap to report. A missing
+    ``type: string`` costs nothing where every format used is one no backend checks
+    (``registry.UNCHECKED_FORMATS``); with such formats beside checked ones it is kept,
+    wherever it was (said, never silent)."""
+    named = registry.named_features()
+    kept = {f: at for f, at in features.items() if f in named}
+    if Feature.FORMAT_UNTYPED in kept and all(
+            f in registry.UNCHECKED_FORMATS for f in features
+            if f in FORMAT_FEATURES):
+        del kept[Feature.FORMAT_UNTYPED]
+    return kept
 
 
 def _refuse(spec: GrammarSpec, features: Features, *, checked: bool) -> None:

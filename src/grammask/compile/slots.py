@@ -50,9 +50,10 @@ def trim_heap() -> bool:
 
 
 #: A bounded backend's compile runs on the calling thread only for a spec at most this long
-#: (``GrammarSpec.source``, in characters; 91% of the corpus): a longer one goes to a worker,
+#: (``GrammarSpec.source``, in characters; most of the corpus): a longer one goes to a worker,
 #: where a deadline can abandon it. Bounded is not short: llguidance's limits let a
-#: 100,000-string choice compile for 18 s and 10,000 properties for 17 s.
+#: 100,000-string choice or 10,000 properties compile for many seconds (docs/benchmarks.md,
+#: Figures: compile routing).
 HERE_MAX_CHARS = 8192
 #: The share of the time left that a compile on the calling thread may be expected to take
 #: at worst (``own_thread_cost_s``): the caller then overshoots its deadline by at most this much.
@@ -60,17 +61,18 @@ HERE_SHARE = 0.1
 
 
 def own_thread_cost_s(chars: int) -> float:
-    """A pessimistic compile time for a spec of ``chars`` characters (llguidance, measured:
-    the corpus' worst is 7 us a character; properties grow quadratically, 10 us a character
-    at 100 KB)."""
+    """A pessimistic compile time for a spec of ``chars`` characters (llguidance: a cost a
+    character above the corpus' worst, plus a quadratic term for schemas with many
+    properties; the figures behind the coefficients: docs/benchmarks.md, Figures: compile
+    routing)."""
     return chars * 8e-6 + chars * chars * 1e-10
 
 
 def may_run_here(chars: int, left_s: float) -> bool:
     """Whether a bounded compile of a spec this long may run on the calling thread with
     ``left_s`` seconds to its deadline: small, and sure to end within ``HERE_SHARE`` of it.
-    Past that it goes to a worker (one thread hop each way: 60-250 us, 1-5% of such a
-    compile)."""
+    Past that it goes to a worker (one thread hop each way, a small share of such a compile:
+    docs/benchmarks.md, Figures: compile routing)."""
     return chars <= HERE_MAX_CHARS and own_thread_cost_s(chars) <= HERE_SHARE * left_s
 
 
@@ -127,7 +129,8 @@ def _ticks() -> int:
 
 def _tasks_since(tick: int) -> set[int]:
     """The process's threads started at or after ``tick`` (read only when a job is
-    abandoned: a listing per job would cost every cold compile ~5-20 us before it starts)."""
+    abandoned: a listing per job would delay every cold compile before it starts;
+    docs/benchmarks.md, Figures: cold path)."""
     if not tick:
         return set()
     try:

@@ -3,9 +3,10 @@
 A host adds new requests on its model runner's thread, right before the forward (vLLM's
 runners: ``update_state`` / ``add_request``). Making a row there (the request, its pending
 compile, its thinking gate, and giving the previous occupant's matcher back) costs a few
-microseconds a request on the forward's critical path, and a batch of short requests starts
-~150 of them a step at 512 rows. Here an add is one dict entry on the host. The next fill job
-makes the rows on the fill thread, while the forward runs, and releases the rows that left.
+microseconds a request on the forward's critical path, and a large batch of short requests
+starts many of them a step (docs/benchmarks.md, Figures: decode host path). Here an add is
+one dict entry on the host. The next fill job makes the rows on the fill thread, while the
+forward runs, and releases the rows that left.
 """
 
 from __future__ import annotations

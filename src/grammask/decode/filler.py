@@ -3,7 +3,9 @@ masks the logits; buffers are ``grammask.kernels.buffers``, the thread ``fill_wo
 
 ``Filler`` fills a set of rows through the backends' batch calls (``BatchCalls``:
 xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``), on the backend's threads from
-``parallel_min`` rows of one backend, on the fill thread (``fill_worker``).
+``parallel_min`` rows of one backend, on the fill thread (``fill_worker``). A backend whose
+fills take turns on shared locks (``FillLanes``: llguidance) has its rows placed on threads
+here, by lock (``fill_placement``), and fills the shares it is handed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 import torch
 
 from ..backends.base import BackendMatcher, BatchFills, Matcher, batch_calls, fill_stop_only
+from ..backends.capabilities import lane_calls
 from ..kernels.bitmask import bitmask_words, normal_tensors
+from .fill_placement import place_fills
 
 
 class Filler:
@@ -49,7 +53,9 @@ class Filler:
         as given); a group goes through its ``batch_fill``, on the backend's threads from
         ``parallel_min`` rows, on this thread below that (one native call, the
         GIL released, still cheaper than a Python loop: the backend keeps the per-row
-        choice). Terminated matchers of those classes (only stop tokens allowed) are copied
+        choice). On several threads, a class with ``FillLanes`` tells its rows' locks and
+        lanes, the rows are placed on threads here (``fill_placement``) and it fills the
+        shares. Terminated matchers of those classes (only stop tokens allowed) are copied
         in bulk (``fill_stop_only``); lone rows and other classes take their own ``fill``."""
         groups: BatchFills = {}
         rest: list[tuple[Matcher, int]] = []
@@ -73,7 +79,12 @@ class Filler:
                     rest.append((matcher, row))
             if len(live) > 1:
                 threads = self.threads if len(live) >= self.parallel_min else 1
-                calls.batch_fill(live, bitmask, threads, self._pools)
+                lanes = lane_calls(calls) if threads != 1 else None
+                plan = lanes.fill_lanes(live, bitmask, threads) if lanes is not None else None
+                if lanes is not None and plan is not None:
+                    lanes.fill_shares(place_fills(plan[1], plan[0]), bitmask, self._pools)
+                else:
+                    calls.batch_fill(live, bitmask, threads, self._pools)
             else:
                 rest.extend(live)
         if ended:

@@ -1,8 +1,9 @@
 """Checking one item on one backend: compile, feed its instances, sample and audit, judge.
 
 Runs inside a worker process (see ``runner``): one ``Checker`` holds the vocabulary, a fresh
-``Compiler`` and the token table for the worker's lifetime, so the ~5 s of vocabulary and
-backend-tokenizer setup is paid once per worker, not per item.
+``Compiler`` and the token table for the worker's lifetime, so the vocabulary and
+backend-tokenizer setup (seconds: docs/benchmarks.md, Figures: start-up) is paid once per
+worker, not per item.
 
 Semantics (the report's columns):
 - a valid instance is *accepted* when some serialization of it (``compact``:
@@ -19,7 +20,7 @@ anywhere in the schema declares is counted as ``over_closed`` (by design), not a
 one accepted once its keys are put in the schema's declared order is ``over_order`` (both
 backends fix the property order; JSON Schema does not).
 ``--open-objects`` checks plain JSON Schema semantics instead (xgrammar compiles open objects
-far more slowly: 3.5 s instead of 0.1 s for a five-property schema).
+far more slowly: docs/benchmarks.md, Figures: compile routing).
 """
 
 from __future__ import annotations

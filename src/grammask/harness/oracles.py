@@ -386,7 +386,7 @@ def explained_by_gap(err: ValidationError, unenforced: Iterable[str]) -> bool:
         if any(w in words for w in _GAP_WORDS.get(kw, (kw,))):
             return True
     if err.validator == "format":
-        # "format (llguidance unknown)": the formats llguidance calls unknown, by that name
+        # a format gap names its format ("format: uri-reference"), or "format (unknown)"
         return "format" in words and (str(err.validator_value) in words or "unknown" in words)
     return _node_gap(err, unenforced)
 

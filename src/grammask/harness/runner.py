@@ -1,7 +1,7 @@
 """Work isolation: items run in long-lived worker processes under a hard per-phase deadline.
 
 A native backend can crash the process or spin for minutes inside a compile that cannot be
-interrupted. Each worker builds its vocabulary and compiler once (~5 s) and then checks items
+interrupted. Each worker builds its vocabulary and compiler once (seconds) and then checks items
 one at a time, reporting each backend's row as soon as it is done. The parent waits on all
 workers with a deadline per phase (one backend of one item): a worker that dies or overruns
 is killed and replaced, the phase is recorded as ``crash`` or ``timeout``, and the item's

@@ -267,7 +267,7 @@ def restore_empty_rows(logits: torch.Tensor, bitmask: torch.Tensor,
 def _apply_plan(logits: torch.Tensor, plan: CpuPlan, layout: LogitsLayout) -> None:
     """The critical-path part of the CPU apply: gather, memset, scatter (numpy indexing on
     a same-width integer view of the logits' storage: exact for every value, NaN included;
-    numpy's indexing calls cost a tenth of torch's)."""
+    numpy's indexing calls cost far less than torch's: docs/benchmarks.md, CPU apply)."""
     int_dtype, minus_inf = _INT_VIEW[layout.dtype]
     stride = plan.stride
     base = logits.detach() if logits.requires_grad else logits
@@ -294,7 +294,7 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor, covered: int,
     it is fast for rows that allow most tokens (free text) and slow for the common structural
     rows that allow a handful. Those *sparse* rows are instead saved at their allowed ids, filled
     with -inf wholesale (a memset, the cheapest write there is) and restored. The index work
-    is done in numpy: its calls cost a tenth of torch's."""
+    is done in numpy: its calls cost far less than torch's (docs/benchmarks.md, CPU apply)."""
     nwords = (covered + 31) // 32
     words = bitmask.numpy()[rows, :nwords]
     flags = np.count_nonzero(words, axis=1) <= max(_SPARSE_WORDS, nwords // 4)

@@ -1,5 +1,7 @@
 """What a schema uses that some backend may not enforce: the ``Feature`` enum and the test
-of one subschema (``node_features``).
+of one subschema (``node_features``). Schema knowledge only: which backend enforces what is
+each backend's declaration (``grammask.backends``); a format is a feature of its own, so a
+backend declares the formats it does not check by name.
 
 Features are the shared vocabulary of the schema analysis (``analysis``), the router and the
 backends' declarations: each backend's ``gaps`` is a ``dict[Feature, str]``, so a feature
@@ -48,10 +50,29 @@ class Feature(enum.StrEnum):
     PATTERN_LOOKAROUND = "pattern (lookaround)"
     REQUIRED_UNDECLARED = "required (undeclared names)"
     PATTERN_PROPERTIES = "patternProperties"
+    #: the formats JSON Schema 2020-12 defines (``FORMATS``), one feature each
+    FORMAT_DATE_TIME = "format: date-time"
     FORMAT_DATE = "format: date"
-    FORMAT_XGRAMMAR_ONLY = "format (llguidance unknown)"
-    FORMAT_NEITHER = "format (neither backend)"
+    FORMAT_TIME = "format: time"
+    FORMAT_DURATION = "format: duration"
+    FORMAT_EMAIL = "format: email"
+    FORMAT_IDN_EMAIL = "format: idn-email"
+    FORMAT_HOSTNAME = "format: hostname"
+    FORMAT_IDN_HOSTNAME = "format: idn-hostname"
+    FORMAT_IPV4 = "format: ipv4"
+    FORMAT_IPV6 = "format: ipv6"
+    FORMAT_URI = "format: uri"
+    FORMAT_URI_REFERENCE = "format: uri-reference"
+    FORMAT_IRI = "format: iri"
+    FORMAT_IRI_REFERENCE = "format: iri-reference"
+    FORMAT_UUID = "format: uuid"
+    FORMAT_URI_TEMPLATE = "format: uri-template"
+    FORMAT_JSON_POINTER = "format: json-pointer"
+    FORMAT_RELATIVE_JSON_POINTER = "format: relative-json-pointer"
+    FORMAT_REGEX = "format: regex"
+    #: a format JSON Schema does not define (an annotation in 2020-12)
     FORMAT_UNKNOWN = "format (unknown)"
+    #: a format on a node without ``type: string``
     FORMAT_UNTYPED = "format (untyped)"
     PROPERTY_COUNT = "minProperties/maxProperties"
     #: found by the analysis beside the walk (``analysis.overlapping_one_of``)
@@ -61,16 +82,11 @@ class Feature(enum.StrEnum):
     WHITESPACE_PATTERN = "whitespace_pattern"
 
 
-#: Formats both backends enforce (``date`` with the common gap below).
-KNOWN_FORMATS = frozenset({
-    "date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid",
-})
-#: xgrammar enforces these; llguidance 1.7 calls them unknown (measured by the harness).
-XGRAMMAR_ONLY_FORMATS = frozenset({
-    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-})
-#: Neither backend enforces these: xgrammar ignores them, llguidance calls them unknown.
-UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+#: The formats JSON Schema 2020-12 defines, by name: each is a feature of its own.
+FORMATS: dict[str, Feature] = {
+    f.value.removeprefix("format: "): f for f in Feature if f.value.startswith("format: ")}
+#: Every format feature: a format JSON Schema defines, or one it does not.
+FORMAT_FEATURES = frozenset({*FORMATS.values(), Feature.FORMAT_UNKNOWN})
 
 #: Every key ``node_features`` looks at: a node with none of them has no feature.
 FEATURE_KEYS = frozenset({
@@ -174,16 +190,8 @@ def _pattern_features(node: dict[str, Any], present: frozenset[str],
 
 
 def _format_features(fmt: str, *, typed: bool) -> list[Feature]:
-    out = []
-    if fmt == "date":
-        out.append(Feature.FORMAT_DATE)
-    elif fmt in XGRAMMAR_ONLY_FORMATS:
-        out.append(Feature.FORMAT_XGRAMMAR_ONLY)
-    elif fmt in UNENFORCED_FORMATS:
-        out.append(Feature.FORMAT_NEITHER)
-    elif fmt not in KNOWN_FORMATS:
-        out.append(Feature.FORMAT_UNKNOWN)
-    if not typed and fmt not in UNENFORCED_FORMATS:
+    out = [FORMATS.get(fmt, Feature.FORMAT_UNKNOWN)]
+    if not typed:
         out.append(Feature.FORMAT_UNTYPED)
     return out
 

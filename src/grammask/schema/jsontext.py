@@ -1,12 +1,12 @@
 """JSON text for keys and for the backends' parsers, with orjson when it is installed.
 
 A cold compile writes a schema's JSON twice (the spec's compact text, which its key hashes,
-and the normalized schema a backend parses); the standard library's encoder took 35-45 µs
-for a 6 kB schema there, orjson 3 (vLLM depends on it; grammask runs without it). orjson
-refuses what it cannot write as the standard encoder would (integers beyond 64 bits,
-lone surrogates, keys that are not strings): those values fall back to the standard
-encoder. Its text differs from the standard encoder's only in how some floats are spelled
-(``1e-7`` for ``1e-07``), so a key is stable within one installation.
+and the normalized schema a backend parses); orjson writes it far faster than the standard
+library's encoder (docs/benchmarks.md, Figures: cold path; vLLM depends on orjson, grammask
+runs without it). orjson refuses what it cannot write as the standard encoder would (integers
+beyond 64 bits, lone surrogates, keys that are not strings): those values fall back to the
+standard encoder. Its text differs from the standard encoder's only in how some floats are
+spelled (``1e-7`` for ``1e-07``), so a key is stable within one installation.
 
 Callers hand in values whose floats are finite (spec parsing refuses the others): orjson
 would write NaN and infinities as ``null``.

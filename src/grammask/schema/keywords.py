@@ -36,8 +36,8 @@ def check_keywords(schema: Any) -> None:
     unknown ``type``, ``minLength`` above ``maxLength``, a local ``$ref`` to nothing), with the
     JSON pointer of the keyword; returns None for a schema that passes. Backends either
     accept such values silently or refuse them without a location. A walk over the
-    subschemas only: jsonschema's metaschema validation measured 1 ms p50 but 50-130 ms p99
-    and 1 s on a 1 MB corpus schema."""
+    subschemas only: jsonschema's metaschema validation has a long tail on large schemas
+    (docs/benchmarks.md, Figures: cold path)."""
     for _ in checked(Walk(schema)):
         pass
 
@@ -147,7 +147,8 @@ def _bounded(value: Any) -> bool:
 
 def _is_map(v: object) -> bool:
     """``isinstance(v, Mapping)``, with parsed JSON's dicts first: the ABC's check costs
-    ~8x a plain type check, on every subschema's keys of every cold compile."""
+    far more than a plain type check, on every subschema's keys of every cold compile
+    (docs/benchmarks.md, Figures: cold path)."""
     return isinstance(v, (dict, Mapping))
 
 

@@ -70,7 +70,8 @@ _COMPILERS_LOCK = threading.Lock()
 
 
 def shared_compiler(vllm_config: Any, settings: Settings) -> Compiler:
-    """The process's compiler for this tokenizer and these settings (built once: ~5-10 s)."""
+    """The process's compiler for this tokenizer and these settings (built once: seconds;
+    docs/benchmarks.md, Figures: start-up)."""
     mc = vllm_config.model_config
     key = (mc.tokenizer, getattr(mc, "tokenizer_revision", None),
            getattr(mc, "tokenizer_mode", None), mc.get_vocab_size(), settings.backend,
@@ -89,7 +90,7 @@ def shared_compiler(vllm_config: Any, settings: Settings) -> Compiler:
                             disk_cache_bytes=settings.disk_cache_mb * 1024 * 1024,
                             # ranks must end with one grammar per spec: no timing fallbacks
                             rank_invariant=_tp_size(vllm_config) > 1)
-            # every backend's tokenizer view (~1 s each for Qwen's 152k tokens), even one
+            # every backend's tokenizer view (slow to build for Qwen's 152k tokens), even one
             # the settings do not choose: built before the server reports healthy, so no
             # first request waits on them past its budget
             for backend in registry.backends():

@@ -13,7 +13,7 @@ from grammask.compile.cache import (
     TRIM_INTERVAL_S,
     CompileCache,
 )
-from grammask.compile.grammar import Stats
+from grammask.compile.stats import Stats
 
 
 def test_a_trim_is_due_after_enough_bytes_or_an_eviction(compiler: Compiler) -> None:

@@ -44,10 +44,10 @@ def test_the_old_names_are_gone() -> None:
     import grammask.compile.compiler as compiler_module
     import grammask.errors as errors
     from grammask.integrations.vllm import (
-        common as vllm_common,
+        compiler as vllm_compiler,
     )
     from grammask.integrations.vllm import (
-        compiler as vllm_compiler,
+        plugin_core as vllm_common,
     )
     from grammask.integrations.vllm import (
         settings as vllm_settings,

@@ -287,7 +287,7 @@ def test_new_requests_are_parsed_off_the_runners_thread(
     reference."""
     import threading
 
-    from grammask.integrations.vllm.common import PluginCore
+    from grammask.integrations.vllm.plugin_core import PluginCore
 
     r = runner()
     real = PluginCore.admission

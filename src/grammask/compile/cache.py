@@ -16,8 +16,9 @@ from collections import OrderedDict
 
 from ..backends.registry import BackendInfo
 from ..errors import GrammarError
-from .grammar import Grammar, Stats, fresh_error
+from .grammar import Grammar, fresh_error
 from .router import Plan
+from .stats import Stats
 
 #: Plans kept (a few hundred bytes each): far more than the grammars a cache usually holds.
 MAX_PLANS = 4096

@@ -39,11 +39,12 @@ from ..vocab import Vocabulary
 from .cache import CompileCache
 from .filltune import FillTuner
 from .flights import Flight, Flights
-from .grammar import Grammar, Stats
+from .grammar import Grammar
 from .plan_runner import PlanRunner
 from .router import Attempt, Plan, Preference, Route, plan, route
 from .slots import HERE_MAX_CHARS, Runners, running_compiles, trim_heap
 from .state import ServiceState
+from .stats import Stats
 
 __all__ = ["Compiler", "Grammar", "Stats", "running_compiles", "trim_heap"]
 

@@ -1,6 +1,6 @@
-"""A compiled spec as grammask hands it out (``Grammar``), and the compile service's counters.
+"""A compiled spec as grammask hands it out (``Grammar``).
 
-Kept apart from the service (``compiler``) so that what carries out a plan (``attempts``)
+Kept apart from the service (``compiler``) so that what carries out a plan (``plan_runner``)
 and what serves rows can name a grammar without depending on the service.
 """
 
@@ -62,34 +62,6 @@ class Grammar:
         scaled by its calibrated footprint (``BackendInfo.footprint``, against measured RSS)."""
         scale, base = registry.footprint(self.backend)
         return int(scale * int(self.backend_grammar.memory_bytes) + base)
-
-
-@dataclass
-class Stats:
-    """Counters since the compiler started (read them; do not write)."""
-
-    hits: int = 0
-    misses: int = 0
-    joined: int = 0
-    compiles: dict[str, int] = field(default_factory=lambda: dict.fromkeys(registry.names(), 0))
-    compile_ms: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(registry.names(), 0.0))
-    fallbacks: int = 0
-    timeouts: int = 0
-    errors: int = 0
-    negative_hits: int = 0
-    evictions: int = 0
-    abandoned: int = 0
-    internal_errors: int = 0
-    late_results: int = 0
-    trims: int = 0
-    disk_hits: int = 0
-    disk_misses: int = 0
-    disk_writes: int = 0
-    #: JSON schemas whose fill two backends compared (``Compiler(tune_fill=True)``), and
-    #: those the other backend then served
-    fill_tuned: int = 0
-    fill_moved: int = 0
 
 
 def fresh_error(error: BaseException) -> BaseException:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..vocab import Vocabulary
 from .cache import CompileCache
-from .grammar import Stats
+from .stats import Stats
 
 
 @dataclass(eq=False)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from .common import PluginCore, validate_sampling_params
 from .compat import runner_of
+from .plugin_core import PluginCore, validate_sampling_params
 from .v2 import V2Batch
 
 

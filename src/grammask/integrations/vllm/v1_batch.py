@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from .common import FQCN, PluginCore
+from .plugin_core import FQCN, PluginCore
 
 __all__ = ["FQCN", "V1Batch"]
 

@@ -49,7 +49,7 @@ from ...decode.processor import BatchProcessor
 from ...decode.step_apply import AlongDrafts, Mapped
 from ...kernels.apply import stop_only, warm_device_apply
 from ...specs.request import thinking_of
-from .common import PluginCore
+from .plugin_core import PluginCore
 from .v2_device import CudaPort, DevicePort, TokenReader
 from .v2_watch import Items, SlotTokens, TokenWatch
 

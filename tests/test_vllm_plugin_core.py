@@ -30,8 +30,9 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
 
-from grammask.integrations.vllm import common as vllm_common
-from grammask.integrations.vllm.common import (
+from grammask.integrations.vllm import plugin_core as vllm_common
+from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
+from grammask.integrations.vllm.plugin_core import (
     Settings,
     load_settings,
     request_of,
@@ -40,7 +41,6 @@ from grammask.integrations.vllm.common import (
     validate_sampling_params,
     vocabulary_from_vllm,
 )
-from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -43,8 +43,9 @@ from grammask.kernels.bitmask import allocate_bitmask
 def eligible(spec: GrammarSpec) -> list[str]:
     """The backends that enforce every keyword of ``spec`` (no gap of their own)."""
     features = router.route(spec).features
-    return [b.name for b in registry.backends()
-            if "json_closed" in b.costs and not any(f in b.gaps for f in features)]
+    common = registry.common_gaps()
+    return [b.name for b in registry.backends() if "json_closed" in b.costs
+            and not any(f in b.gaps and f not in common for f in features)]
 
 
 def walk_costs(grammars: dict[str, Any], tokens: list[int], vocab_size: int,

@@ -28,7 +28,7 @@ GROUPS = {
 #: the old gap strings (feature plus the common gap's detail) and the new detail
 DETAIL_OLD = {"format (neither backend)": " (idn-email, idn-hostname, iri, iri-reference and "
                                           "regex are not checked)"}
-DETAIL_NEW = {"format (neither backend)": " (no backend checks it)"}
+DETAIL_NEW = {"format (neither backend)": " (not checked)"}
 
 
 def _renamed(old: str, new: str) -> bool:

@@ -83,7 +83,7 @@ TABLE: list[tuple[str, Any, str, str, Any, Any]] = [
     ("format-xgrammar-only", {"type": "string", "format": "json-pointer"}, "xgrammar", "",
      "/a/b", "abc"),
     ("format-neither", {"type": "string", "format": "iri"}, "guidance",
-     "format: iri (no backend checks it)", "http://x.org/a", 5),
+     "format: iri (not checked)", "http://x.org/a", 5),
     # llguidance refuses look-around even leniently; xgrammar ignores it: said, not silent
     ("ref-root", {"type": "object", "properties": {"x": {"$ref": "#"}}}, "guidance", "",
      {"x": {}}, {"x": 1}),

@@ -614,8 +614,13 @@ def _translate(spec: GrammarSpec, message: str) -> GrammarError:
     return InvalidGrammarError(text, where=where)
 
 
+#: Formats llguidance 1.7 does not know (refused as unknown; lenient mode ignores them).
+UNCHECKED_FORMATS = frozenset({Feature.FORMAT_IDN_EMAIL, Feature.FORMAT_IDN_HOSTNAME,
+                               Feature.FORMAT_IRI, Feature.FORMAT_IRI_REFERENCE,
+                               Feature.FORMAT_REGEX})
 #: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
 GAPS: dict[Feature, str] = {
+    Feature.FORMAT_DATE: "day-of-month not checked (2023-02-29 passes)",
     Feature.UNIQUE_ITEMS: "refused",
     Feature.CONTAINS: "refused",
     Feature.PROPERTY_NAMES: "refused",
@@ -643,9 +648,7 @@ LENIENT_CANNOT = frozenset({Feature.PATTERN_LOOKAROUND})
 
 #: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
 #: (unknown formats are annotations in JSON Schema 2020-12; the others no backend checks).
-LENIENT_EXACT = frozenset({Feature.FORMAT_UNKNOWN, Feature.FORMAT_IDN_EMAIL,
-                           Feature.FORMAT_IDN_HOSTNAME, Feature.FORMAT_IRI,
-                           Feature.FORMAT_IRI_REFERENCE, Feature.FORMAT_REGEX})
+LENIENT_EXACT = frozenset({Feature.FORMAT_UNKNOWN, *UNCHECKED_FORMATS})
 
 
 #: What lenient mode leaves unenforced beyond ``GAPS``: llguidance's default mode refuses a
@@ -658,6 +661,7 @@ LENIENT_GAPS: dict[Feature, str] = {
 register(BackendInfo(
     name="guidance", package="llguidance", priority=1, label="llguidance", aliases=("llguidance",),
     adapter=GuidanceBackend, matcher=GuidanceMatcher, compiled=GuidanceCompiled, gaps=GAPS,
+    unchecked_formats=UNCHECKED_FORMATS,
     lenient=True, lenient_exact=LENIENT_EXACT, lenient_cannot=LENIENT_CANNOT,
     lenient_gaps=LENIENT_GAPS,
     # LLParserLimits' defaults bound a compile: initial lexer fuel 1,000,000 (~20 ms of regex

@@ -11,7 +11,7 @@ lower ``priority`` is preferred, then the earlier registered.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,18 +34,8 @@ Workload = Literal[
 ]
 
 
-#: What no registered backend enforces: listed in ``unenforced``, never a reason to switch
-#: backends (nor to refuse in strict mode: both backends accept the impossible date
-#: 2023-02-29). Kept here with the backends' own gaps; a backend that closes one removes it.
-#: Formats no registered backend checks at all (a node without ``type: string`` loses
-#: nothing of them).
-UNCHECKED_FORMATS = frozenset({Feature.FORMAT_IDN_EMAIL, Feature.FORMAT_IDN_HOSTNAME,
-                               Feature.FORMAT_IRI, Feature.FORMAT_IRI_REFERENCE,
-                               Feature.FORMAT_REGEX})
-COMMON_GAPS: dict[Feature, str] = {
-    Feature.FORMAT_DATE: "day-of-month not checked (2023-02-29 passes)",
-    **dict.fromkeys(sorted(UNCHECKED_FORMATS), "no backend checks it"),
-}
+#: the gap of a format a backend does not check (``BackendInfo.unchecked_formats``)
+UNCHECKED = "not checked"
 
 
 @dataclass(frozen=True)
@@ -77,8 +67,12 @@ class BackendInfo:
     #: label in messages ("llguidance" for the backend named ``guidance``)
     label: str = ""
     aliases: tuple[str, ...] = ()
-    #: schema feature (``schema.features.Feature``) -> what the backend does with it
+    #: schema feature (``schema.features.Feature``) -> what the backend does with it; the
+    #: gaps every JSON backend has are reported apart (``common_gaps``)
     gaps: Mapping[Feature, str] = field(default_factory=dict)
+    #: formats (``schema.features.FORMATS``) it does not check at all: each is a gap too
+    #: ("not checked"); a format checked in part is a gap with its own detail
+    unchecked_formats: frozenset[Feature] = frozenset()
     #: has a lenient mode: ignores the keywords it lacks instead of refusing the spec
     lenient: bool = False
     #: features refused by default only as a formality: lenient mode serves them exactly
@@ -101,6 +95,11 @@ class BackendInfo:
     #: process memory per cached grammar = scale * the grammar's ``memory_bytes`` + base
     #: (measured with bench/stress.py --calibrate)
     footprint: tuple[float, int] = (1.0, 0)
+
+    def __post_init__(self) -> None:
+        if self.unchecked_formats:  # each unchecked format is a gap
+            gaps = {**dict.fromkeys(sorted(self.unchecked_formats), UNCHECKED), **self.gaps}
+            object.__setattr__(self, "gaps", gaps)
 
     @property
     def title(self) -> str:
@@ -129,16 +128,20 @@ _adapters: dict[str, Any] = {}
 #: kept in step with ``_registered`` (rebuilt under the lock when it changes): every spec
 #: and every plan reads them, a sort and a scan each on a cold compile's path
 _ordered: tuple[BackendInfo, ...] = ()
-_named: frozenset[Feature] = frozenset(COMMON_GAPS)
+_named: frozenset[Feature] = frozenset()
+_common: dict[Feature, str] = {}
+_unchecked: frozenset[Feature] = frozenset()
 
 
 def _reindex() -> None:
     """Rebuild the ordered tuple and the name/alias index (``backend_names``; the caller
     holds the lock)."""
-    global _ordered, _named
+    global _ordered, _named, _common, _unchecked
     _ordered = tuple(sorted(_registered.values(), key=lambda b: b.priority))
-    _named = frozenset(COMMON_GAPS).union(*(
+    _named = frozenset().union(*(
         (*b.gaps, *b.lenient_exact, *b.lenient_cannot, *b.lenient_gaps) for b in _ordered))
+    _common, _unchecked = _shared([b for b in _ordered if any(w.startswith("json")
+                                                             for w in b.costs)])
     index: dict[str, str] = {}
     for b in _ordered:  # a name before any alias, in preference order, as the scan found
         index.setdefault(b.name, b.name)
@@ -172,6 +175,36 @@ def unregister(name: str) -> None:
 def backends() -> tuple[BackendInfo, ...]:
     """Every registered backend, in preference order (``priority``, then registration)."""
     return _ordered
+
+
+def _shared(json_backends: Sequence[BackendInfo]
+            ) -> tuple[dict[Feature, str], frozenset[Feature]]:
+    """The gaps every JSON backend has alike (the same detail: each does the same with the
+    feature, so no choice of backend helps) and the formats none checks at all. A gap the
+    backends treat differently (one ignores, one refuses) stays each backend's own."""
+    if not json_backends:
+        return {}, frozenset()
+    first, *others = json_backends
+    common: dict[Feature, str] = {}
+    for feature, detail in first.gaps.items():
+        if all(b.gaps.get(feature) == detail for b in others):
+            common[feature] = detail
+    unchecked = frozenset(first.unchecked_formats).intersection(
+        *(b.unchecked_formats for b in others))
+    return common, unchecked
+
+
+def common_gaps() -> dict[Feature, str]:
+    """What every registered JSON backend leaves unenforced alike, with why: listed in
+    ``unenforced``, never a reason to switch backends (nor to refuse in strict mode).
+    Derived from the backends' declarations: a backend that closes one removes it."""
+    return _common
+
+
+def unchecked_formats() -> frozenset[Feature]:
+    """The formats no registered JSON backend checks at all (a node without
+    ``type: string`` loses nothing of them)."""
+    return _unchecked
 
 
 def named_features() -> frozenset[Feature]:

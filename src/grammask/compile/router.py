@@ -213,11 +213,12 @@ def _serving(work: Workload) -> list[BackendInfo]:
 def _gaps(features: Features, backend: BackendInfo) -> list[str]:
     """The features ``backend`` does not enforce (the gaps every backend shares excluded),
     by name: what ``unenforced`` lists (plain strings, whatever prints them)."""
-    return [name.value for name in features if name in backend.gaps]
+    common = registry.common_gaps()
+    return [name.value for name in features if name in backend.gaps and name not in common]
 
 
 def _common(features: Features) -> tuple[str, ...]:
-    common = registry.COMMON_GAPS
+    common = registry.common_gaps()
     return tuple(f"{n} ({common[n]})" for n in features if n in common)
 
 
@@ -272,12 +273,12 @@ def _named(features: Features) -> Features:
     """The features some backend names (``registry.named_features``), in their order: a
     format every backend checks is no reason to choose, nor a gap to report. A missing
     ``type: string`` costs nothing where every format used is one no backend checks
-    (``registry.UNCHECKED_FORMATS``); with such formats beside checked ones it is kept,
+    (``registry.unchecked_formats``); with such formats beside checked ones it is kept,
     wherever it was (said, never silent)."""
     named = registry.named_features()
     kept = {f: at for f, at in features.items() if f in named}
     if Feature.FORMAT_UNTYPED in kept and all(
-            f in registry.UNCHECKED_FORMATS for f in features
+            f in registry.unchecked_formats() for f in features
             if f in FORMAT_FEATURES):
         del kept[Feature.FORMAT_UNTYPED]
     return kept

@@ -20,7 +20,9 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from .errors import InvalidSpecError
+from ..errors import InvalidSpecError
+from .huggingface import hf_vocab_type
+from .token_bytes import decode_vocab
 
 T = TypeVar("T")
 _MISSING: Any = object()
@@ -190,12 +192,16 @@ class Vocabulary:
         cls, tokenizer: Any, *, vocab_size: int | None = None,
         stop_ids: Sequence[int] | None = None, name: str | None = None,
     ) -> Vocabulary:
-        """A ``transformers`` tokenizer; byte decoding is delegated to xgrammar's detector."""
-        import xgrammar as xgr
-
-        n_tok = len(tokenizer.get_vocab())
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=max(n_tok, 1))
-        tokens = [bytes(t) for t in info.decoded_vocab[:n_tok]]
+        """A ``transformers`` tokenizer. Each token's bytes are decoded from its spelling in
+        ``get_vocab()`` (``vocab.token_bytes``: byte-level, byte-fallback or raw, told
+        apart as xgrammar tells them, ``vocab.huggingface``); an id below the vocabulary's
+        length that no token has is ``b""``, a token id at or past it is left out. Special
+        tokens (``all_special_ids`` and added tokens marked special) are their own text."""
+        vocab_dict = tokenizer.get_vocab()
+        n_tok = len(vocab_dict)
+        if n_tok == 0:
+            raise InvalidSpecError("the tokenizer's vocabulary is empty", where="tokenizer")
+        tokens = decode_vocab(vocab_dict, n_tok, hf_vocab_type(tokenizer, vocab_dict))
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         for tid, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
             if getattr(added, "special", False) and tid < n_tok:

@@ -80,33 +80,34 @@ class FillLanes(Protocol):
         ``fill_lanes`` answer, already checked."""
 
 
-_BATCH_CALLS: dict[type, type[BatchCalls] | None] = {}
-_FILL_LANES: dict[type, type[FillLanes] | None] = {}
+#: per protocol: matcher class -> the class, or None where it lacks the protocol's calls
+_OFFERS: dict[type, dict[type, type | None]] = {}
+
+
+def _offering(protocol: type, matcher_class: type | None) -> Any:
+    """``matcher_class`` when it offers ``protocol``'s calls, else None (cached per class:
+    a structural check is dear, and this is asked once per row per step)."""
+    if matcher_class is None:
+        return None
+    known = _OFFERS.setdefault(protocol, {})
+    try:
+        return known[matcher_class]
+    except KeyError:
+        found = known[matcher_class] = (matcher_class if issubclass(matcher_class, protocol)
+                                        else None)
+        return found
 
 
 def batch_calls(matcher_class: type | None) -> type[BatchCalls] | None:
-    """``matcher_class`` when it offers both batch calls, else None (cached per class: it is
-    asked once per row per step)."""
-    if matcher_class is None:
-        return None
-    try:
-        return _BATCH_CALLS[matcher_class]
-    except KeyError:
-        found = matcher_class if issubclass(matcher_class, BatchCalls) else None
-        _BATCH_CALLS[matcher_class] = found
-        return found
+    """``matcher_class`` when it offers both batch calls, else None."""
+    found: type[BatchCalls] | None = _offering(BatchCalls, matcher_class)
+    return found
 
 
 def lane_calls(matcher_class: type | None) -> type[FillLanes] | None:
-    """``matcher_class`` when it offers ``FillLanes``' calls, else None (cached per class)."""
-    if matcher_class is None:
-        return None
-    try:
-        return _FILL_LANES[matcher_class]
-    except KeyError:
-        found = matcher_class if issubclass(matcher_class, FillLanes) else None
-        _FILL_LANES[matcher_class] = found
-        return found
+    """``matcher_class`` when it offers ``FillLanes``' calls, else None."""
+    found: type[FillLanes] | None = _offering(FillLanes, matcher_class)
+    return found
 
 
 @runtime_checkable

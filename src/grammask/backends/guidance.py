@@ -29,7 +29,7 @@ from ..errors import (
     UnsupportedError,
 )
 from ..schema import jsontext
-from ..schema.features import Feature
+from ..schema.features import FORMATS, Feature
 from ..schema.normalize import locate, normalize_schema
 from ..specs.grammar_spec import BackendName, GrammarSpec
 from ..vocab import Vocabulary
@@ -614,10 +614,11 @@ def _translate(spec: GrammarSpec, message: str) -> GrammarError:
     return InvalidGrammarError(text, where=where)
 
 
-#: Formats llguidance 1.7 does not know (refused as unknown; lenient mode ignores them).
-UNCHECKED_FORMATS = frozenset({Feature.FORMAT_IDN_EMAIL, Feature.FORMAT_IDN_HOSTNAME,
-                               Feature.FORMAT_IRI, Feature.FORMAT_IRI_REFERENCE,
-                               Feature.FORMAT_REGEX})
+#: The formats llguidance 1.7 checks; it refuses the others as unknown (lenient mode
+#: ignores them): they are its unchecked formats.
+KNOWN_FORMATS = ("date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6",
+                 "uri", "uuid")
+UNCHECKED_FORMATS = frozenset(f for name, f in FORMATS.items() if name not in KNOWN_FORMATS)
 #: What llguidance 1.7 refuses by default ("Unimplemented keys"); lenient mode ignores them.
 GAPS: dict[Feature, str] = {
     Feature.FORMAT_DATE: "day-of-month not checked (2023-02-29 passes)",
@@ -634,9 +635,6 @@ GAPS: dict[Feature, str] = {
     Feature.REMOTE_REF: "refused",
     Feature.ANCHOR_REF: "refused ($dynamicRef)",
     Feature.PROPERTY_COUNT: "refused unless every property is required",
-    **dict.fromkeys((Feature.FORMAT_URI_REFERENCE, Feature.FORMAT_URI_TEMPLATE,
-                     Feature.FORMAT_JSON_POINTER, Feature.FORMAT_RELATIVE_JSON_POINTER),
-                    "refused as unknown (lenient mode ignores it)"),
     Feature.PATTERN_LOOKAROUND: "refused, even in lenient mode",
     Feature.ONE_OF_OVERLAPPING: "refused; lenient mode treats it as anyOf (an instance "
                                 "matching several branches passes)",
@@ -646,8 +644,10 @@ GAPS: dict[Feature, str] = {
 #: serves (with its gaps listed) instead of a doomed llguidance attempt.
 LENIENT_CANNOT = frozenset({Feature.PATTERN_LOOKAROUND})
 
-#: Refused by llguidance's default mode only as a formality: lenient mode serves them exactly
-#: (unknown formats are annotations in JSON Schema 2020-12; the others no backend checks).
+#: Refused by llguidance's default mode only as a formality where no other backend checks
+#: them: lenient mode serves them exactly (unknown formats are annotations in JSON Schema
+#: 2020-12). Where another backend checks one, it is a gap of llguidance's own, and that
+#: gap asks for lenient mode already.
 LENIENT_EXACT = frozenset({Feature.FORMAT_UNKNOWN, *UNCHECKED_FORMATS})
 
 

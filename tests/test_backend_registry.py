@@ -302,3 +302,34 @@ def test_a_disk_capable_third_backend_is_stored_and_loaded(qwen25: Vocabulary,
             again.close()
     finally:
         registry.unregister("diskmirror")
+
+
+def test_the_gaps_all_share_follow_the_registered_backends(gappy: BackendInfo) -> None:
+    """The common gaps are derived from the declarations: a third JSON backend that checks
+    ``regex`` (``gappy`` declares no unchecked format) takes it out of them, and the
+    backends that do not check it then have it as a gap of their own."""
+    assert registry.common_gaps() == {}  # gappy checks every format
+    assert registry.unchecked_formats() == frozenset()
+    schema = {"type": "object", "properties": {"s": {"type": "string", "format": "regex"}},
+              "required": ["s"]}
+    routed = plan(GrammarSpec.json_schema(schema))
+    assert routed.backend == GAPPY
+    assert routed.route.unenforced == ()
+    forced = plan(GrammarSpec.json_schema(schema, backend="xgrammar"))
+    assert forced.attempts[0].unenforced == ("format: regex",)
+
+
+def test_the_gaps_all_share_are_those_each_declares_alike() -> None:
+    """Without a third backend: the formats neither built-in backend checks, and the date
+    check both lack, each reported once and never a reason to switch."""
+    common = registry.common_gaps()
+    unchecked = {Feature.FORMAT_IDN_EMAIL, Feature.FORMAT_IDN_HOSTNAME, Feature.FORMAT_IRI,
+                 Feature.FORMAT_IRI_REFERENCE, Feature.FORMAT_REGEX}
+    assert set(common) == {*unchecked, Feature.FORMAT_DATE}
+    assert registry.unchecked_formats() == unchecked
+    # uniqueItems: both lack it, but one ignores it and one refuses it: each its own gap
+    assert Feature.UNIQUE_ITEMS not in common
+    schema = {"type": "string", "format": "regex"}
+    routed = plan(GrammarSpec.json_schema(schema))
+    assert routed.route.unenforced == ("format: regex (not checked)",)
+    assert "enforce every keyword" in routed.route.reason

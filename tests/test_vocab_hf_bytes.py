@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import base64
 import copy
+import importlib
 import json
 import os
 import re
@@ -49,9 +50,10 @@ XGR: Any = xgr
 
 def gpt2_table() -> dict[int, str]:
     """GPT-2's byte -> character table, as ``transformers`` has it (not ours)."""
-    from transformers import convert_slow_tokenizer
-
-    table: dict[int, str] = cast(Any, convert_slow_tokenizer).bytes_to_unicode()
+    # the module itself: ``transformers.convert_slow_tokenizer`` is also the name of a
+    # function its package exports, which shadows the module until something imports it
+    module = importlib.import_module("transformers.convert_slow_tokenizer")
+    table: dict[int, str] = module.bytes_to_unicode()
     return table
 
 

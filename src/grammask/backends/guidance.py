@@ -144,8 +144,8 @@ class GuidanceMatcher(BackendMatcher):
         return twin
 
     def release(self) -> None:
-        """Nothing is recycled (a copy of the template costs ~2 µs); any later use raises,
-        as ``Matcher.release`` promises."""
+        """Nothing is recycled (a copy of the template is cheap: docs/benchmarks.md, Figures:
+        decode host path); any later use raises, as ``Matcher.release`` promises."""
         self._m = RELEASED
         self._extra_stops = 0  # every path now reaches the native matcher, which raises
         self._stop_at = None
@@ -544,7 +544,8 @@ def grammar_text(spec: GrammarSpec, *, lenient: bool) -> str:
                 raise InvalidSchemaError("the schema `false` accepts no value", where="/")
             if schema is True:
                 schema = {}
-            # as text: llguidance converts a dict ~3x slower than the C encoder writes it
+            # as text: llguidance converts a dict slower than the C encoder writes it
+            # (docs/benchmarks.md, Figures: cold path)
             return str(llg.LLMatcher.grammar_from_json_schema(
                 jsontext.for_parser(schema), defaults=json_options(spec, lenient=lenient)))
         if spec.kind == "json_object":
@@ -664,8 +665,9 @@ register(BackendInfo(
     unchecked_formats=UNCHECKED_FORMATS,
     lenient=True, lenient_exact=LENIENT_EXACT, lenient_cannot=LENIENT_CANNOT,
     lenient_gaps=LENIENT_GAPS,
-    # LLParserLimits' defaults bound a compile: initial lexer fuel 1,000,000 (~20 ms of regex
-    # analysis), 500,000 grammar symbols; the first mask: 200,000 step fuel (~14 ms)
+    # LLParserLimits' defaults bound a compile: initial lexer fuel 1,000,000, 500,000 grammar
+    # symbols; the first mask: 200,000 step fuel (what each costs: docs/benchmarks.md,
+    # Figures: compile routing)
     bounded_compile=True,
     footprint=(2.3, 0),  # llguidance reports no size: grammask's own estimate
     costs={

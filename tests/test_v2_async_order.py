@@ -171,7 +171,7 @@ def test_a_watch_that_cannot_start_ends_its_rows_not_the_step() -> None:
     """A failure while marking a step's tokens (a device error) never raises into vLLM's
     step: the rows of that apply end with stop-only masks, and others go on."""
     d = Driver(vllm_config(max_num_seqs=8), max_reqs=8, seed=13)
-    mark = d.batch.watch.reader.mark
+    mark = d.batch.reader.mark
     calls = {"n": 0}
 
     def failing(slots: Any, starts: Any) -> None:
@@ -180,7 +180,7 @@ def test_a_watch_that_cannot_start_ends_its_rows_not_the_step() -> None:
             raise RuntimeError("device lost")
         mark(slots, starts)
 
-    d.batch.watch.reader.mark = failing  # type: ignore[method-assign]
+    d.batch.reader.mark = failing  # type: ignore[method-assign]
     try:
         _run(d, 8, admit_every=100)
         proc = d.plugin.core.proc_or_none

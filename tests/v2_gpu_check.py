@@ -74,9 +74,9 @@ from bench.step import VLLM_CHUNK, VLLM_SERIAL_MAX, vllm_workers
 
 from grammask import Compiler, Grammar, GrammarSpec, Mapped, Vocabulary, load_vocabulary
 from grammask.decode.processor import BatchProcessor
+from grammask.decode.token_watch import Items, SlotTokens, TokenWatch
 from grammask.integrations.vllm.v2 import bind_device
 from grammask.integrations.vllm.v2_device import CudaPort, DevicePort, TokenReader
-from grammask.integrations.vllm.v2_watch import Items, SlotTokens, TokenWatch
 from grammask.kernels.apply import _device_kernel, warm_device_apply
 from grammask.kernels.bitmask import allocate_bitmask, bitmask_words
 from tests.helpers import RawReference

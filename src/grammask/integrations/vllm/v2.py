@@ -3,8 +3,8 @@
 V2 hands a processor per-*slot* state (slots are recycled with no removal hook) and a
 ``LogitsContext`` per apply whose rows are in batch order. Committed tokens live in the
 runner's memory (``req_states.all_token_ids`` up to ``total_len``); getting them to the CPU
-matchers without stalling the GPU is the token watch's job (``v2_watch``,
-``v2_device``). This class only translates vLLM's calls:
+matchers without stalling the GPU is the token watch's job (``decode/token_watch``, over
+vLLM's buffers through ``v2_device``). This class only translates vLLM's calls:
 
 1. ``add_request(slot, params)``: a key check, note the slot; True for ours (0.34:
    ``may_mask_logits``). The processor is not touched: a watch may be stepping it; the
@@ -47,11 +47,11 @@ from ... import metrics
 from ...decode.admissions import Admission
 from ...decode.processor import BatchProcessor
 from ...decode.step_apply import AlongDrafts, Mapped
+from ...decode.token_watch import Items, SlotTokens, TokenWatch
 from ...kernels.apply import stop_only, warm_device_apply
 from ...specs.request import thinking_of
 from .plugin_core import PluginCore
 from .v2_device import CudaPort, DevicePort, TokenReader
-from .v2_watch import Items, SlotTokens, TokenWatch
 
 log = logging.getLogger("grammask")
 
@@ -106,7 +106,8 @@ class V2Batch:
             port = CudaPort(self.device) if self._cuda and self.core.active else DevicePort()
         self.port = port
         # a step commits up to the accepted drafts plus the bonus token
-        self.watch = TokenWatch(TokenReader(req_states, 1 + self.num_spec, port), port,
+        self.reader = TokenReader(req_states, 1 + self.num_spec, port)
+        self.watch = TokenWatch(self.reader, port,
                                 lengths=self.num_spec > 0, step=self._step_rows,
                                 fail=self._fail_slot, pool=partial(self._thread, "tokens"))
         #: applies that read draft inputs in stream order (speculative decoding)
@@ -117,7 +118,7 @@ class V2Batch:
     def use_port(self, port: DevicePort) -> None:
         """Order device work through ``port`` (a host with its own stream model: the tests'
         stand-in device). Call before the first request."""
-        self.port = self.watch.port = self.watch.reader.port = port
+        self.port = self.watch.port = self.reader.port = port
 
     # ------------------------------------------------------------------ runner hooks
     def add_request(self, slot: int, sampling_params: Any) -> bool:

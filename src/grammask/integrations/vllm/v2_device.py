@@ -41,11 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...decode.token_watch import SENTINEL
 from ...kernels.bitmask import normal_tensors
 from .compat import host_view
-
-#: What a position holds until its committed token lands (token ids are >= 0).
-SENTINEL = -1
 
 
 class DevicePort:

@@ -1,8 +1,13 @@
-"""The V2 token watch: each masked slot's commit read as it lands, and its fill started.
+"""The token watch: for a host whose sampled tokens stay in device memory and land there
+after the host has moved on (vLLM 0.34's V2 runner under async scheduling), each masked
+slot's commit is read as it lands and its fill started, overlapped with the next forward.
+Hosts that hand tokens over (V1, transformers) call the processor's ``step`` themselves; a
+host whose tokens land on a device gives this watch a ``TokenSource`` and a ``StreamPort``
+(vLLM's: ``integrations/vllm/v2_device``) and calls ``watch`` and ``settle``.
 
-The rule it keeps holds however vLLM 0.34 calls ``apply`` (async scheduling: ``apply(t+1)``
-before step t's tokens land; chunked verification: several applies a step, on disjoint
-request ranges, ``spec_decode/rejection_sampler.py``: ``_verify_in_chunks``):
+The rule it keeps holds however the host calls ``apply`` (vLLM 0.34: async scheduling,
+``apply(t+1)`` before step t's tokens land; chunked verification, several applies a step on
+disjoint request ranges, ``spec_decode/rejection_sampler.py``: ``_verify_in_chunks``):
 
 - a slot masked in an apply commits once (one token, or the accepted drafts plus the bonus
   token) before it is masked again. Its commit is *pending* until read.
@@ -32,14 +37,49 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ... import metrics
-from .v2_device import SENTINEL, DevicePort, TokenReader
+from .. import metrics
 
 log = logging.getLogger("grammask")
+
+#: What a position of a slot's token history holds until its token lands (``mark`` writes
+#: it in stream order; the host's own update overwrites it with the token).
+SENTINEL = -1
+
+
+class StreamPort(Protocol):
+    """The host's device stream as the watch sees it (vLLM's: ``v2_device.DevicePort``)."""
+
+    def mark(self) -> Any:
+        """A marker recorded now in stream order (None: a synchronous host)."""
+
+    def passed(self, marker: Any) -> bool:
+        """Whether every kernel queued before ``marker`` has run."""
+
+    def wait(self, marker: Any) -> None:
+        """Block (releasing the GIL) until ``passed(marker)``."""
+
+
+class TokenSource(Protocol):
+    """Where the slots' committed tokens land (vLLM's: ``v2_device.TokenReader``)."""
+
+    #: positions a step may commit per slot (1 + drafts)
+    window: int
+
+    def mark(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any]) -> None:
+        """Set positions ``[starts, starts + window)`` of ``slots`` to ``SENTINEL``, in
+        stream order (before the host's update that writes the tokens)."""
+
+    def read(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any], lengths: bool
+             ) -> tuple[np.ndarray[Any, Any] | None, np.ndarray[Any, Any]]:
+        """The positions ``[starts, starts + window)`` of ``slots`` as they are now (a row
+        per slot), with the slots' token counts when ``lengths`` (drafts)."""
+
+    def read_range(self, slot: int, lo: int, hi: int) -> list[int]:
+        """Positions ``[lo, hi)`` of ``slot``'s history (a commit longer than the window)."""
 
 #: The longest a watch polls with nobody waiting for it (a step this long is not a decode
 #: step: the next ``settle`` reads in stream order instead).
@@ -81,7 +121,7 @@ class _Watch:
 class TokenWatch:
     """Pending commits, their watches on the helper thread, and the reads' counts."""
 
-    def __init__(self, reader: TokenReader, port: DevicePort, *, lengths: bool,
+    def __init__(self, reader: TokenSource, port: StreamPort, *, lengths: bool,
                  step: Callable[[Items], None], fail: Callable[[int, str], None],
                  pool: Callable[[], ThreadPoolExecutor]) -> None:
         self.reader = reader

@@ -81,15 +81,15 @@ class FillLanes(Protocol):
 
 
 #: per protocol: matcher class -> the class, or None where it lacks the protocol's calls
-_OFFERS: dict[type, dict[type, type | None]] = {}
+_BATCH_CALLS: dict[type, Any] = {}
+_FILL_LANES: dict[type, Any] = {}
 
 
-def _offering(protocol: type, matcher_class: type | None) -> Any:
-    """``matcher_class`` when it offers ``protocol``'s calls, else None (cached per class:
-    a structural check is dear, and this is asked once per row per step)."""
+def _offering(known: dict[type, Any], protocol: type, matcher_class: type | None) -> Any:
+    """``matcher_class`` when it offers ``protocol``'s calls, else None (cached per class in
+    ``known``: a structural check is dear, and this is asked once per row per step)."""
     if matcher_class is None:
         return None
-    known = _OFFERS.setdefault(protocol, {})
     try:
         return known[matcher_class]
     except KeyError:
@@ -100,13 +100,13 @@ def _offering(protocol: type, matcher_class: type | None) -> Any:
 
 def batch_calls(matcher_class: type | None) -> type[BatchCalls] | None:
     """``matcher_class`` when it offers both batch calls, else None."""
-    found: type[BatchCalls] | None = _offering(BatchCalls, matcher_class)
+    found: type[BatchCalls] | None = _offering(_BATCH_CALLS, BatchCalls, matcher_class)
     return found
 
 
 def lane_calls(matcher_class: type | None) -> type[FillLanes] | None:
     """``matcher_class`` when it offers ``FillLanes``' calls, else None."""
-    found: type[FillLanes] | None = _offering(FillLanes, matcher_class)
+    found: type[FillLanes] | None = _offering(_FILL_LANES, FillLanes, matcher_class)
     return found
 
 

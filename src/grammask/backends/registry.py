@@ -194,7 +194,7 @@ def _shared(json_backends: Sequence[BackendInfo]
     return common, unchecked
 
 
-def common_gaps() -> dict[Feature, str]:
+def common_gaps() -> Mapping[Feature, str]:
     """What every registered JSON backend leaves unenforced alike, with why: listed in
     ``unenforced``, never a reason to switch backends (nor to refuse in strict mode).
     Derived from the backends' declarations: a backend that closes one removes it."""
@@ -208,8 +208,8 @@ def unchecked_formats() -> frozenset[Feature]:
 
 
 def named_features() -> frozenset[Feature]:
-    """Every feature some backend (or ``COMMON_GAPS``) names: the others (a format every
-    backend checks) do not matter for routing."""
+    """Every feature some backend names (its gaps and lenient-mode sets): the others (a
+    format every backend checks) do not matter for routing."""
     return _named
 
 

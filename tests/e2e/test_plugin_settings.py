@@ -9,11 +9,13 @@ server log. Two servers, started together; settings that do not interfere share 
   ``prefer=guidance``, ``disk_cache=off`` (see the fixture); metrics on vLLM's ``/metrics``
   (``PROMETHEUS_MULTIPROC_DIR``).
 
-The slow grammar is ``nested_any_of(12)`` (test_isolation's shape, shallower, with anyOf):
-llguidance compiles it in ~1 s on these cores, xgrammar in ~4 s, and both enforce it. (With
-oneOf, xgrammar now serves it in well under a second, as anyOf with the gap declared, so it
-no longer makes a slow compile.) Every test uses specs of its own (a ``description`` tag), so the
-order of the tests and what an earlier one left in a cache never matter.
+The slow grammar is ``nested_any_of(12)`` (test_isolation's shape, shallower, with anyOf),
+sent with grammask's per-request backend ``xgrammar`` (``slow_body``): xgrammar compiles it in
+~2.1 s on these cores, 7x the 0.3 s budget. Through the standard fields it went to llguidance,
+which compiles it in ~0.4 s here (its size limit refuses one level deeper): so near the budget
+that a faster machine served it in time and a CI run failed. Every test uses specs of its own
+(a ``description`` tag), so the order of the tests and what an earlier one left in a cache
+never matter.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from grammask.compile.router import route
 from grammask.specs.grammar_spec import GrammarSpec
 from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json, check_regex
-from tests.e2e.server import MODEL_NAME, Server, free_port
+from tests.e2e.server import MODEL_NAME, Server, free_port, xargs
 from tests.e2e.standard import response_format
 
 MESSAGES = [{"role": "user", "content": "Answer in the requested format."}]
-WAIT_S = 0.2  # tuned: far below the slow grammar's ~1 s, far above a regex's milliseconds
+WAIT_S = 0.2  # tuned: far below the slow grammar's ~2 s, far above a regex's milliseconds
 COMPILE_TIMEOUT_S = 0.3  # lenient: likewise
 WARM_REGEX = r"warm-[a-f]{2}[0-9]{1,2}"
 WARM_SCHEMA: dict[str, Any] = {
@@ -58,6 +60,13 @@ def nested_any_of(depth: int, tag: str) -> dict[str, Any]:
             {"type": "object", "properties": {f"a{i}": schema}, "required": [f"a{i}"]},
             {"type": "object", "properties": {f"b{i}": schema}, "required": [f"b{i}"]}]}
     return {"description": tag, **schema}
+
+
+def slow_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """``extra_body`` asking for ``schema`` on xgrammar (grammask's per-request backend; a
+    forced backend has no fallback and no hedge): one slow compile, whatever the server's
+    routing would pick."""
+    return xargs({"json": schema}, backend="xgrammar")
 
 
 def small_schema(tag: str) -> dict[str, Any]:
@@ -83,7 +92,7 @@ def servers(start_server: StartServer, qwen25_dir: Path,
     lenient = start_server("settings-lenient", qwen25_dir, wait=False, env={
         "GRAMMASK_ON_ERROR": "free", "GRAMMASK_COMPILE_TIMEOUT_S": str(COMPILE_TIMEOUT_S),
         "GRAMMASK_WAIT_S": "2", "GRAMMASK_PREFER": "guidance",
-        # off: after a compile timeout the plan's xgrammar step (and the hedge) compile the
+        # off: after a compile timeout xgrammar compiles the
         # slow schema on; writing that grammar to the disk cache takes many GB (xgrammar's
         # serializer, far past diskcache's 35x estimate) and got this worker OOM-killed
         "GRAMMASK_DISK_CACHE": "off",
@@ -311,8 +320,7 @@ def test_on_error_free_leaves_a_failed_row_unconstrained(
     for name, server in (("lenient", lenient), ("tuned", tuned)):
         before = metrics_of(servers, name)
         c = chat(server, max_tokens=max_tokens,
-                 response_format=response_format(nested_any_of(12, f"on_error {name}"),
-                                                 strict=False))
+                 extra_body=slow_body(nested_any_of(12, f"on_error {name}")))
         after = metrics_of(servers, name)
         errors = {cause: delta(before, after, "grammask_row_errors_total", cause=cause)
                   for cause in _causes(after)}
@@ -332,9 +340,10 @@ def test_compile_timeout_fails_a_heavy_schema_and_not_a_trivial_one(
     """One fault of each kind on one server. A bad keyword value is the request's fault (a
     ``GrammarError``): HTTP 400 saying why. ``compile_timeout_s=0.3`` makes the slow
     schema's compile time out, the server's fault (a ``ServerFault``): never a 400, the
-    request is answered (``on_error=free`` here), the compile outcome is ``timeout``, the row
-    error cause ``server`` (not ``compile``, the request's own grammar refused), and the log
-    says so. A trivial schema still compiles and is served."""
+    request is answered (``on_error=free`` here), the row error cause is ``server`` (not
+    ``compile``, the request's own grammar refused), and the log says so. (The attempt's own
+    outcome metric is not asserted: a build still queued at its deadline is dropped, never
+    attempted.) A trivial schema still compiles and is served."""
     bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5,
                                                   "maximum": 1}}, "required": ["n"]}
     with pytest.raises(openai.BadRequestError) as info:
@@ -346,11 +355,9 @@ def test_compile_timeout_fails_a_heavy_schema_and_not_a_trivial_one(
     heavy = nested_any_of(12, "timeout")
     mark = len(lenient.log_text())
     before = metrics_of(servers, "lenient")
-    c = chat(lenient, max_tokens=8, response_format=response_format(heavy, strict=False))
+    c = chat(lenient, max_tokens=8, extra_body=slow_body(heavy))
     after = metrics_of(servers, "lenient")
     assert c.finish_reason in ("length", "stop"), c  # answered: HTTP 200
-    assert delta(before, after, "grammask_compile_seconds_count", kind="json_schema",
-                 outcome="timeout") >= 1, after
     assert delta(before, after, "grammask_row_errors_total", cause="server") == 1, after
     assert delta(before, after, "grammask_row_errors_total", cause="compile") == 0, after
     assert delta(before, after, "grammask_row_errors_total", cause="late") == 0, after
@@ -384,8 +391,8 @@ def test_wait_s_makes_a_slow_first_mask_late_and_a_normal_one_ready(
     the same schema's next request is ``ready`` and valid."""
     slow = nested_any_of(12, "wait_s")
     name = "grammask_first_mask_wait_seconds_count"
-    start = before = metrics_of(servers, "tuned")
-    c = chat(tuned, max_tokens=8, response_format=response_format(slow, strict=False))
+    before = metrics_of(servers, "tuned")
+    c = chat(tuned, max_tokens=8, extra_body=slow_body(slow))
     after = metrics_of(servers, "tuned")
     assert (c.finish_reason, c.message.content) == ("stop", ""), c
     assert delta(before, after, name, outcome="late") == 1, after
@@ -400,12 +407,12 @@ def test_wait_s_makes_a_slow_first_mask_late_and_a_normal_one_ready(
     assert delta(before, after, name, outcome="ready") == 1, after
     assert delta(before, after, name, outcome="late") == 0, after
 
-    def compiled() -> bool:  # the slow compile went on for the cache
-        return delta(start, metrics_of(servers, "tuned"), "grammask_compile_seconds_count",
-                     kind="json_schema", outcome="ok") >= 1
+    def compiled() -> bool:  # this slow compile went on for the cache (and no other one)
+        return any('"description":"wait_s"' in line and "-> xgrammar" in line
+                   for line in tuned.log_text().splitlines())
     _wait_for(compiled)
     before = metrics_of(servers, "tuned")
-    c = chat(tuned, max_tokens=160, response_format=response_format(slow, strict=False))
+    c = chat(tuned, max_tokens=160, extra_body=slow_body(slow))
     after = metrics_of(servers, "tuned")
     check_json(c.message.content or "", c.finish_reason, slow, must_stop=False)
     assert c.message.content, c

@@ -39,6 +39,10 @@ class SlothBackend:
     name = SLOTH
     release: ClassVar[threading.Event] = threading.Event()
     threads: ClassVar[list[str]] = []
+    #: compiles not yet returned: the fixture waits for them, so no late compile of this
+    #: test's reaches the shared guidance adapter while a later test patches it
+    running: ClassVar[int] = 0
+    idle: ClassVar[threading.Condition] = threading.Condition()
 
     def __init__(self) -> None:
         self._inner = get_backend("guidance")
@@ -48,9 +52,16 @@ class SlothBackend:
 
     def compile(self, spec: GrammarSpec, vocab: Vocabulary, *, lenient: bool = False) -> Any:
         self.threads.append(threading.current_thread().name)
-        if len(spec.source) > HERE_MAX_CHARS:
-            self.release.wait(STALL_S)
-        return self._inner.compile(spec, vocab, lenient=lenient)
+        with self.idle:
+            type(self).running += 1
+        try:
+            if len(spec.source) > HERE_MAX_CHARS:
+                self.release.wait(STALL_S)
+            return self._inner.compile(spec, vocab, lenient=lenient)
+        finally:
+            with self.idle:
+                type(self).running -= 1
+                self.idle.notify_all()
 
     def check(self, spec: GrammarSpec, *, lenient: bool = False) -> None:
         self._inner.check(spec, lenient=lenient)
@@ -65,7 +76,9 @@ def sloth() -> Iterator[type[SlothBackend]]:
     SlothBackend.release = threading.Event()
     SlothBackend.threads = []
     yield SlothBackend
-    SlothBackend.release.set()  # let stalled compiles end
+    SlothBackend.release.set()  # let stalled compiles end, and wait for them
+    with SlothBackend.idle:
+        assert SlothBackend.idle.wait_for(lambda: SlothBackend.running == 0, STALL_S)
     registry.unregister(SLOTH)
 
 

@@ -13,9 +13,13 @@ The slow grammar is ``nested_any_of(12)`` (test_isolation's shape, shallower, wi
 sent with grammask's per-request backend ``xgrammar`` (``slow_body``): xgrammar compiles it in
 ~2.1 s on these cores, 7x the 0.3 s budget. Through the standard fields it went to llguidance,
 which compiles it in ~0.4 s here (its size limit refuses one level deeper): so near the budget
-that a faster machine served it in time and a CI run failed. Every test uses specs of its own
-(a ``description`` tag), so the order of the tests and what an earlier one left in a cache
-never matter.
+that a faster machine served it in time and a CI run failed. No standard field can pin the
+backend: under ``auto`` a slow xgrammar compile had llguidance behind it (tried: a
+``format: uri-reference`` only xgrammar checks, ``strict: true``, which is not grammask's
+strict mode; the plan's lenient fallback served it), and ``tuned`` forces guidance. The
+standard fields are what every other test here sends. Every test uses specs of its own (a
+``description`` tag), so the order of the tests and what an earlier one left in a cache never
+matter.
 """
 
 from __future__ import annotations
@@ -92,9 +96,9 @@ def servers(start_server: StartServer, qwen25_dir: Path,
     lenient = start_server("settings-lenient", qwen25_dir, wait=False, env={
         "GRAMMASK_ON_ERROR": "free", "GRAMMASK_COMPILE_TIMEOUT_S": str(COMPILE_TIMEOUT_S),
         "GRAMMASK_WAIT_S": "2", "GRAMMASK_PREFER": "guidance",
-        # off: after a compile timeout xgrammar compiles the
-        # slow schema on; writing that grammar to the disk cache takes many GB (xgrammar's
-        # serializer, far past diskcache's 35x estimate) and got this worker OOM-killed
+        # off: after a compile timeout xgrammar compiles the slow schema on; writing that
+        # grammar to the disk cache takes many GB (xgrammar's serializer, far past
+        # diskcache's 35x estimate) and got this worker OOM-killed
         "GRAMMASK_DISK_CACHE": "off",
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("prom"))})
     healthy_logs: dict[str, str] = {}

@@ -174,11 +174,11 @@ def test_a_watch_that_cannot_start_ends_its_rows_not_the_step() -> None:
     mark = d.batch.reader.mark
     calls = {"n": 0}
 
-    def failing(slots: Any, starts: Any) -> None:
+    def failing(slots: Any, starts: Any, value: int) -> None:
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        mark(slots, starts)
+        mark(slots, starts, value)
 
     d.batch.reader.mark = failing  # type: ignore[method-assign]
     try:

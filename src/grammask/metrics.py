@@ -91,6 +91,10 @@ V2_TOKEN_READS = _counter(
     "grammask_v2_token_reads", "Steps' committed tokens read on vLLM's V2 runner, by how: "
     "watched (as they landed, the fill overlapping the forward) or ordered (after the "
     "runner's stream passed the apply that needed them: the rare case)", ("how",))
+V2_MARK_COLLISIONS = _counter(
+    "grammask_v2_mark_collisions", "Committed tokens on vLLM's V2 runner that equalled the "
+    "token watch's mark (each cost an ordered read; only a sample the processors did not "
+    "decide, such as thinking-budget forcing, can)")
 V2_TOKEN_WAIT = _histogram(
     "grammask_v2_token_wait_seconds", "The host's wait in a V2 apply for the tokens its rows "
     "committed in the step before (their landing, then the hand-over to the fill)")

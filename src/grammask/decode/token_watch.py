@@ -11,8 +11,13 @@ disjoint request ranges, ``spec_decode/rejection_sampler.py``: ``_verify_in_chun
 
 - a slot masked in an apply commits once (one token, or the accepted drafts plus the bonus
   token) before it is masked again. Its commit is *pending* until read.
-- ``watch`` (the host, after masking) marks the slots pending: sentinels in stream order
-  (``v2_device``), then into this step's *open* watch. The chunks of one step join the
+- ``watch`` (the host, after masking) marks the slots pending: the positions their commit
+  will fill are set to the *mark* in stream order (``v2_device``), then the slots join this
+  step's *open* watch. The mark is a token id no constrained row can sample (a valid id:
+  whatever else reads those positions before the commit lands sees an id the host itself
+  could have left there); a commit that equals it is told apart by an ordered read, never
+  taken for "not landed" for good (``collisions``). ``mark=None`` marks nothing: every read
+  is then ordered. The chunks of one step join the
   same open watch: their tokens land in one ``post_update``, queued after the last chunk, so
   a chunk is always added before any token of its step can land (a chunk added while the
   watch polls is picked up before it declares the step landed).
@@ -45,11 +50,6 @@ from .. import metrics
 
 log = logging.getLogger("grammask")
 
-#: What a position of a slot's token history holds until its token lands (``mark`` writes
-#: it in stream order; the host's own update overwrites it with the token).
-SENTINEL = -1
-
-
 class StreamPort(Protocol):
     """The host's device stream as the watch sees it (vLLM's: ``v2_device.DevicePort``)."""
 
@@ -69,9 +69,10 @@ class TokenSource(Protocol):
     #: positions a step may commit per slot (1 + drafts)
     window: int
 
-    def mark(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any]) -> None:
-        """Set positions ``[starts, starts + window)`` of ``slots`` to ``SENTINEL``, in
-        stream order (before the host's update that writes the tokens)."""
+    def mark(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any],
+             value: int) -> None:
+        """Set positions ``[starts, starts + window)`` of ``slots`` (those inside the row)
+        to ``value``, in stream order (before the host's update that writes the tokens)."""
 
     def read(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any], lengths: bool
              ) -> tuple[np.ndarray[Any, Any] | None, np.ndarray[Any, Any]]:
@@ -123,10 +124,12 @@ class TokenWatch:
 
     def __init__(self, reader: TokenSource, port: StreamPort, *, lengths: bool,
                  step: Callable[[Items], None], fail: Callable[[int, str], None],
-                 pool: Callable[[], ThreadPoolExecutor]) -> None:
+                 pool: Callable[[], ThreadPoolExecutor], mark: int | None) -> None:
         self.reader = reader
         self.port = port
         self.lengths = lengths  # drafts: the count of committed tokens is total_len's growth
+        #: the token id written where a commit will land (None: no marks, reads ordered)
+        self.mark = mark
         self._step = step
         self._fail = fail
         self._pool = pool
@@ -134,6 +137,8 @@ class TokenWatch:
         self._open: _Watch | None = None
         #: token reads by how they were read (the same counts go to Prometheus)
         self.reads = {"watched": 0, "ordered": 0}
+        #: committed tokens that equalled the mark (each cost an ordered read)
+        self.collisions = 0
         #: seconds the host waited in ``settle``, last call
         self.last_wait_s = 0.0
 
@@ -146,7 +151,8 @@ class TokenWatch:
             return
         slots = np.fromiter((slot for slot, _ in items), dtype=np.int64, count=len(items))
         starts = np.fromiter((t.known for _, t in items), dtype=np.int64, count=len(items))
-        self.reader.mark(slots, starts)
+        if self.mark is not None:
+            self.reader.mark(slots, starts, self.mark)
         for _, t in items:
             t.pending = True
         w = self._open
@@ -204,6 +210,8 @@ class TokenWatch:
         """Poll until every slot's tokens landed (then commit them: ``watched``), or until
         the host waits and the stream has passed its marker (``ordered``); ``late``: nobody
         waited within ``WATCH_S`` (the host reads them when it needs them)."""
+        if self.mark is None:
+            return self._ordered_only(w)
         deadline = time.monotonic() + WATCH_S
         pause = POLL_S
         window = self.reader.window
@@ -216,7 +224,7 @@ class TokenWatch:
                     w.closed = True
                     return "watched"
             starts, totals, tokens = self._read(items, lengths)
-            if _all_landed(totals, tokens, starts, window):
+            if _all_landed(totals, tokens, starts, window, self.mark):
                 if totals is None:  # landed by the sentinels: confirm the count once
                     lengths = True
                     continue
@@ -241,6 +249,21 @@ class TokenWatch:
                 w.host_waits.wait(pause)
                 pause = min(2 * pause, POLL_IDLE_S)
 
+    def _ordered_only(self, w: _Watch) -> str:
+        """No marks: nothing tells a landed token, so the read waits for the host's
+        ``settle`` and for the stream to pass its marker (``ordered``; ``late`` as above)."""
+        if not w.host_waits.wait(WATCH_S):
+            with w.lock:
+                if not w.host_waits.is_set():
+                    w.closed = True
+                    return "late"
+        self.port.wait(w.bound)
+        with w.lock:
+            items = [(slot, t) for slot, t in w.items if not t.gone]
+        starts, totals, tokens = self._read(items, True)
+        self._commit(items, starts, totals, tokens, "ordered")
+        return "ordered"
+
     # ------------------------------------------------------------------ both
     def _read(self, items: Items, lengths: bool
               ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None,
@@ -260,7 +283,13 @@ class TokenWatch:
         """Append each slot's committed tokens (none: it did not sample) and start the
         fill of the slots that moved."""
         window = self.reader.window
-        counts = _committed(totals, tokens, starts)
+        counts = _committed(totals, tokens, starts, self.mark)
+        if how == "ordered" and self.mark is not None and len(counts):
+            inside = np.arange(tokens.shape[1])[None, :] < counts[:, None]
+            hit = int(((tokens == self.mark) & inside).any(axis=1).sum())
+            if hit:
+                self.collisions += hit
+                metrics.V2_MARK_COLLISIONS.inc(hit)
         moved: Items = []
         for i, (slot, t) in enumerate(items):
             t.pending = False
@@ -296,25 +325,26 @@ class TokenWatch:
 
 
 def _committed(totals: np.ndarray[Any, Any] | None, tokens: np.ndarray[Any, Any],
-               starts: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+               starts: np.ndarray[Any, Any], mark: int | None) -> np.ndarray[Any, Any]:
     """Tokens each slot committed, as far as visible: ``total_len``'s growth, or without it
-    one once the slot's first position is not the sentinel."""
+    one once the slot's first position no longer holds the mark."""
     if totals is None:
-        counts: np.ndarray[Any, Any] = (tokens[:, 0] != SENTINEL).astype(np.int64)
+        counts: np.ndarray[Any, Any] = (tokens[:, 0] != mark).astype(np.int64)
         return counts
     grown: np.ndarray[Any, Any] = np.maximum(totals.astype(np.int64) - starts, 0)
     return grown
 
 
 def _all_landed(totals: np.ndarray[Any, Any] | None, tokens: np.ndarray[Any, Any],
-                starts: np.ndarray[Any, Any], window: int) -> bool:
+                starts: np.ndarray[Any, Any], window: int, mark: int) -> bool:
     """Every slot committed at most ``window`` tokens (more is never 0.34's order: left to
-    the ordered read), and none of its committed positions still holds the sentinel
-    (``post_update`` stores the length before the tokens)."""
-    counts = _committed(totals, tokens, starts)
+    the ordered read), and none of its committed positions still holds the mark
+    (``post_update`` stores the length before the tokens; a token equal to the mark waits
+    for the ordered read)."""
+    counts = _committed(totals, tokens, starts, mark)
     if not len(counts):
         return True
     if (counts <= 0).any() or (counts > window).any():
         return False
     inside = np.arange(tokens.shape[1])[None, :] < counts[:, None]
-    return not bool(((tokens == SENTINEL) & inside).any())
+    return not bool(((tokens == mark) & inside).any())

@@ -431,11 +431,18 @@ def copy_runs(rows: np.ndarray[Any, Any], *, gap: int = 8, most: int = 16
 
 def stop_only(logits: torch.Tensor, rows: Sequence[int], stop_ids: Sequence[int]) -> None:
     """The emergency mask, in place: only the stop tokens in logits ``rows`` (their
-    requests end now; an adapter's own failure, where no bitmask can be trusted)."""
+    requests end now; an adapter's own failure, where no bitmask can be trusted). A row
+    whose stops the host already forbade (vLLM's ``min_tokens`` masks them before the
+    processors run) gets them at logit 0: never a row with no finite logit, from which a
+    sampler picks an arbitrary token."""
+    if not rows or not stop_ids:
+        return
     index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
     stops = torch.tensor(list(stop_ids), dtype=torch.int64, device=logits.device)
     block = logits[index]
     kept = block[:, stops]
+    kept = torch.where(torch.isneginf(kept).all(dim=-1, keepdim=True),
+                       torch.zeros((), dtype=kept.dtype, device=kept.device), kept)
     block.fill_(float("-inf"))
     block[:, stops] = kept
     logits[index] = block

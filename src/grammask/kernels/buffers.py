@@ -70,15 +70,17 @@ class MaskBuffers:
     def room(self, bitmask: torch.Tensor, base: int, extra: int) -> torch.Tensor:
         """``bitmask`` (one of these buffers) with ``extra`` rows from row ``base`` on (draft
         positions above the rows a step uses): itself when it has them; else a larger copy
-        of its first ``base`` rows, kept with the outgrown buffers (a device copy may still
-        read it), and from the next ``acquire`` on buffers with ``extra`` rows above every
-        batch row (``grow``)."""
+        of its first ``base`` rows (those it has: a later chunk of a step places its drafts
+        above the earlier chunks', whose rows it does not read), kept with the outgrown
+        buffers (a device copy may still read it), and from the next ``acquire`` on buffers
+        with ``extra`` rows above every batch row (``grow``)."""
         need = base + extra
         if bitmask.shape[0] >= need:
             return bitmask
         self.grow(self.max_batch + extra)
         larger = allocate_bitmask(need, self.vocab_size, pin=self.pinned)
-        larger[:base].copy_(bitmask[:base])
+        kept = min(base, bitmask.shape[0])
+        larger[:kept].copy_(bitmask[:kept])
         self._retired.append(larger)
         return larger
 

@@ -44,6 +44,7 @@ class Settings:
     disk_cache_mb: int = 1024
     mask_digest_dir: str = ""
     debug_mask_fault_rank: int = -1
+    token_marks: bool = True
 
     @property
     def think_end_arg(self) -> str | None:
@@ -179,6 +180,10 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "debug_mask_fault_rank": (_rank, "debug, tests only: this tensor-parallel rank's masks "
                               "refuse one token they allow, to show the digests catch it "
                               "(-1: off)"),
+    "token_marks": (_bool, "V2 runner: mark where a step's tokens will land (a valid token "
+                    "id no constrained row samples) so their fill overlaps the next forward; "
+                    "false: grammask writes nothing into vLLM's token history and reads "
+                    "each step's tokens after the runner's stream passed them (no overlap)"),
     "metrics_port": (_port, "grammask's own Prometheus exporter in vLLM's engine core (0: off; "
                      "or set PROMETHEUS_MULTIPROC_DIR to see them on vLLM's /metrics)"),
 }

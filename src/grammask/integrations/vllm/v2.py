@@ -50,8 +50,9 @@ from ...decode.step_apply import AlongDrafts, Mapped
 from ...decode.token_watch import Items, SlotTokens, TokenWatch
 from ...kernels.apply import stop_only, warm_device_apply
 from ...specs.request import thinking_of
+from .faults import log_fault
 from .plugin_core import PluginCore
-from .v2_device import CudaPort, DevicePort, TokenReader
+from .v2_device import CudaPort, DevicePort, TokenReader, unsampleable_id
 
 log = logging.getLogger("grammask")
 
@@ -107,9 +108,15 @@ class V2Batch:
         self.port = port
         # a step commits up to the accepted drafts plus the bonus token
         self.reader = TokenReader(req_states, 1 + self.num_spec, port)
+        compiler = self.core.compiler
+        #: the watch's mark (``v2_device``): a valid token id no constrained row samples;
+        #: None (setting ``token_marks=false``): nothing written, every read ordered
+        self.mark = (unsampleable_id(compiler.vocab, int(req_states.vocab_size))
+                     if compiler is not None and self.core.settings.token_marks else None)
         self.watch = TokenWatch(self.reader, port,
                                 lengths=self.num_spec > 0, step=self._step_rows,
-                                fail=self._fail_slot, pool=partial(self._thread, "tokens"))
+                                fail=self._fail_slot, pool=partial(self._thread, "tokens"),
+                                mark=self.mark)
         #: applies that read draft inputs in stream order (speculative decoding)
         self.draft_reads = 0
         if self.core.active:
@@ -121,12 +128,86 @@ class V2Batch:
         self.port = self.watch.port = self.reader.port = port
 
     # ------------------------------------------------------------------ runner hooks
+    # Each hook vLLM calls catches every exception of grammask's (an exception in the
+    # sampler ends vLLM's engine core): a fault ends grammask's rows it concerns, with
+    # stop-only masks, ``grammask_row_errors_total{cause="fault"}`` and a rate-limited
+    # traceback (``faults``); every other row is left as vLLM made it.
+
     def add_request(self, slot: int, sampling_params: Any) -> bool:
         """Reset the (recycled) slot; True when the request is constrained. Never touches
-        the processor (a watch may be stepping it): ``apply`` removes the old occupant."""
-        core = self.core
-        if not core.active:
+        the processor (a watch may be stepping it): ``apply`` removes the old occupant.
+        A fault makes the slot ours, failed: its rows get stop-only masks."""
+        if not self.core.active:
             return False
+        try:
+            return self._add(slot, sampling_params)
+        except Exception as exc:
+            log_fault("add_request", "adding a request", exc)
+            ours = self._ours(sampling_params)
+            self._add_failed(slot, sampling_params if ours else None,
+                             f"adding the request failed: {type(exc).__name__}: {exc}")
+            return ours  # another's request is left as vLLM made it
+
+    def apply_staged_writes(self) -> None:
+        """Admission steps (every step before vLLM 0.34): start copying new slots' prompts
+        and resumed outputs to the host, so ``apply`` need not wait for them. A fault
+        fails the slots not in the processor yet."""
+        if not self.core.active:
+            return
+        try:
+            self._stage()
+        except Exception as exc:
+            log_fault("apply_staged_writes", "staging new requests", exc)
+            for slot in self._unjoined:
+                self._slots[slot].failed = (f"staging the request failed: "
+                                            f"{type(exc).__name__}: {exc}")
+
+    def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Mask the sampling rows of grammask's slots in ``logits`` (in place). Never
+        raises: a fault gives this apply's rows of grammask's slots stop-only masks."""
+        if not self.core.active or not (self._slots or self._leaving):
+            return logits
+        started = time.perf_counter()
+        try:
+            self._apply(logits, ctx)
+        except Exception as exc:
+            log_fault("apply", "masking", exc)
+            self._fault(logits, ctx, exc)
+        metrics.V2_APPLY_SECONDS.observe(time.perf_counter() - started)
+        return logits
+
+    def _add_failed(self, slot: int, sampling_params: Any, message: str) -> None:
+        """After a fault in ``add_request``: the slot's old occupant leaves; its new
+        request, when grammask's (``sampling_params`` not None), joins failed (stop-only
+        masks, counted when it joins)."""
+        try:
+            old = self._slots.pop(slot, None)
+            self._tracked[slot] = False
+            self._unjoined.discard(slot)
+            if old is not None:
+                self.watch.forget(old.tokens)
+                self._leaving.add(slot)
+            if sampling_params is None:
+                return
+            self._slots[slot] = _Slot(sampling_params, False, 0, 0, False, fetched=True,
+                                      failed=message)
+            self._tracked[slot] = True
+            self._prefill[slot] = 0
+            self._unjoined.add(slot)
+        except Exception as again:
+            log_fault("add_request", "recording a failed request", again)
+
+    def _ours(self, sampling_params: Any) -> bool:
+        """Whether the request is grammask's, after a fault: the key check, or when even
+        that fails, whether any ``grammask`` key is there."""
+        try:
+            return bool(self.core.claims(sampling_params))
+        except Exception:
+            extra = getattr(sampling_params, "extra_args", None) or {}
+            return any(isinstance(k, str) and k.startswith("grammask") for k in extra)
+
+    def _add(self, slot: int, sampling_params: Any) -> bool:
+        core = self.core
         old = self._slots.pop(slot, None)
         if old is not None:
             self.watch.forget(old.tokens)
@@ -148,11 +229,7 @@ class V2Batch:
         self._unjoined.add(slot)
         return True
 
-    def apply_staged_writes(self) -> None:
-        """Admission steps (every step before vLLM 0.34): start copying new slots' prompts
-        and resumed outputs to the host, so ``apply`` need not wait for them."""
-        if not self.core.active:
-            return
+    def _stage(self) -> None:
         if self._unparsed:
             new, self._unparsed = self._unparsed, []
             parsing = self._thread("parse").submit(self._admit, new)
@@ -161,7 +238,7 @@ class V2Batch:
         all_ids = self.rs.all_token_ids.gpu
         for slot in self._unjoined:  # only slots not in the processor yet can need a fetch
             st = self._slots[slot]
-            if st.fetched or st.fetch is not None:
+            if st.fetched or st.fetch is not None or st.failed is not None:
                 continue
             lo = 0 if st.wants_prompt else st.prompt_len
             host = torch.empty(st.prefill_len - lo, dtype=all_ids.dtype, pin_memory=self._cuda)
@@ -170,16 +247,23 @@ class V2Batch:
             self.port.ordered(partial(_copy_into, host, source, self._cuda))
             st.fetch = (self.port.mark(), host)
 
-    def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
-        core = self.core
-        if not core.active or not (self._slots or self._leaving):
-            return logits
-        started = time.perf_counter()
+    def _sampling(self, ctx: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """(the batch's slots, the batch positions of grammask's slots that sample now).
+        ``seq_lens_upper_bound_np`` may be longer than the batch: a FULL CUDA graph pads a
+        decode batch to its capture size (``model_runner.py``: ``prepare_inputs``, "padded
+        entries left at zero"); only the first ``len(idx_mapping_np)`` entries are
+        requests. Rows of a chunked prefill before its last chunk do not sample (their
+        sample is dropped): their upper bound is below the slot's prefill length."""
         slots_np = np.asarray(ctx.idx_mapping_np)
-        tracked = (slots_np >= 0) & self._tracked[np.maximum(slots_np, 0)]
-        # the final prefill chunk and decode rows sample; earlier chunks' samples are dropped
-        seq = np.asarray(ctx.seq_lens_upper_bound_np)
-        rows = np.flatnonzero(tracked & (seq >= self._prefill[np.maximum(slots_np, 0)]))
+        n = slots_np.shape[0]
+        seq = np.asarray(ctx.seq_lens_upper_bound_np)[:n]
+        known = np.maximum(slots_np, 0)
+        tracked = (slots_np >= 0) & self._tracked[known]
+        return slots_np, np.flatnonzero(tracked & (seq >= self._prefill[known]))
+
+    def _apply(self, logits: torch.Tensor, ctx: Any) -> None:
+        core = self.core
+        slots_np, rows = self._sampling(ctx)
         slots: list[int] = slots_np[rows].tolist()
         self.watch.settle(slots)
         with self._lock:
@@ -190,31 +274,45 @@ class V2Batch:
                         proc.remove(slot)
                 self._leaving.clear()
             if not slots:
-                return logits
-            try:  # the rows as the processor takes them, then one apply
-                host_rows = (Mapped(rows.tolist(), slots)
-                             if logits.shape[0] == slots_np.shape[0] and not self.num_spec
-                             else self._draft_rows(ctx, slots))
-                self._prepare(slots).apply(logits, host_rows)
-            except Exception as exc:  # a bug of ours: these rows end, vLLM's step goes on
-                log.exception("grammask: masking failed; its rows get stop-only masks")
-                for slot in slots:
-                    self._fail_slot(slot, f"masking failed: {type(exc).__name__}: {exc}")
-                expanded = _host(ctx.expanded_idx_mapping)
-                stop_only(logits, [int(r) for r in np.flatnonzero(np.isin(expanded, slots))],
-                          core.compiler.vocab.stop_ids if core.compiler is not None else ())
-                return logits
+                return
+            # the rows as the processor takes them, then one apply
+            host_rows = (Mapped(rows.tolist(), slots)
+                         if logits.shape[0] == slots_np.shape[0] and not self.num_spec
+                         else self._draft_rows(ctx, slots))
+            self._prepare(slots).apply(logits, host_rows)
         try:
             self.watch.watch([(slot, self._slots[slot].tokens) for slot in slots
                               if self._slots[slot].failed is None])
         except Exception as exc:  # the step's tokens cannot be watched: these rows end
-            log.exception("grammask: watching this step's tokens failed")
+            log_fault("apply", "watching this step's tokens", exc)
             with self._lock:
                 for slot in slots:
                     self._fail_slot(slot, f"watching tokens failed: {type(exc).__name__}: "
                                           f"{exc}")
-        metrics.V2_APPLY_SECONDS.observe(time.perf_counter() - started)
-        return logits
+
+    def _fault(self, logits: torch.Tensor, ctx: Any, exc: Exception) -> None:
+        """A fault in ``apply``: grammask's slots of this apply fail (their processor rows
+        error, so later steps mask them stop-only too) and their logits rows get stop-only
+        masks now. Never raises: what cannot be done is logged."""
+        message = f"masking failed: {type(exc).__name__}: {exc}"
+        try:
+            slots_np = np.asarray(ctx.idx_mapping_np)
+            ours = [int(s) for s in slots_np.tolist() if s >= 0 and self._tracked[s]]
+            for slot in ours:
+                try:
+                    self._fail_slot(slot, message)
+                except Exception as again:
+                    log_fault("apply", "failing a slot", again)
+            if logits.shape[0] == slots_np.shape[0]:  # a row per request, in batch order
+                rows = np.flatnonzero(np.isin(slots_np, ours)).tolist()
+            else:  # drafts: the layout is device-only, read in stream order
+                self.port.wait(self.port.mark())
+                rows = np.flatnonzero(np.isin(_host(ctx.expanded_idx_mapping), ours)).tolist()
+            if rows:
+                compiler = self.core.compiler
+                stop_only(logits, rows, compiler.vocab.stop_ids if compiler is not None else ())
+        except Exception as again:
+            log_fault("apply", "the stop-only masks of a failed apply", again)
 
     def close(self) -> None:
         """Stop the helper threads (after their queued work)."""
@@ -254,8 +352,16 @@ class V2Batch:
             rows = [slot for slot, t in items
                     if (st := self._slots.get(slot)) is not None and st.tokens is t
                     and st.added]
-            if rows:
+            if not rows:
+                return
+            try:
                 self.core.processor().step(rows)
+            except Exception as exc:  # their fill cannot start: these rows end (a stale
+                # mask must never stand in for the one their new tokens call for)
+                log_fault("the token watch", "starting a step's fill", exc)
+                for slot in rows:
+                    self._fail_slot(slot, f"starting the fill failed: "
+                                          f"{type(exc).__name__}: {exc}")
 
     def _thread(self, name: str) -> ThreadPoolExecutor:
         """A helper thread, on the rank's device: ``tokens`` (the watches, in step order)
@@ -268,13 +374,15 @@ class V2Batch:
         return pool
 
     def _fail_slot(self, slot: int, message: str) -> None:
+        """The slot's request ends (stop-only masks from now on): in the processor, or at
+        its join (``_join``)."""
         st = self._slots.get(slot)
         if st is None or st.failed is not None:
             return
         st.failed = message
         proc = self.core.proc_or_none
         if st.added and proc is not None:
-            proc.fail(slot, message)
+            proc.fail(slot, message, cause="fault")
 
     def _admit(self, slots: list[_Slot]) -> None:
         """The parse thread's parse of a step's new requests (their compiles start here). A
@@ -309,7 +417,7 @@ class V2Batch:
         proc.add_later(slot, partial(self._admitted, st), st.prompt, st.tokens.output)
         st.added = True
         if st.failed is not None:
-            proc.fail(slot, st.failed)
+            proc.fail(slot, st.failed, cause="fault")
 
     def _fetch(self, slot: int, st: _Slot) -> None:
         """The prompt (thinking gate) and resumed output: from the copy started before the

@@ -9,18 +9,30 @@ launches forward(t+1) and calls ``sample_tokens`` -- our ``apply(t+1)`` -- befor
 queued behind the sampler; the host never waits for it). Reading the tokens in stream order
 would wait for forward(t+1) too. The watch reads them as they land instead.
 
-**The sentinel.** In ``apply(t)``, after masking, the next ``window`` positions of each
-sampling slot's ``all_token_ids`` row (``[total_len, total_len + window)``) are set to -1,
-*in stream order*: a tiny write queued on the runner's stream, after every earlier write to
-that row (a recycled slot's staged prompt, the previous occupant's ``post_update``) and before
-this step's ``post_update``. ``_post_update_kernel`` then stores the committed tokens there
-(ids >= 0). So a position that no longer holds -1 holds its committed token: no snapshot to
-compare with, and no false wait when a token equals what was there before (a recycled slot's
-previous occupant wrote the same JSON at the same positions). Writing there is safe in 0.34:
-``post_update`` writes ``[total_len, total_len + num_sampled)``, staged writes
-``[0, prefill_len)``, and every reader (penalties' ``bincount``, ``bad_words``,
-``thinking_budget``, ``prompt_logprob``, the n-gram and suffix drafters) stays below
-``total_len`` (or ``prefill_len`` / ``prompt_len``).
+**The mark.** In ``apply(t)``, after masking, the next ``window`` positions of each
+sampling slot's ``all_token_ids`` row (``[total_len, total_len + window)``, those inside the
+row) are set to the *mark*, *in stream order*: a tiny write queued on the runner's stream,
+after every earlier write to that row (a recycled slot's staged prompt, the previous
+occupant's ``post_update``) and before this step's ``post_update``, which then stores the
+committed tokens there. So a position that no longer holds the mark holds its committed
+token: no false wait when a token equals what was there before (a recycled slot's previous
+occupant wrote the same JSON at the same positions).
+
+The mark is a *valid* token id (``unsampleable_id``: a padding id of the model's vocabulary
+beyond the tokenizer's, else a special token no grammar allows), because vLLM reads those
+positions before ``post_update`` overwrites them: ``compute_prompt_logprobs`` runs between
+the processors and ``post_update`` (``model_runner.py``: ``sample_tokens``) and, whenever any
+request of the batch wants prompt logprobs, its token-id kernel reads
+``all_token_ids[slot, num_computed + 1 + i]`` for every row of the batch
+(``sample/prompt_logprob.py``: ``_prompt_logprobs_token_ids_kernel``), which for a decode row
+is position ``total_len``; the ids index the logits (``sample/logprob.py``). A valid id is
+what vLLM itself leaves there (a recycled slot's stale token); -1 was an out-of-bounds read,
+or a device assert in the ``raw_logits`` / ``processed_logits`` modes. A committed token
+equal to the mark (only where something overrides the masked sample: thinking-budget
+forcing, trace replay; or a thinking row's free sample) looks "not landed" and waits for the
+ordered read, which counts it (``TokenWatch.collisions``). docs/vllm.md's contract table
+argues every other reader. The setting ``token_marks=false`` writes nothing: every read is
+then ordered.
 
 Without drafts a sampling slot commits exactly one token (``get_num_sampled_and_rejected``):
 the sentinel alone tells. With drafts it commits 1 to 1 + k: the count is ``total_len``'s
@@ -41,7 +53,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...decode.token_watch import SENTINEL
 from ...kernels.bitmask import normal_tensors
 from .compat import host_view
 
@@ -125,22 +136,33 @@ class TokenReader:
                                                 self._last_column)
         return cols
 
-    def mark(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any]) -> None:
-        """-1 at each slot's next ``window`` positions, in stream order."""
+    def mark(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any],
+             value: int) -> None:
+        """``value`` at each slot's next ``window`` positions inside its row, in stream
+        order (a position past the row's end is never written: it would be a clipped
+        column, a committed token's)."""
         cols = self.columns(starts)
+        inside = (starts[:, None] + self._columns) <= self._last_column
+        if not inside.all():
+            rows = np.broadcast_to(slots[:, None], cols.shape)[inside]
+            slots, cols = rows[:, None], cols[inside][:, None]
+        else:
+            slots = slots[:, None]
+        if not slots.size:
+            return
         if not self.cuda:
             host = self.host_ids
             assert host is not None
 
             def write_host() -> None:
-                host[slots[:, None], cols] = SENTINEL
+                host[slots, cols] = value
             self.port.ordered(write_host)
             return
         index = _to_device(slots, self.ids.device)
         at = _to_device(cols, self.ids.device)
 
         def write() -> None:
-            self.ids[index.unsqueeze(1), at] = SENTINEL
+            self.ids[index, at] = value
         self.port.ordered(write)
 
     def read(self, slots: np.ndarray[Any, Any], starts: np.ndarray[Any, Any],
@@ -190,6 +212,19 @@ class TokenReader:
         out: list[list[int]] = []
         self.port.side(lambda: out.append(self.ids[slot, lo:hi].to("cpu").tolist()))
         return out[0]
+
+
+def unsampleable_id(vocab: Any, width: int) -> int:
+    """The watch's mark: a token id in ``[0, width)`` that no constrained row can sample,
+    so a commit rarely equals it. A padding id beyond the tokenizer's tokens (the model's
+    vocabulary is padded: Qwen2.5's 151,936 over 151,665 tokens) is never allowed; else the
+    highest special token that is not a stop (grammars blank special tokens); else the last
+    id (a commit equal to it costs an ordered read, never a wrong token)."""
+    tokens = len(vocab.tokens)
+    if width > tokens:
+        return width - 1
+    special = [t for t in vocab.special_ids if t not in set(vocab.stop_ids) and t < width]
+    return max(special) if special else width - 1
 
 
 def _host_copy(source: torch.Tensor, cuda: bool) -> torch.Tensor:

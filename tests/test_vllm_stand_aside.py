@@ -1,5 +1,6 @@
 """The entry point never stops a vLLM server from starting: on a vLLM grammask does not
-support, vLLM's own loader gets a class it accepts, which stands aside and says why.
+support, or where vLLM never calls custom logits processors (0.34's standalone CPU runner),
+vLLM's own loader gets a class it accepts, which stands aside and says why.
 
 Each case runs in a fresh interpreter (the plugin decides once, at import), with the
 installed vLLM (0.33 under ``make unit``, 0.34 under ``make unit34``) and one thing changed:
@@ -10,6 +11,7 @@ runner exists).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -88,3 +90,25 @@ def test_a_broken_import_of_grammask_stands_aside_too() -> None:
     assert result["stand_aside"] is True and result["ours"] == 1
     assert "loading grammask's plugin failed" in str(result["reason"])
     assert "grammask stands aside" in stderr
+
+
+def test_a_runner_that_never_calls_processors_stands_aside() -> None:
+    """vLLM 0.34 on a CPU without Triton that is not x86 runs its standalone CPU runner,
+    whose sampler builds no custom processors (``platforms/cpu.py``:
+    ``uses_standalone_cpu_model_runner``; ``v1/worker/cpu/sampler.py``): grammask would be
+    loaded and the drop-in would move requests to it, served unconstrained. This x86 machine
+    patches the platform's answer; the API server's validation and the engine's class both
+    stand aside."""
+    if not importlib.metadata.version("vllm").startswith("0.34."):
+        pytest.skip("only vLLM 0.34 has the standalone CPU runner (make unit34)")
+    result, stderr = _probe(
+        "from vllm.platforms import current_platform\n"
+        "type(current_platform).uses_standalone_cpu_model_runner = "
+        "classmethod(lambda cls: True)")
+    assert result["stand_aside"] is True and result["ours"] == 1
+    assert "standalone CPU model runner" in str(result["reason"])
+    assert result["kept"] is True  # the drop-in leaves vLLM's structured outputs to vLLM
+    assert "stands aside" in str(result["refused"])
+    assert "standalone CPU model runner" in str(result["refused"])  # the 400 says why
+    assert result["added"] is False and result["apply"] == 7
+    assert stderr.count("grammask stands aside on vLLM") == 1

@@ -2,19 +2,27 @@
 
 Real: ``build_logitsprocs`` (installed entry point and ``--logits-processors`` FQCN), the
 runner's ``InputBatch`` (add_request, remove_request, condense, swap_states,
-refresh_metadata, the async-scheduling placeholder repair) and
-``Sampler.apply_logits_processors``. Not run: the model forward and the final sampling step
-(the CPU wheel has no ``vllm._C`` sampling kernels); tokens are picked by the test from the
-allowed set, as a sampler would.
+refresh_metadata, the async-scheduling placeholder repair), ``GPUModelRunner._sample`` (on a
+stand-in runner holding the batch, the sampler's processor stage and the runner's
+``discard_request_mask``) and ``Sampler.apply_logits_processors``. Not run: the model
+forward and the final sampling step (the CPU wheel has no ``vllm._C`` sampling kernels);
+tokens are picked by the test from the allowed set, as a sampler would. The discard mask is
+computed as ``_prepare_inputs`` computes it (an inline expression there, no function to
+call): tokens computed plus tokens scheduled below the request's token count.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,9 +47,13 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from grammask import Compiler, GrammarSpec, Vocabulary
+from grammask import Compiler, GrammarSpec, Vocabulary, metrics
+from grammask.decode.processor import BatchProcessor
+from grammask.integrations.vllm import faults, v1_batch
 from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
+from grammask.integrations.vllm.plugin_core import PluginCore
 
 from .helpers import RawReference
 
@@ -72,6 +84,8 @@ class Runner:
         self.use_async = use_async
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.computed: dict[str, int] = {}  # the scheduler's num_computed_tokens
+        self.discarded: set[str] = set()  # requests whose last sample vLLM dropped
 
     @property
     def plugin(self) -> GrammaskLogitsProcessor:
@@ -87,11 +101,13 @@ class Runner:
             generator=None, block_ids=([0],), num_computed_tokens=0,
             output_token_ids=[] if output is None else output)
         self.states[rid] = state
+        self.computed[rid] = 0
         self.batch.add_request(state)
 
     def remove(self, rid: str) -> None:
         self.batch.remove_request(rid)
         del self.states[rid]
+        del self.computed[rid]
 
     def schedule(self, swap: tuple[int, int] | None = None) -> None:
         """``_update_states``: condense, optional reorder, ``refresh_metadata``."""
@@ -100,22 +116,41 @@ class Runner:
             self.batch.swap_states(*swap)
         self.batch.refresh_metadata()
 
-    def logits(self, base: torch.Tensor | None = None) -> torch.Tensor:
-        """``_sample``: resolve async placeholders, then the sampler's processor stage."""
-        self.batch.update_async_output_token_ids()
+    def logits(self, base: torch.Tensor | None = None,
+               chunks: dict[str, int] | None = None) -> torch.Tensor:
+        """One step's sampling: ``_prepare_inputs``' discard mask (``chunks``: tokens
+        scheduled for a request this step, else all it has left), then vLLM's ``_sample``
+        (async placeholders resolved, the sampler's processor stage)."""
+        ids = self.batch.req_ids
         n = self.batch.num_reqs
+        total = np.array([self.states[rid].num_tokens for rid in ids])
+        done = np.array([self.computed[rid] for rid in ids])
+        scheduled = np.array([(chunks or {}).get(rid, max(int(t - c), 0))
+                              for rid, t, c in zip(ids, total, done, strict=True)])
+        mask = done + scheduled < total  # gpu_model_runner.py, _prepare_inputs
+        self.discarded = {rid for rid, dropped in zip(ids, mask, strict=True) if dropped}
+        for rid, s in zip(ids, scheduled, strict=True):
+            self.computed[rid] += int(s)
         logits = torch.zeros(n, VOCAB) if base is None else base.clone()
-        return self.sampler.apply_logits_processors(logits, self.batch.sampling_metadata,
-                                                    predict_bonus_token=False)
+        stage = SimpleNamespace(
+            input_batch=self.batch, discard_request_mask=SimpleNamespace(np=mask),
+            sampler=lambda logits, sampling_metadata: self.sampler.apply_logits_processors(
+                logits, sampling_metadata, predict_bonus_token=False))
+        out: Any = GPUModelRunner._sample(stage, logits, None)  # type: ignore[arg-type]
+        assert isinstance(out, torch.Tensor)  # the stand-in sampler's: the masked logits
+        return out
 
     def commit(self, tokens: dict[str, int]) -> None:
-        """``_bookkeeping_sync``: real ids, or ``-1`` placeholders under async scheduling."""
+        """``_bookkeeping_sync``: real ids, or ``-1`` placeholders under async scheduling,
+        for the requests whose sample was kept."""
         ids = self.batch.req_ids
-        for rid in ids:
+        kept = [rid for rid in ids if rid in tokens and rid not in self.discarded]
+        for rid in kept:
             self.states[rid].output_token_ids.append(-1 if self.use_async else tokens[rid])
         if self.use_async:
-            self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(ids)}
-            sampled = torch.tensor([[tokens[rid]] for rid in ids], dtype=torch.int64)
+            self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(ids)
+                                               if rid in kept}
+            sampled = torch.tensor([[tokens.get(rid, 0)] for rid in ids], dtype=torch.int64)
             self.batch.set_async_sampled_token_ids(sampled, _Ready())
 
     def close(self) -> None:
@@ -264,11 +299,163 @@ def test_async_placeholders_are_never_fed(runner: Any, compiler: Compiler,
     assert r.plugin.core.processor().errors == {}
 
 
-def test_async_scheduling_without_the_flag_is_refused_at_start() -> None:
+def test_async_scheduling_without_the_flag_stands_aside(
+        vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The V1 runner with async scheduling and no ``--logits-processors`` (vLLM never
+    resolves the placeholders then): vLLM's loader builds the processor (the server starts),
+    which stands aside with a log line; the API server decides the same from the config
+    (vLLM's own ``InputProcessor``, which picks the V1 validator from the same
+    ``use_v2_model_runner``): vLLM's structured outputs stay with vLLM's engine, grammask's
+    own keys get a 400 that says why."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
     config = vllm_config()
     config.scheduler_config.async_scheduling = True
-    with pytest.raises(RuntimeError, match="--logits-processors"):
-        build_logitsprocs(config, torch.device("cpu"), False, False, ())
+    assert not config.use_v2_model_runner
+    with caplog.at_level(logging.INFO, logger="grammask"):
+        r = Runner(config, use_async=True)
+    plugin, = ours(r.lps)
+    assert not plugin.core.active and plugin.is_argmax_invariant()
+    assert any("grammask stands aside on vLLM's V1 model runner" in m
+               and "--logits-processors" in m for m in caplog.messages)
+    r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1])  # reached the engine anyway
+    for _ in range(2):
+        r.schedule()
+        assert allowed(r.logits()[0]).all()  # left as vLLM made it
+        r.commit({"a": 7})
+    assert plugin.core.proc_or_none is None
+    monkeypatch.setattr(SamplingParams, "_validate_structured_outputs",
+                        lambda self, *args: None)  # imports every vLLM backend (not here)
+    frontend = InputProcessor(config)
+    sp = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
+    frontend._validate_params(sp, ("generate",))
+    assert sp.structured_outputs is not None and sp.extra_args is None  # vLLM's engine
+    own = SamplingParams(max_tokens=8, extra_args=xargs(CONSTRAINTS[3][0]))
+    with pytest.raises(VLLMValidationError, match="stands aside.*--logits-processors"):
+        frontend._validate_params(own, ("generate",))
+    r.close()
+
+
+def test_the_device_apply_is_warmed_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on V2: the first constrained step must not compile the apply kernel in the
+    sampler (on CPU the warm-up itself does nothing: ``warm_device_apply``)."""
+    calls: list[tuple[torch.device, int]] = []
+
+    def warm(device: torch.device, vocab_size: int) -> int:
+        calls.append((device, vocab_size))
+        return 0
+
+    monkeypatch.setattr(v1_batch, "warm_device_apply", warm)
+    Runner(vllm_config()).close()
+    assert calls == [(torch.device("cpu"), VOCAB)]
+
+
+def _fault_count() -> float:
+    return metrics.snapshot().get('grammask_row_errors_total{cause="fault"}', 0.0)
+
+
+@pytest.mark.parametrize("where", ["update_state", "apply", "processor"])
+def test_a_fault_in_a_hook_stays_inside(runner: Any, compiler: Compiler, vocab: Vocabulary,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture, where: str) -> None:
+    """A fault of grammask's in ``update_state`` (the fill's start), in ``apply`` or in the
+    processor itself: vLLM's step completes, grammask's rows get stop-only masks and are
+    counted, the unconstrained row is bit-identical, the traceback is logged; a request
+    after the fault is served by a new processor."""
+    faults.reset()
+    r = runner()
+    r.add("plain", None, chat_prompt(vocab, "hi"))
+    r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
+    r.add("b", xargs(CONSTRAINTS[2][0], thinking="off"), [3])
+    r.schedule()
+    first = r.logits()
+    r.commit({"plain": 9, "a": int(allowed(first[1]).nonzero()[0]),
+              "b": int(allowed(first[2]).nonzero()[0])})
+    before = _fault_count()
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected fault")
+
+    target = {"update_state": (BatchProcessor, "step"), "apply": (BatchProcessor, "apply"),
+              "processor": (PluginCore, "processor")}[where]
+    noise = torch.randn(3, VOCAB)
+    with monkeypatch.context() as patch, caplog.at_level(logging.ERROR, logger="grammask"):
+        patch.setattr(*target, boom)
+        r.schedule()  # update_state: nothing escapes
+        logits = r.logits(noise)  # apply: nothing escapes
+    assert torch.equal(logits[0], noise[0])
+    stops = sorted(vocab.stop_ids)
+    for row in (1, 2):
+        assert sorted(allowed(logits[row]).nonzero().flatten().tolist()) == stops
+        kept = logits[row][stops]
+        assert torch.equal(kept, noise[row][stops])  # the stops keep vLLM's logits
+    if metrics.snapshot():
+        assert _fault_count() == before + 2
+    assert any(rec.exc_info and "injected fault" in str(rec.exc_info[1])
+               for rec in caplog.records)
+    r.commit({"plain": 9, "a": stops[0], "b": stops[0]})
+    r.schedule()
+    again = r.logits(noise)  # the ended rows stay stop-only until they leave
+    assert torch.equal(again[0], noise[0]) and torch.equal(again[1], logits[1])
+    r.remove("a")
+    r.remove("b")
+    r.add("c", xargs(CONSTRAINTS[3][0], thinking="off"), [4])
+    r.schedule()
+    ref = RawReference.of(compiler.compile(CONSTRAINTS[3][1]), compiler.vocab)
+    served = r.logits()
+    assert r.batch.req_ids == ["plain", "c"]
+    assert allowed(served[0]).all() and torch.equal(allowed(served[1]), ref_allowed(ref))
+
+
+def test_a_slow_compile_across_prefill_chunks(runner: Any, compiler: Compiler,
+                                              vocab: Vocabulary,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt in three chunks (vLLM drops the samples of the first two), its compile held
+    for 1 s, ``wait_s=0.3``: the dropped chunks' applies do not wait (the batch does not
+    stall), the row is not errored, and its first kept sample is masked right."""
+    args = {"regex": "(chunk|slow)[0-9]{2}"}
+    spec = GrammarSpec.regex("(chunk|slow)[0-9]{2}")
+    ref = RawReference.of(compiler.compile(spec), compiler.vocab)  # cached: the hold is all
+
+    def held(spec: GrammarSpec) -> Future[Any]:
+        fut: Future[Any] = Future()
+
+        def later() -> None:
+            time.sleep(1.0)
+            fut.set_result(compiler.compile(spec))
+
+        threading.Thread(target=later, daemon=True).start()
+        return fut
+
+    monkeypatch.setattr(compiler, "compile_async", held)
+    r = runner(additional_config={"grammask": {"wait_s": 0.3}})
+    r.add("plain", None, [1, 2, 3])
+    r.schedule()
+    r.logits()
+    r.commit({"plain": 9})
+    prompt = chat_prompt(vocab, "please write a code for this long prompt, in chunks " * 3)
+    chunk = len(prompt) // 3
+    r.add("long", xargs(args, thinking="off"), prompt)
+    noise = torch.randn(2, VOCAB)
+    for _ in range(2):  # chunks whose sample vLLM drops, forwards shorter than wait_s
+        r.schedule()
+        time.sleep(0.05)  # the forward
+        started = time.perf_counter()
+        logits = r.logits(noise, chunks={"long": chunk})
+        assert time.perf_counter() - started < 0.15  # no first-mask wait (0.3 s)
+        assert r.discarded == {"long"} and torch.equal(logits[0], noise[0])
+        r.commit({"plain": 9, "long": 0})
+        assert r.plugin.core.processor().errors == {}
+    r.schedule()
+    time.sleep(1.0)  # a long last chunk: the compile is done meanwhile
+    logits = r.logits(noise)  # the last chunk: its sample is kept
+    assert not r.discarded
+    assert torch.equal(logits[0], noise[0])
+    assert torch.equal(allowed(logits[1]), ref_allowed(ref))
+    assert r.plugin.core.processor().errors == {}
 
 
 @pytest.mark.parametrize(("case", "gated"), [

@@ -292,3 +292,46 @@ def test_stop_only_masks_under_min_tokens_keep_a_stop() -> None:
     assert logits[1, 3] == 0 and logits[1, 5] == 0
     assert int(torch.isfinite(logits[1]).sum()) == 2
     assert torch.equal(logits[2], before[2])
+
+
+def test_the_mark_is_a_token_no_constrained_row_samples() -> None:
+    """The watch's mark: a padding id where the model pads its vocabulary; else a reserved
+    special token; never a stop, a reasoning or a tool-call marker (a structural tag or
+    thinking-budget forcing emits those, and each equal commit costs an ordered read)."""
+    from grammask.integrations.vllm.v2_device import unsampleable_id
+    from grammask.vocab import Vocabulary
+
+    def vocab(*special: bytes) -> Vocabulary:
+        tokens = [bytes([b]) for b in range(97, 123)] + list(special)
+        n = len(tokens)
+        return Vocabulary(tokens, special_ids=range(26, n), stop_ids=[26])
+
+    padded = vocab(b"<|eot|>", b"<think>")
+    assert unsampleable_id(padded, 40) == 39
+    exact = vocab(b"<|eot|>", b"<|reserved_special_token_0|>", b"<tool_call>", b"</think>")
+    assert unsampleable_id(exact, 30) == 27  # reserved, not the later markers
+    markers = vocab(b"<|eot|>", b"<|im_start|>", b"<tool_call>", b"</think>")
+    assert unsampleable_id(markers, 30) == 27  # <|im_start|>: no marker
+
+
+def test_configurations_that_commit_unmasked_samples_stand_aside() -> None:
+    """0.34 configurations where tokens the processor never masked get committed: batch-
+    sharded sampling under tensor parallelism (each rank's processor sees only its share,
+    every rank commits every slot) and synthetic acceptance of drafts. grammask stands
+    aside on them (both processes decide from the config), and not on the defaults."""
+    from types import SimpleNamespace as NS
+
+    from grammask.integrations.vllm.compat import unserved
+
+    def config(sharded: bool = False, tp: int = 1, method: str = "standard") -> Any:
+        return NS(parallel_config=NS(enable_batch_sharded_sampling=sharded,
+                                     tensor_parallel_size=tp),
+                  speculative_config=NS(rejection_sample_method=method),
+                  scheduler_config=NS(async_scheduling=True),
+                  model_config=NS(logits_processors=None))
+
+    assert unserved(config(), "v2") == ""
+    assert unserved(config(sharded=True, tp=1), "v2") == ""  # ignored at TP=1
+    assert "batch-sharded" in unserved(config(sharded=True, tp=2), "v2")
+    assert "synthetic" in unserved(config(method="synthetic"), "v2")
+    assert "batch-sharded" in unserved(config(sharded=True, tp=2))  # the API server's

@@ -18,10 +18,19 @@ Each step t, in 0.34's async order, with no host sync in the runner's part:
 
 1. forward(t): ``torch.cuda._sleep`` calibrated to F ms, then the logits ``[B, 151936]``
    fp32 (on CPU: a sleep of F ms, run in sequence);
-2. apply(t): ``TokenWatch.settle`` (step t-1's tokens read, their fill started), the mask
-   under the lock (``BatchProcessor.apply``, ``Mapped`` rows), ``TokenWatch.watch`` (sentinels
-   in stream order);
-3. the sampler, queued: argmax of the masked logits, then ``post_update`` as device ops in
+2. apply(t): the sampling rows from the context's host arrays (``v2.sampling_rows``) with
+   ``seq_lens_upper_bound_np`` padded as a FULL decode CUDA graph pads it (zeros up to the
+   graph's batch size; ``idx_mapping_np`` one entry per request), ``TokenWatch.settle``
+   (step t-1's tokens read, their fill started), the mask under the lock
+   (``BatchProcessor.apply``, ``Mapped`` rows), ``TokenWatch.watch`` (the mark, a valid
+   token id, in stream order). One more row of the batch is an unconstrained request that
+   asks for prompt logprobs (issue 50): left alone by the apply;
+3. vLLM's prompt-logprob token-id read, queued between the processors and ``post_update``
+   as 0.34's ``sample_tokens`` orders them: ``all_token_ids[slot, num_computed + 1]`` for
+   every row of the batch (``sample/prompt_logprob.py``: ``_prompt_logprobs_token_ids_kernel``;
+   a decode row's ``num_computed`` is ``total_len - 1``), each id checked on the device to
+   lie in ``[0, vocab_size)`` (a device counter, read once at the end: no host sync);
+4. the sampler, queued: argmax of the masked logits, then ``post_update`` as device ops in
    the kernel's store order (``last_sampled_tokens``, ``total_len[slots] += 1``, then
    ``all_token_ids[slots, old_total] = tokens``); a timing event after it.
 
@@ -75,8 +84,13 @@ from bench.step import VLLM_CHUNK, VLLM_SERIAL_MAX, vllm_workers
 from grammask import Compiler, Grammar, GrammarSpec, Mapped, Vocabulary, load_vocabulary
 from grammask.decode.processor import BatchProcessor
 from grammask.decode.token_watch import Items, SlotTokens, TokenWatch
-from grammask.integrations.vllm.v2 import bind_device
-from grammask.integrations.vllm.v2_device import CudaPort, DevicePort, TokenReader
+from grammask.integrations.vllm.v2 import bind_device, sampling_rows
+from grammask.integrations.vllm.v2_device import (
+    CudaPort,
+    DevicePort,
+    TokenReader,
+    unsampleable_id,
+)
 from grammask.kernels.apply import _device_kernel, warm_device_apply
 from grammask.kernels.bitmask import allocate_bitmask, bitmask_words
 from tests.helpers import RawReference
@@ -203,6 +217,23 @@ def request_state(dev: Device, vocab: Vocabulary, slots: list[int], prompt: list
         device=dev.device, max_num_reqs=SLOTS, vocab_size=vocab.vocab_size)
 
 
+def padded(n: int) -> int:
+    """The FULL decode graph's batch size for ``n`` requests: every count up to 6, then
+    even counts (0.34's ``decode_cudagraph_capture_grid`` up to 16; coarser above, which
+    only pads more)."""
+    return n if n <= 6 else n + (n % 2)
+
+
+def prompt_logprob_read(rs: SimpleNamespace, slot_index: torch.Tensor,
+                        bad: torch.Tensor) -> None:
+    """``_prompt_logprobs_token_ids_kernel``'s read for decode rows (query length 1):
+    ``all_token_ids[slot, num_computed + 1]`` with ``num_computed = total_len - 1``, queued
+    on the stream; ids outside ``[0, vocab_size)`` are counted into ``bad`` on the device."""
+    at = rs.total_len.gpu.index_select(0, slot_index).long()
+    ids = rs.all_token_ids.gpu[slot_index, at.clamp(max=HISTORY - 1)]
+    bad += ((ids < 0) | (ids >= rs.vocab_size)).sum()
+
+
 def sample(logits: torch.Tensor, rs: SimpleNamespace, slot_index: torch.Tensor) -> torch.Tensor:
     """The sampler and ``post_update``, queued as device ops in ``_post_update_kernel``'s
     store order; no host sync."""
@@ -221,21 +252,31 @@ class V2Apply:
     commits, mask under the lock, hand the slots to the watch; the watch's step fills."""
 
     def __init__(self, proc: BatchProcessor, rs: SimpleNamespace, port: DevicePort,
-                 device: torch.device) -> None:
+                 device: torch.device, vocab: Vocabulary) -> None:
         self.proc = proc
+        self.tracked = np.zeros(SLOTS, dtype=bool)
+        self.prefill = np.zeros(SLOTS, dtype=np.int64)
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammask-v2-tokens",
                                        initializer=bind_device, initargs=(device,))
         self.failed: dict[int, str] = {}
         self.tokens: dict[int, SlotTokens] = {}
         self.watch = TokenWatch(TokenReader(rs, 1, port), port, lengths=False,
-                                step=self._step, fail=self._fail, pool=lambda: self.pool)
+                                step=self._step, fail=self._fail, pool=lambda: self.pool,
+                                mark=unsampleable_id(vocab, int(rs.vocab_size)))
 
     def add(self, slot: int, spec: GrammarSpec, grammar: Grammar, prompt: list[int]) -> None:
         t = self.tokens[slot] = SlotTokens(known=len(prompt))
         self.proc.add(slot, spec, prompt, t.output, grammar=grammar)
+        self.tracked[slot] = True
+        self.prefill[slot] = len(prompt)
 
-    def apply(self, logits: torch.Tensor, rows: list[int], slots: list[int]) -> None:
+    def apply(self, logits: torch.Tensor, idx_mapping_np: np.ndarray[Any, Any],
+              seq_lens_upper_bound_np: np.ndarray[Any, Any]) -> None:
+        batch_slots, at = sampling_rows(idx_mapping_np, seq_lens_upper_bound_np,
+                                        self.tracked, self.prefill)
+        rows: list[int] = at.tolist()
+        slots: list[int] = batch_slots[at].tolist()
         self.watch.settle(slots)
         with self.lock:
             self.proc.apply(logits, Mapped(rows, slots))
@@ -274,27 +315,37 @@ def invalid_rows(grammar: Grammar, vocab: Vocabulary, outputs: dict[int, list[in
 def run_grammask(dev: Device, compiler: Compiler, spec: GrammarSpec, grammar: Grammar,
                  vocab: Vocabulary, batch: int, ms: float, steps: int) -> dict[str, Any]:
     slots = [SLOTS - 1 - i for i in range(batch)]  # from the top, as 0.34's free list
-    rows = list(range(batch))
+    free = SLOTS - 1 - batch  # the unconstrained request that asks for prompt logprobs
     prompt = [vocab.stop_ids[0], *vocab.encode("user: a record")][:PROMPT]
     prompt += [prompt[-1]] * (PROMPT - len(prompt))
-    rs = request_state(dev, vocab, slots, prompt, seed=batch)
-    slot_index = torch.tensor(slots, dtype=torch.int64, device=dev.device)
+    rs = request_state(dev, vocab, [*slots, free], prompt, seed=batch)
+    batch_slots = [*slots, free]
+    slot_index = torch.tensor(batch_slots, dtype=torch.int64, device=dev.device)
+    idx_mapping_np = np.array(batch_slots, dtype=np.int32)
     proc = BatchProcessor(compiler, max_batch=SLOTS, think_end=None)
     buffers = proc._jobs.buffers  # the step's MaskBuffers (its device copies)
     port: DevicePort = CudaPort(dev.device) if dev.cuda else DevicePort()
-    v2 = V2Apply(proc, rs, port, dev.device)
+    v2 = V2Apply(proc, rs, port, dev.device, vocab)
     for s in slots:
         v2.add(s, spec, grammar, prompt)
-    logits = torch.empty(batch, vocab.vocab_size, dtype=torch.float32, device=dev.device)
+    logits = torch.empty(batch + 1, vocab.vocab_size, dtype=torch.float32, device=dev.device)
+    bad_reads = torch.zeros((), dtype=torch.int64, device=dev.device)
+    untouched = 0
     landings = Landings(dev.device)
     dev.sync()
     recs: list[dict[str, Any]] = []
     try:
         for t in range(WARM + steps):
             forward_end = dev.forward(logits, ms)  # forward(t)
+            checked = t < WARM  # the free row compared (a host sync: warm-up steps only)
+            free_row = logits[batch].clone() if checked else None
+            upper = np.zeros(padded(batch + 1), dtype=np.int32)  # FULL graph: padded
+            upper[:batch + 1] = PROMPT + t  # every row commits one token a step
             a0 = time.perf_counter()
-            v2.apply(logits, rows, slots)  # apply(t): step t-1's tokens not landed yet
+            v2.apply(logits, idx_mapping_np, upper)  # apply(t): t-1's tokens not landed yet
             a1 = time.perf_counter()
+            untouched += int(free_row is None or torch.equal(logits[batch], free_row))
+            prompt_logprob_read(rs, slot_index, bad_reads)  # compute_prompt_logprobs
             busy = None if forward_end is None else not forward_end.query()
             stats = proc.stats
             recs.append({"a0": a0, "a1": a1, "busy": busy,
@@ -309,6 +360,7 @@ def run_grammask(dev: Device, compiler: Compiler, spec: GrammarSpec, grammar: Gr
         dev.sync()
         v2.watch.settle(slots)  # the last step's tokens, read as the next apply would
         truth = committed(rs, slots)
+        bad = int(bad_reads.item())
     finally:
         landings.close()
         v2.close()
@@ -319,6 +371,7 @@ def run_grammask(dev: Device, compiler: Compiler, spec: GrammarSpec, grammar: Gr
         bytes_per_step=int(statistics.median(r["rows"] for r in recs[WARM:]))
         * bitmask_words(vocab.vocab_size) * 4,
         reads=dict(v2.watch.reads), failed=len(v2.failed), watch_mismatches=mismatched,
+        bad_prompt_logprob_ids=bad, free_row_touched=(WARM + steps) - untouched,
         invalid_rows=invalid_rows(grammar, vocab, truth),
         tokens_per_row=statistics.median(len(v) for v in truth.values()))
     return out
@@ -502,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
               "-" if c["overlap"] is None else f"{100 * c['overlap']:.0f}%",
               c["bytes_per_step"], f"{c['reads']['watched']}/{c['reads']['ordered']}",
               c["step_ms"], c["vllm"]["step_ms"], c["vllm"]["fill_ms"], c["ratio"],
-              c["watch_mismatches"] + c["invalid_rows"] + c["failed"]] for c in cells]
+              c["watch_mismatches"] + c["invalid_rows"] + c["failed"]
+              + c["bad_prompt_logprob_ids"] + c["free_row_touched"]] for c in cells]
     print(render_table(headers, table))
     if skipped:
         print("skipped (budget):", ", ".join(skipped))
@@ -510,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         print("errors:", *errors, sep="\n  ")
     valid = not errors and all(
         c["watch_mismatches"] == 0 and c["invalid_rows"] == 0 and c["failed"] == 0
-        for c in cells)
+        and c["bad_prompt_logprob_ids"] == 0 and c["free_row_touched"] == 0 for c in cells)
     flat = {}
     for batch in {c["B"] for c in cells}:
         waits = [c["wait_ms"] for c in cells if c["B"] == batch]
@@ -518,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     proved = {
         "masks_and_reads_exact": valid,
         "ordered_reads": sum(c["reads"]["ordered"] for c in cells),
+        "padded_contexts_and_prompt_logprob_reader_safe": all(
+            c["bad_prompt_logprob_ids"] == 0 and c["failed"] == 0 for c in cells),
         "vllm_rejects": sum(c["vllm"]["rejects"] for c in cells),
         "wait_within_fill_plus_0.2ms": all(c["wait_ms"] <= c["fill_ms"] + 0.2 for c in cells),
         "wait_spread_across_forwards_ms": flat,

@@ -398,7 +398,7 @@ class Driver:
         # sample_tokens(t): the layout (device tensors: filled by the device), chunks
         rows_of: list[int] = []
         seq_lens: list[int] = []
-        starts: list[int] = []  # num_computed_tokens before this step (the reader's)
+        starts: list[int] = []  # a prefill's num_computed_tokens before this step (-1: decode)
         was_prefill = False
         for req in order:
             if req.computed < req.prefill_len:  # one prefill chunk: the whole prompt
@@ -409,8 +409,7 @@ class Driver:
             else:
                 n_rows = 1 + (self.num_spec if self.num_spec else 0)
                 seq = req.prefill_len + req.known + (n_rows - 1)  # an upper bound
-                starts.append(len(req.prompt) + len(req.output) - 1 if req.output
-                              else req.prefill_len - 1)
+                starts.append(-1)  # a decode row: total_len - 1, read on the device
             rows_of.append(n_rows)
             seq_lens.append(seq)
         cu = np.concatenate(([0], np.cumsum(rows_of)))
@@ -490,6 +489,8 @@ class Driver:
         ids = self.rs.all_token_ids.gpu
         last = ids.shape[1] - 1
         for req, n, computed in zip(order, scheduled, starts, strict=True):
+            if computed < 0:  # a decode row's num_computed, as the device has it now
+                computed = int(self.rs.total_len.gpu[req.slot]) - 1
             for i in range(n):
                 pos = computed + 1 + i
                 if pos > last:

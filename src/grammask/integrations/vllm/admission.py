@@ -20,7 +20,7 @@ from ...compile.compiler import Compiler
 from ...errors import GrammarError
 from ...specs.request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
 from ...vocab import Vocabulary
-from .compat import _speculative_on_v1, admission_config
+from .compat import admission_config, unserved
 from .compiler import use_vllm_logging
 from .dropin import OPT_OUT_KEY, DropIn, field_of, log_status, status, take_over
 from .settings import Settings, describe_settings, load_settings
@@ -199,12 +199,10 @@ def validate_sampling_params(sampling_params: Any) -> None:
             raise VLLMValidationError(f"grammask: {kind}: {exc}", parameter=kind) from None
         return
     assert key is not None
-    if _speculative_on_v1(config):
-        raise VLLMValidationError(
-            "grammask cannot mask speculative decoding on vLLM's V1 model runner (vLLM skips "
-            "custom logits processors there); run the V2 model runner (the default, or "
-            "VLLM_USE_V2_MODEL_RUNNER=1), or start without --speculative-config",
-            parameter=EXTRA_ARGS_KEY)
+    aside = unserved(config)
+    if aside:
+        raise VLLMValidationError(f"grammask stands aside on this server: {aside}",
+                                  parameter=EXTRA_ARGS_KEY)
     if not settings.enabled:
         raise VLLMValidationError(
             "grammask is disabled on this server (setting enabled=false: GRAMMASK_ENABLED=0 "

@@ -1,6 +1,6 @@
 """The vLLM internals grammask relies on, in one place, for the lines it supports (0.32-0.34).
 
-Three things are not public API, and each is checked here, not scattered:
+What is not public API is checked here, not scattered:
 
 - **Admission**: vLLM calls a logits processor's ``validate_params`` from
   ``InputProcessor._validate_params``. It passes the request's own params, before the copy
@@ -23,6 +23,17 @@ Three things are not public API, and each is checked here, not scattered:
   watch reads that memory in numpy, with no CUDA call, instead of copying it back.
 - **The drop-in's assumptions**: the version line, and exactly the
   ``StructuredOutputsParams`` fields it translates (``mismatch``).
+- **Where processors are never called** (``unsupported``, ``unserved``): a runner that never
+  calls custom logits processors (0.34's standalone CPU runner: ``platforms/cpu.py``
+  ``uses_standalone_cpu_model_runner``, its sampler ``v1/worker/cpu/sampler.py`` builds
+  none), and the V1 runner's configurations that drop or starve them (speculative decoding;
+  async scheduling without ``--logits-processors``). Both processes decide from the same
+  inputs: the platform, and the config (``use_v2_model_runner`` is the very property vLLM's
+  ``InputProcessor`` reads to pick the processors' validator).
+- **V1 chunked prefill** (``v1_discarded``): which rows' samples the V1 runner drops (a
+  prompt chunk before the last) is its ``discard_request_mask``, read off the calling
+  ``GPUModelRunner._sample`` frame, identified by its code object: the V1 interface hands a
+  processor no such thing.
 
 A vLLM outside these lines leaves vLLM's structured outputs to vLLM (``mismatch`` says why)
 and still loads grammask's own keys, where the public hooks are enough.
@@ -97,7 +108,89 @@ def unsupported() -> str:
         return f"vLLM {found} has no V2 logits-processor interface where grammask expects it"
     if v1 is None and version_tuple(found) < V2_ONLY_FROM:
         return f"vLLM {found} has no V1 logits-processor interface where grammask expects it"
+    return runner_without_processors()
+
+
+def runner_without_processors() -> str:
+    """Why this machine's vLLM runs a model runner that never calls custom logits processors
+    (empty: it calls them). A platform-wide fact, so the API server (where the drop-in and
+    ``validate_params`` run) and the engine read the same answer. vLLM 0.34 on a CPU
+    without Triton that is not x86 runs its standalone CPU runner, whose sampler builds only
+    vLLM's own processors. A failed check counts as no such runner: vLLM's own start-up
+    would fail on the same platform query."""
+    try:
+        from vllm.platforms import current_platform
+
+        standalone = getattr(current_platform, "uses_standalone_cpu_model_runner", None)
+        if standalone is not None and bool(standalone()):
+            return ("vLLM's standalone CPU model runner (a CPU without Triton that is not "
+                    "x86) never calls custom logits processors")
+    except Exception:
+        return ""
     return ""
+
+
+def unserved(config: Any, runner: Literal["v1", "v2"] | None = None) -> str:
+    """Why vLLM would not call grammask's processor with the samples it must mask on this
+    server's configuration (empty: it would). ``runner``: the runner that built the processor
+    (the engine knows it); None: the one vLLM picks, ``config.use_v2_model_runner`` (the
+    property vLLM's ``InputProcessor`` reads to pick the processors' validator, so the API
+    server decides as the engine does; one that cannot be read counts as V1, where standing
+    aside is the safe side: vLLM's engine then serves structured outputs)."""
+    if config is None:
+        return ""
+    if why := _drops_masked_samples(config):
+        return why
+    if not _on_v1(config, runner):
+        return ""
+    if getattr(config, "speculative_config", None):
+        return ("speculative decoding on vLLM's V1 model runner skips custom logits "
+                "processors; run the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1) or start "
+                "without --speculative-config")
+    scheduler = getattr(config, "scheduler_config", None)
+    listed = getattr(getattr(config, "model_config", None), "logits_processors", None)
+    if getattr(scheduler, "async_scheduling", False) and not listed:
+        return ("vLLM's V1 model runner with async scheduling resolves the -1 placeholders "
+                "of its output tokens only when --logits-processors is non-empty; start with "
+                "`--logits-processors grammask.integrations.vllm.plugin:"
+                "GrammaskLogitsProcessor`, or --no-async-scheduling, or the V2 model runner")
+    return ""
+
+
+def _drops_masked_samples(config: Any) -> str:
+    """Why a configuration of either runner would commit tokens the processor never masked
+    (empty: none). vLLM 0.34:
+
+    - batch-sharded sampling (``parallel_config.enable_batch_sharded_sampling``): each
+      tensor-parallel rank's processor sees only the requests it samples, reassigned every
+      step (``sample/batch_shard.py``), while ``post_update`` commits every slot on every
+      rank: a rank's matcher misses the tokens other ranks sampled, and ranks no longer
+      share the rows their first-mask agreement gathers over;
+    - synthetic acceptance (``speculative_config.rejection_sample_method='synthetic'``)
+      accepts drafts without reading the masked logits
+      (``spec_decode/rejection_sampler_utils.py``)."""
+    parallel = getattr(config, "parallel_config", None)
+    if (getattr(parallel, "enable_batch_sharded_sampling", False)
+            and int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1):
+        return ("batch-sharded sampling (--enable-batch-sharded-sampling) shows each "
+                "tensor-parallel rank's processor only its own share of the batch; start "
+                "without it")
+    spec = getattr(config, "speculative_config", None)
+    if getattr(spec, "rejection_sample_method", "standard") == "synthetic":
+        return ("synthetic rejection sampling accepts draft tokens without the masked "
+                "logits; use rejection_sample_method 'standard'")
+    return ""
+
+
+def _on_v1(config: Any, runner: Literal["v1", "v2"] | None) -> bool:
+    if runner is not None:
+        return runner == "v1"
+    if version_tuple() >= V2_ONLY_FROM:
+        return False
+    try:
+        return not bool(getattr(config, "use_v2_model_runner", False))
+    except Exception:  # vLLM's own property refused the config: the safe side
+        return True
 
 
 def mismatch() -> str:
@@ -162,6 +255,47 @@ def _speculative_on_v1(config: Any) -> bool:
     if version_tuple() >= V2_ONLY_FROM:
         return False
     return not bool(getattr(config, "use_v2_model_runner", False))
+
+
+@cache
+def _v1_sample_code() -> CodeType | None:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:
+        return None
+    return getattr(getattr(GPUModelRunner, "_sample", None), "__code__", None)
+
+
+#: frames between ``GPUModelRunner._sample`` and the caller of ``v1_discarded`` (the
+#: sampler's module call and forward, ``apply_logits_processors``, the plugin), with room
+_MAX_SAMPLE_DEPTH = 14
+
+
+def v1_discarded(num_rows: int) -> Any:
+    """The V1 runner's ``discard_request_mask`` for the batch it samples now (a bool numpy
+    array of ``num_rows``: True where the row's sample is dropped, a prompt chunk before
+    the last), read off the calling ``GPUModelRunner._sample`` frame; None when not called
+    from there (another runner, a test driving the sampler itself) or the mask is not
+    there. ``gpu_model_runner.py`` (0.33): ``_prepare_inputs`` sets it (optimistic sequence
+    length below the request's token count), ``_bookkeeping_sync`` drops those samples."""
+    code = _v1_sample_code()
+    if code is None:
+        return None
+    try:
+        frame = sys._getframe(1)
+        for _ in range(_MAX_SAMPLE_DEPTH):
+            if frame.f_code is code:
+                mask = getattr(frame.f_locals.get("self"), "discard_request_mask", None)
+                found = getattr(mask, "np", None)
+                if found is None or len(found) < num_rows:
+                    return None
+                return found[:num_rows].astype(bool)
+            if frame.f_back is None:
+                return None
+            frame = frame.f_back
+    except Exception:
+        return None
+    return None
 
 
 def runner_of(args: tuple[Any, ...]) -> Literal["v1", "v2"]:

@@ -12,9 +12,10 @@ Why this hook: it is the public logits-processor contract (no patched vLLM funct
 every entry point, and a refusal there is vLLM's own HTTP 400. ``status`` checks at start-up
 that the installed vLLM is one whose flow this relies on (the version line, and exactly the
 ``StructuredOutputsParams`` fields translated here); otherwise, and where grammask cannot
-serve the configuration (speculative decoding on the V1 runner, a vLLM backend grammask does
-not have, the setting ``structured_outputs=vllm``), the requests stay with vLLM's engine and
-the start-up log says why. It never half-works: both processes decide from the same inputs.
+serve the configuration (``compat.unserved``: speculative decoding, or async scheduling without
+``--logits-processors``, on the V1 runner; a vLLM backend grammask does not have; the setting
+``structured_outputs=vllm``), the requests stay with vLLM's engine and the start-up log says
+why. It never half-works: both processes decide from the same inputs.
 What this relies on in vLLM is checked in ``compat``.
 
 The request's params object is changed in place (vLLM's own ``verify`` does the same to
@@ -32,8 +33,8 @@ from typing import Any
 from ...backends import registry
 from ...errors import GrammarError
 from ...specs.request import EXTRA_ARGS_KEY
-from .compat import _speculative_on_v1
 from .compat import mismatch as vllm_mismatch
+from .compat import unserved
 from .settings import Settings
 
 log = logging.getLogger("grammask")
@@ -69,9 +70,10 @@ def status(vllm_config: Any, settings: Settings) -> DropIn:
         return DropIn(False, mismatch)
     if vllm_config is None:
         return DropIn(False, "the server's vLLM config was not found at admission")
-    if _speculative_on_v1(vllm_config):
-        return DropIn(False, "speculative decoding on vLLM's V1 model runner skips custom "
-                             "logits processors; vLLM's engine serves structured outputs")
+    aside = unserved(vllm_config)
+    if aside:
+        return DropIn(False, f"grammask stands aside: {aside}; vLLM's engine serves "
+                             "structured outputs")
     so = getattr(vllm_config, "structured_outputs_config", None)
     name = str(getattr(so, "backend", "auto") or "auto")
     named = None if name == "auto" else registry.canonical(name)

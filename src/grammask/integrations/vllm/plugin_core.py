@@ -43,7 +43,7 @@ from .admission import (
     request_of,
     validate_sampling_params,
 )
-from .compat import _speculative_on_v1
+from .compat import _speculative_on_v1, unserved
 from .compiler import _COMPILERS, shared_compiler, use_vllm_logging, vocabulary_from_vllm
 from .dropin import OPT_OUT_KEY, log_status
 from .dropin import status as dropin_status
@@ -102,17 +102,24 @@ class PluginCore:
         self.kind: RunnerKind = kind
         self.max_batch = max_batch
         self.settings = settings_for(vllm_config)
-        self.active = self.settings.enabled
+        #: why vLLM would not call this runner's processors with what they must mask
+        #: (``compat.unserved``; empty: it would): grammask then stands aside, inert
+        self.aside = unserved(vllm_config, kind) if self.settings.enabled else ""
+        self.active = self.settings.enabled and not self.aside
         self.compiler: Compiler | None = None
         self.agreement: Agreement = Solo()
         self._proc: BatchProcessor | None = None
         use_vllm_logging()
         log.info("grammask %s loaded on vLLM's %s model runner (%s); %s", __version__,
-                 kind.upper(), "active" if self.active else "DISABLED",
-                 describe_settings(self.settings))
+                 kind.upper(), "active" if self.active else "STANDS ASIDE" if self.aside
+                 else "DISABLED", describe_settings(self.settings))
         self.dropin = dropin_status(vllm_config, self.settings)
         log_status(self.dropin, f"{kind.upper()} model runner")
         self._foreign_warned = False
+        if self.aside:
+            log.warning("grammask stands aside on vLLM's %s model runner: %s. vLLM's own engine "
+                        "serves structured outputs; requests with grammask's own keys are "
+                        "refused (400).", kind.upper(), self.aside)
         if not self.active:
             return
         self.compiler = shared_compiler(vllm_config, self.settings)

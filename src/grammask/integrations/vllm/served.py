@@ -30,7 +30,7 @@ class _Served:
         if runner_of(args) == "v1":  # (device, is_pin_memory)
             from .v1_batch import V1Batch  # only vLLM lines with the V1 runner
 
-            self._v1 = V1Batch(vllm_config)
+            self._v1 = V1Batch(vllm_config, args[0])
         else:  # (LogitsProcRequestState,)
             self._v2 = V2Batch(vllm_config, args[0])
 
@@ -47,7 +47,11 @@ class _Served:
 
     # ------------------------------------------------------------------ V1 interface
     def is_argmax_invariant(self) -> bool:
-        return False  # masks change the argmax; True would skip us for greedy batches
+        """False while grammask masks (masks change the argmax; True would skip us for
+        greedy batches); True for an instance that stands aside or is disabled, which
+        changes nothing. Never raises."""
+        v1 = self._v1
+        return v1 is not None and not v1.active
 
     def update_state(self, batch_update: Any) -> None:
         assert self._v1 is not None, "update_state is a V1-runner hook"

@@ -247,23 +247,10 @@ class V2Batch:
             self.port.ordered(partial(_copy_into, host, source, self._cuda))
             st.fetch = (self.port.mark(), host)
 
-    def _sampling(self, ctx: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """(the batch's slots, the batch positions of grammask's slots that sample now).
-        ``seq_lens_upper_bound_np`` may be longer than the batch: a FULL CUDA graph pads a
-        decode batch to its capture size (``model_runner.py``: ``prepare_inputs``, "padded
-        entries left at zero"); only the first ``len(idx_mapping_np)`` entries are
-        requests. Rows of a chunked prefill before its last chunk do not sample (their
-        sample is dropped): their upper bound is below the slot's prefill length."""
-        slots_np = np.asarray(ctx.idx_mapping_np)
-        n = slots_np.shape[0]
-        seq = np.asarray(ctx.seq_lens_upper_bound_np)[:n]
-        known = np.maximum(slots_np, 0)
-        tracked = (slots_np >= 0) & self._tracked[known]
-        return slots_np, np.flatnonzero(tracked & (seq >= self._prefill[known]))
-
     def _apply(self, logits: torch.Tensor, ctx: Any) -> None:
         core = self.core
-        slots_np, rows = self._sampling(ctx)
+        slots_np, rows = sampling_rows(ctx.idx_mapping_np, ctx.seq_lens_upper_bound_np,
+                                       self._tracked, self._prefill)
         slots: list[int] = slots_np[rows].tolist()
         self.watch.settle(slots)
         with self._lock:
@@ -275,9 +262,11 @@ class V2Batch:
                 self._leaving.clear()
             if not slots:
                 return
-            # the rows as the processor takes them, then one apply
+            # the rows as the processor takes them, then one apply: a logits row per
+            # request (no drafts this step, whatever the speculative config) is in batch
+            # order; otherwise a request owns a row per draft (read in stream order)
             host_rows = (Mapped(rows.tolist(), slots)
-                         if logits.shape[0] == slots_np.shape[0] and not self.num_spec
+                         if logits.shape[0] == slots_np.shape[0]
                          else self._draft_rows(ctx, slots))
             self._prepare(slots).apply(logits, host_rows)
         try:
@@ -438,6 +427,23 @@ class V2Batch:
         st.tokens.output.extend(replay)
         st.tokens.known = st.prefill_len
         st.fetched = True
+
+
+def sampling_rows(idx_mapping_np: Any, seq_lens_upper_bound_np: Any,
+                  tracked: np.ndarray[Any, Any], prefill: np.ndarray[Any, Any]
+                  ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(the batch's slots, the batch positions of tracked slots that sample now), from a
+    ``LogitsContext``'s host arrays. ``seq_lens_upper_bound_np`` may be longer than the
+    batch: a FULL CUDA graph pads a decode batch to its capture size, and data parallelism
+    to a peer's count (0.34 ``model_runner.py``: ``prepare_inputs``, "padded entries left at
+    zero"); only its first ``len(idx_mapping_np)`` entries are requests. A chunked prefill's
+    rows before its last chunk do not sample (vLLM drops that sample): their upper bound is
+    below the slot's prefill length."""
+    slots_np = np.asarray(idx_mapping_np)
+    seq = np.asarray(seq_lens_upper_bound_np)[:slots_np.shape[0]]
+    known = np.maximum(slots_np, 0)
+    mine = (slots_np >= 0) & tracked[known]
+    return slots_np, np.flatnonzero(mine & (seq >= prefill[known]))
 
 
 def _copy_into(host: torch.Tensor, source: torch.Tensor, cuda: bool) -> None:

@@ -215,16 +215,28 @@ class TokenReader:
 
 
 def unsampleable_id(vocab: Any, width: int) -> int:
-    """The watch's mark: a token id in ``[0, width)`` that no constrained row can sample,
-    so a commit rarely equals it. A padding id beyond the tokenizer's tokens (the model's
-    vocabulary is padded: Qwen2.5's 151,936 over 151,665 tokens) is never allowed; else the
-    highest special token that is not a stop (grammars blank special tokens); else the last
-    id (a commit equal to it costs an ordered read, never a wrong token)."""
-    tokens = len(vocab.tokens)
-    if width > tokens:
+    """The watch's mark: a token id in ``[0, width)`` that no constrained row samples, so
+    a commit rarely equals it. A padding id beyond the tokenizer's tokens (the model's
+    vocabulary is padded: Qwen2.5's 151,936 over 151,665 tokens) is never allowed. Else a
+    special token that is not a stop and no grammar starts or forces: a reserved or padding
+    one first (Llama 3's ``<|reserved_special_token_N|>``); never a reasoning or tool-call
+    marker (structural tags and thinking-budget forcing emit those). Else the last id. A
+    commit equal to the mark costs an ordered read, never a wrong token."""
+    tokens = vocab.tokens
+    if width > len(tokens):
         return width - 1
-    special = [t for t in vocab.special_ids if t not in set(vocab.stop_ids) and t < width]
-    return max(special) if special else width - 1
+    stops = set(vocab.stop_ids)
+    special = sorted(t for t in vocab.special_ids if t not in stops and t < width)
+    spelled = {t: bytes(tokens[t]).lower() for t in special}
+    idle = [t for t in special if any(w in spelled[t] for w in _IDLE)]
+    quiet = [t for t in special if not any(w in spelled[t] for w in _MARKERS)]
+    return int((idle or quiet or [width - 1])[-1])
+
+
+#: Words of special tokens no model emits (reserved and padding slots) ...
+_IDLE = (b"reserved", b"pad", b"unused")
+#: ... and of markers that grammars or vLLM's forcing do emit
+_MARKERS = (b"think", b"tool", b"call", b"python", b"response", b"function", b"ipython")
 
 
 def _host_copy(source: torch.Tensor, cuda: bool) -> torch.Tensor:

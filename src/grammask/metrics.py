@@ -44,10 +44,11 @@ class _Noop:
         pass
 
 
-def _histogram(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+def _histogram(name: str, doc: str, labels: Sequence[str] = (),
+               buckets: Sequence[float] = _BUCKETS) -> Any:
     if _prom is None:
         return _Noop()
-    return _prom.Histogram(name, doc, list(labels), buckets=_BUCKETS)
+    return _prom.Histogram(name, doc, list(labels), buckets=tuple(buckets))
 
 
 def _counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
@@ -82,9 +83,10 @@ HOST_CONFLICTS = _counter(
     "bad_words, logit_bias) left with no token the grammar allows: its tokens were restored "
     "(counted on CPU logits only)")
 REQUESTS = _counter(
-    "grammask_requests", "Constrained requests the plugin served, by where the constraint "
-    "came from (structured_outputs: vLLM's own fields, the drop-in; grammask: its own keys)",
-    ("source", "kind"))
+    "grammask_requests", "Constrained requests the plugin served (counted as they leave, once "
+    "their grammar masked a token: else grammask_unserved_requests), by where the "
+    "constraint came from (structured_outputs: vLLM's own fields, the drop-in; grammask: "
+    "its own keys)", ("source", "kind"))
 FILL_SECONDS = _histogram(
     "grammask_fill_seconds", "Mask work per decode step on the fill thread (advance + fill)")
 V2_TOKEN_READS = _counter(
@@ -214,3 +216,21 @@ def snapshot() -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
+
+
+ENGINE_SWITCHES = _counter(
+    "grammask_engine_switches", "Running rows moved to the engine the fill tuner found "
+    "cheaper (outcome=switched), or left on theirs, by why (outcome=rejected: the new engine "
+    "refused the row's history; dead_end; empty: no token allowed; error)", ("outcome",))
+ENGINE_SWITCH_REPLAY = _histogram(
+    "grammask_engine_switch_replay_seconds", "One running row's history replayed into the new "
+    "engine's matcher (on the fill thread)")
+FILL_SECONDS_PER_TOKEN = _histogram(
+    "grammask_fill_seconds_per_token", "The fill tuner's measured fill time of one row per "
+    "token, by engine (a probe walk, both engines on the same tokens)", ("backend",),
+    buckets=(1e-6, 2e-6, 4e-6, 8e-6, 16e-6, 32e-6, 64e-6, 128e-6, 256e-6, 512e-6, 1e-3, 4e-3))
+UNSERVED = _counter(
+    "grammask_unserved_requests", "Constrained requests that left without a grammar mask, "
+    "by why: reasoning (still reasoning when they finished), no_mask (their grammar never "
+    "masked a token: still compiling, or failed first); not in grammask_requests",
+    ("source", "kind", "reason"))

@@ -37,7 +37,7 @@ from ..errors import CompilerClosedError, CompileTimeoutError, InvalidSpecError
 from ..specs.grammar_spec import BackendName, GrammarSpec, backend_name
 from ..vocab import Vocabulary
 from .cache import CompileCache
-from .filltune import FillTuner
+from .filltune import FillTuner, Verdict, VerdictMode
 from .flights import Flight, Flights
 from .grammar import Grammar
 from .plan_runner import PlanRunner
@@ -88,6 +88,8 @@ class Compiler:
         When another backend enforces every keyword of a JSON schema too, compile it in the
         background and let the cheaper to fill here serve the spec's later requests
         (``filltune``). Off with ``rank_invariant``, a forced backend or a ``prefer``ence.
+    fill_verdict : "auto" | "rival" | "routed", default "auto"
+        The fill tuner's verdict: measured, or forced (tests, where timing must not decide).
 
     Raises
     ------
@@ -111,6 +113,7 @@ class Compiler:
         disk_cache_bytes: int = DEFAULT_MAX_BYTES,
         rank_invariant: bool = False,
         tune_fill: bool = True,
+        fill_verdict: VerdictMode = "auto",
     ) -> None:
         self.default_backend = backend_name(backend)
         if timeout_s <= 0 or max_workers < 1 or cache_bytes < 0 or max_negative < 0:
@@ -137,8 +140,8 @@ class Compiler:
         self._flights = Flights(self._state, timeout_s)
         self._disk = _open_disk(disk_cache_dir, disk_cache_bytes)
         self._plans = PlanRunner(self._state, self._runners, self._disk, self._keep_late)
-        self._tuner = FillTuner(self._state,
-                                compile=self.compile, plan=self.plan, submit=self._pool.submit)
+        self._tuner = FillTuner(self._state, compile=self.compile, plan=self.plan,
+                                submit=self._pool.submit, verdict=fill_verdict)
         # the backends' tokenizers are built once per vocabulary (seconds, holding the GIL):
         # here, outside every request's deadline
         chosen = self.default_backend
@@ -259,6 +262,21 @@ class Compiler:
     def flush_disk_cache(self, timeout: float | None = None) -> bool:
         """Wait until every queued disk-cache write is done; False on timeout."""
         return True if self._disk is None else self._disk.flush(timeout)
+
+    @property
+    def switch_epoch(self) -> int:
+        """Moves with each new fill-tuning verdict for a rival (``switch_offer``)."""
+        return self._tuner.epoch
+
+    @property
+    def switch_keys(self) -> frozenset[str]:
+        """The specs with a verdict for a rival (``switch_offer``)."""
+        return self._tuner.offered
+
+    def switch_offer(self, key: str, backend: str) -> Verdict | None:
+        """The fill tuner's verdict for rows of spec ``key`` running on ``backend``: the
+        grammar they may switch to (None: keep theirs)."""
+        return self._tuner.offer(key, backend)
 
     def close(self) -> None:
         """Fail every pending request with ``CompilerClosedError``; later requests fail at once.

@@ -1,6 +1,8 @@
 """Fill tuning (``Compiler(tune_fill=True)``): when another backend also enforces every keyword
 of a JSON schema, it is compiled in the background, both fill a probe walk
 (``fillcost``), and the cheaper to fill on this machine serves the spec's later requests.
+A verdict for the rival is also kept as a ``Verdict`` (``offer``): rows of that spec already
+running on the routed grammar switch to the rival (``decode/engine_switch``).
 
 Kept apart from the service (``compiler``): this is a policy run after a request is served,
 never on its path. Its only effect on the service is one cache insert, under the service's
@@ -12,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from .. import metrics
 from ..backends import registry
@@ -26,6 +30,31 @@ from .state import ServiceState
 _FILL_TUNED = metrics.FILL_TUNED
 log = logging.getLogger("grammask")
 
+#: ``Compiler(fill_verdict=...)``: measure (auto), or force the verdict (tests: no timing)
+VerdictMode = Literal["auto", "rival", "routed"]
+
+
+@dataclass
+class Verdict:
+    """The rival fills a spec cheaper here: rows on ``routed`` may switch to ``grammar``.
+    ``switched`` / ``stayed`` count the rows that did and, by reason, those that could not
+    (``decode/engine_switch`` updates them; one log line once the spec's rows are done)."""
+
+    key: str
+    routed: str
+    grammar: Grammar
+    routed_us: float
+    rival_us: float
+    switched: int = 0
+    stayed: dict[str, int] = field(default_factory=dict)
+    reported: bool = False
+
+    def describe(self) -> str:
+        stayed = ", ".join(f"{n} {why}" for why, n in sorted(self.stayed.items())) or "none"
+        return (f"{self.grammar.spec.describe()}: {self.routed} {self.routed_us:.1f} µs a "
+                f"token, {self.grammar.backend} {self.rival_us:.1f}: {self.switched} running "
+                f"rows switched to {self.grammar.backend} (stayed: {stayed})")
+
 
 class FillTuner:
     """Compares the fill of a spec's routed grammar with its fallback's, off the request path.
@@ -35,12 +64,24 @@ class FillTuner:
     ``RuntimeError`` once that pool shut down)."""
 
     def __init__(self, state: ServiceState, *, compile: Callable[[GrammarSpec], Grammar],
-                 plan: Callable[[GrammarSpec], Plan], submit: Callable[..., Any]) -> None:
+                 plan: Callable[[GrammarSpec], Plan], submit: Callable[..., Any],
+                 verdict: VerdictMode = "auto") -> None:
         self._state = state
         self._compile = compile
         self._plan = plan
         self._submit = submit
+        self._verdict = verdict
         self._structure: dict[str, int] | None = None  # probe walks' structural tokens
+        self._offers: dict[tuple[str, str], Verdict] = {}
+        self._offers_lock = threading.Lock()
+        #: bumped by each new offer: a fill job looks for rows to switch only when it moved
+        self.epoch = 0
+        #: the specs with an offer (a new set per offer: read without the lock)
+        self.offered: frozenset[str] = frozenset()
+
+    def offer(self, key: str, backend: str) -> Verdict | None:
+        """The verdict for rows of spec ``key`` running on ``backend`` (None: none)."""
+        return self._offers.get((key, backend))
 
     def after_compile(self, spec: GrammarSpec, grammar: Grammar) -> None:
         """Start a comparison when another backend enforces every keyword of this JSON
@@ -68,7 +109,11 @@ class FillTuner:
         except Exception as exc:  # never the request's concern: it is served already
             log.debug("grammask: fill tuning of %s skipped: %s", spec.describe(), exc)
             return
-        moved = result.b_cheaper()
+        moved = (result.b_cheaper() if self._verdict == "auto"
+                 else self._verdict == "rival")
+        metrics.FILL_SECONDS_PER_TOKEN.labels(backend=grammar.backend).observe(
+            result.a_us / 1e6)
+        metrics.FILL_SECONDS_PER_TOKEN.labels(backend=other).observe(result.b_us / 1e6)
         _FILL_TUNED.labels(routed=grammar.backend,
                            served=other if moved else grammar.backend).inc()
         with self._state.lock:
@@ -83,6 +128,14 @@ class FillTuner:
                        f"{result.b_us:.1f} µs a token against {result.a_us:.1f} "
                        f"(a probe walk of {result.tokens} tokens)")
             self._state.memory.insert(spec.key, served)
+        with self._offers_lock:
+            self._offers[(spec.key, grammar.backend)] = Verdict(
+                spec.key, grammar.backend, served, result.a_us, result.b_us)
+            self.offered = self.offered | {spec.key}
+            self.epoch += 1
+        log.info("grammask: fill tuning: %s fills cheaper than %s here (%.1f against %.1f µs "
+                 "a token): it serves %s from now on, running rows switch",
+                 other, grammar.backend, result.b_us, result.a_us, spec.describe())
 
     def _structure_tokens(self) -> dict[str, int]:
         """The probe walks' structural tokens of this vocabulary (texts that are one token)."""

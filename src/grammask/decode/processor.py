@@ -63,6 +63,7 @@ from .admissions import Admission, Admissions, Queued
 from .agreement import Agreement, Solo
 from .digests import MaskDigests
 from .drafts import Drafts
+from .engine_switch import EngineSwitch
 from .filler import Filler
 from .firstmask import FirstMasks
 from .pending import PendingGrammar
@@ -102,6 +103,10 @@ class BatchProcessor:
         How tensor-parallel ranks agree on first-mask timing outcomes (None: ``Solo``).
     digests : MaskDigests | None
         Record a digest of every applied mask, to compare ranks (a debug setting).
+    engine_switch : bool
+        Running rows move to the engine the compiler's fill tuner finds cheaper
+        (``engine_switch.py``); outputs then depend on when its verdict lands, so seeded runs
+        reproduce only with it off.
 
     Raises
     ------
@@ -113,7 +118,7 @@ class BatchProcessor:
                  hedge_s: float = 0.05, on_error: ErrorPolicy = "stop",
                  think_end: str | int | Sequence[int] | None = FROM_VOCAB,
                  filler: Filler | None = None, agreement: Agreement | None = None,
-                 digests: MaskDigests | None = None) -> None:
+                 digests: MaskDigests | None = None, engine_switch: bool = True) -> None:
         if on_error not in ("stop", "free"):
             raise ValueError(f"on_error must be 'stop' or 'free', got {on_error!r}")
         if wait_s < 0 or hedge_s < 0:
@@ -130,7 +135,9 @@ class BatchProcessor:
         self._admissions = Admissions(self._make)
         self._jobs = StepJobs(max_batch=max_batch, vocab_size=self.vocab_size,
                               filler=filler or Filler(), first=self._first, masks=self._row_masks,
-                              stats=self.stats, admissions=self._admissions)
+                              stats=self.stats, admissions=self._admissions,
+                              switch=EngineSwitch(compiler, self.vocab_size,
+                                                  enabled=engine_switch))
         self._drafts = Drafts(self._first, self._row_masks, self.stats)
         self._new_row = RowMaker(self.vocab, self._first.pending, think_end).make
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,

@@ -22,6 +22,7 @@ from ..backends.base import Matcher
 from ..kernels.buffers import MaskBuffers
 from ..kernels.cpu_plan import CpuPlan, LogitsLayout, plan_cpu_apply
 from .admissions import Admissions, Queued
+from .engine_switch import EngineSwitch
 from .fill_worker import FillWorker, Ticket
 from .filler import Filler
 from .firstmask import FirstMasks
@@ -61,7 +62,7 @@ class StepJobs:
 
     def __init__(self, *, max_batch: int, vocab_size: int, filler: Filler,
                  first: FirstMasks, masks: RowMasks, stats: FillStats,
-                 admissions: Admissions) -> None:
+                 admissions: Admissions, switch: EngineSwitch | None = None) -> None:
         self.vocab_size = vocab_size
         self.admissions = admissions
         self.buffers = MaskBuffers(max_batch, vocab_size)
@@ -69,6 +70,8 @@ class StepJobs:
         self.masks = masks
         self.stats = stats
         self._filler = filler
+        #: running rows moved to a cheaper engine, at the start of a job (None: never)
+        self.switch = switch
         self._worker = FillWorker(cpus=filler.cpus)
         self.pending: Step | None = None
         self._last_waited: Step | None = None  # the last step waited for (``Step.before``)
@@ -269,6 +272,8 @@ class StepJobs:
             step.work[:] = [(i, r, []) for i, r in table.items()
                             if rows is None or i in rows]
             raise
+        if self.switch is not None:  # commits read, not fed: the one point rows may switch
+            self.switch.run(step.work, table)
         indices = sorted(set(self._run(step.work, step.buffer)))
         plan_ms = 0.0
         if layout is not None and indices:

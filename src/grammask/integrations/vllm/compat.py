@@ -21,8 +21,20 @@ What is not public API is checked here, not scattered:
   ``all_token_ids`` in pinned host memory mapped into the device (``StagedWriteTensor`` with
   ``uva_instead_of_gpu``; its ``_uva_buf``) unless a drafter prefers it dense. The token
   watch reads that memory in numpy, with no CUDA call, instead of copying it back.
-- **The drop-in's assumptions**: the version line, and exactly the
-  ``StructuredOutputsParams`` fields it translates (``mismatch``).
+- **The drop-in's assumptions**: the version line, exactly the ``StructuredOutputsParams``
+  fields it translates, and ``AsyncLLM.add_request``'s two arguments that carry vLLM's
+  reasoning decision (``mismatch``).
+- **vLLM's reasoning decision** (``engine_call``): the chat and Responses servers pass
+  ``reasoning_ended`` and ``reasoning_parser_kwargs`` to ``AsyncLLM.add_request``, which
+  writes them onto the engine request only after ``process_inputs`` (where
+  ``validate_params`` runs); ``SamplingParams`` carries neither. They are read off that
+  caller frame, identified by its code object. ``LLMEngine.add_request`` (offline) takes
+  neither (the engine decides from the prompt); a raw prompt is processed on a thread pool
+  (``process_inputs_async``), where the frame is out of reach: vLLM's own front ends pass
+  rendered prompts, so there only a direct ``AsyncLLM`` caller, who passes neither as a rule,
+  is met, and the engine's rule applies.
+- **No tokenizer** (``--skip-tokenizer-init``, ``unserved``) and **no Python front end**
+  (0.34's ``VLLM_USE_RUST_FRONTEND``, ``rust_frontend``: ``validate_params`` never runs).
 - **Where processors are never called** (``unsupported``, ``unserved``): a runner that never
   calls custom logits processors (0.34's standalone CPU runner: ``platforms/cpu.py``
   ``uses_standalone_cpu_model_runner``, its sampler ``v1/worker/cpu/sampler.py`` builds
@@ -42,6 +54,7 @@ and still loads grammask's own keys, where the public hooks are enough.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from functools import cache
 from types import CodeType
@@ -121,8 +134,11 @@ def runner_without_processors() -> str:
     try:
         from vllm.platforms import current_platform
 
-        standalone = getattr(current_platform, "uses_standalone_cpu_model_runner", None)
-        if standalone is not None and bool(standalone()):
+        # looked up on the class: the platform's ``__getattr__`` logs a warning for a
+        # name it lacks (every vLLM before 0.34)
+        if getattr(type(current_platform), "uses_standalone_cpu_model_runner", None) is None:
+            return ""
+        if bool(current_platform.uses_standalone_cpu_model_runner()):
             return ("vLLM's standalone CPU model runner (a CPU without Triton that is not "
                     "x86) never calls custom logits processors")
     except Exception:
@@ -139,6 +155,9 @@ def unserved(config: Any, runner: Literal["v1", "v2"] | None = None) -> str:
     aside is the safe side: vLLM's engine then serves structured outputs)."""
     if config is None:
         return ""
+    if getattr(getattr(config, "model_config", None), "skip_tokenizer_init", False):
+        return ("--skip-tokenizer-init: grammask builds its masks from the model's tokenizer, "
+                "which vLLM does not load")
     if why := _drops_masked_samples(config):
         return why
     if not _on_v1(config, runner):
@@ -209,7 +228,100 @@ def mismatch() -> str:
     if _validate_params_code() is None:
         return (f"vLLM {found} has no InputProcessor._validate_params; vLLM's engine "
                 "serves structured outputs")
+    if len(_entry_codes()) != len(_ENTRIES):
+        return (f"vLLM {found}'s AsyncLLM.add_request, LLMEngine.add_request or "
+                "InputProcessor.process_inputs is not where the drop-in reads the reasoning "
+                "decision; vLLM's engine serves structured outputs")
     return ""
+
+
+def rust_frontend() -> str:
+    """Why no Python front end validates requests (empty: one does). vLLM 0.34's
+    ``VLLM_USE_RUST_FRONTEND`` serves HTTP from a Rust binary: ``validate_params`` never
+    runs, so nothing is taken over and grammask's own keys get no 400 up front."""
+    value = os.environ.get("VLLM_USE_RUST_FRONTEND", "0").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return ""
+    return ("vLLM's Rust front end (VLLM_USE_RUST_FRONTEND) never calls grammask's "
+            "validate_params")
+
+
+#: The frames ``engine_call`` looks for: (module, class, method, the name it reports)
+_ENTRIES = (("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", "AsyncLLM.add_request"),
+            ("vllm.v1.engine.llm_engine", "LLMEngine", "add_request", "LLMEngine.add_request"),
+            ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs",
+             "process_inputs"))
+#: frames between ``AsyncLLM.add_request`` and the caller of ``engine_call`` (process_inputs,
+#: _validate_params, the processors' validator, the plugin's validate_params and
+#: validate_sampling_params), with room
+_MAX_CALL_DEPTH = 16
+
+
+@cache
+def _entry_codes() -> dict[CodeType, str]:
+    """Code objects of ``_ENTRIES`` (those that have both decision arguments, for
+    ``AsyncLLM.add_request``); a missing one is left out."""
+    import importlib
+    import inspect
+
+    codes: dict[CodeType, str] = {}
+    for module, cls, method, name in _ENTRIES:
+        try:
+            fn = inspect.unwrap(getattr(getattr(importlib.import_module(module), cls), method))
+            params = inspect.signature(fn).parameters
+        except Exception:
+            continue
+        if name == "AsyncLLM.add_request" and not {
+                "reasoning_ended", "reasoning_parser_kwargs"} <= set(params):
+            continue
+        code = getattr(fn, "__code__", None)
+        if isinstance(code, CodeType):
+            codes[code] = name
+    return codes
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCall:
+    """How the request being validated reaches vLLM's engine: ``reasoning_ended`` and
+    ``reasoning_parser_kwargs`` as vLLM's engine will get them, and from where (``via``)."""
+
+    reasoning_ended: bool | None
+    parser_kwargs: Any
+    via: str
+
+
+def engine_call() -> EngineCall | None:
+    """Where the current ``validate_params`` call came from (``AsyncLLM.add_request``:
+    its two locals; ``LLMEngine.add_request``: neither; a raw prompt on vLLM's thread pool:
+    neither); None from anywhere else (a caller that processed its request apart)."""
+    codes = _entry_codes()
+    if not codes:
+        return None
+    work_item = _work_item_code()
+    frame = sys._getframe(1)
+    for _ in range(_MAX_CALL_DEPTH):
+        name = codes.get(frame.f_code)
+        if name == "AsyncLLM.add_request":
+            found = frame.f_locals
+            ended = found.get("reasoning_ended")
+            return EngineCall(None if ended is None else bool(ended),
+                              found.get("reasoning_parser_kwargs"), name)
+        if name == "LLMEngine.add_request":
+            return EngineCall(None, None, name)
+        back = frame.f_back
+        if name == "process_inputs" and back is not None and back.f_code is work_item:
+            return EngineCall(None, None, "process_inputs_async")
+        if back is None:
+            return None
+        frame = back
+    return None
+
+
+@cache
+def _work_item_code() -> CodeType | None:
+    from concurrent.futures.thread import _WorkItem
+
+    return getattr(_WorkItem.run, "__code__", None)
 
 
 @cache

@@ -77,7 +77,7 @@ def shared_compiler(vllm_config: Any, settings: Settings) -> Compiler:
            getattr(mc, "tokenizer_mode", None), mc.get_vocab_size(), settings.backend,
            settings.prefer, settings.cache_mb, settings.compile_threads,
            settings.compile_timeout_s, settings.disk_cache, settings.disk_cache_mb,
-           _tp_size(vllm_config) > 1)
+           _tp_size(vllm_config) > 1, settings.fill_verdict)
     with _COMPILERS_LOCK:
         compiler = _COMPILERS.get(key)
         if compiler is None:
@@ -89,7 +89,8 @@ def shared_compiler(vllm_config: Any, settings: Settings) -> Compiler:
                             disk_cache_dir=disk_cache_dir(settings),
                             disk_cache_bytes=settings.disk_cache_mb * 1024 * 1024,
                             # ranks must end with one grammar per spec: no timing fallbacks
-                            rank_invariant=_tp_size(vllm_config) > 1)
+                            rank_invariant=_tp_size(vllm_config) > 1,
+                            fill_verdict=settings.fill_verdict)  # type: ignore[arg-type]
             # every backend's tokenizer view (slow to build for Qwen's 152k tokens), even one
             # the settings do not choose: built before the server reports healthy, so no
             # first request waits on them past its budget

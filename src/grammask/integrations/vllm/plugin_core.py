@@ -16,6 +16,7 @@ TP agreement, inertness). The parts live in their own modules, re-exported here:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -29,7 +30,7 @@ from ...decode.cpu_placement import fill_cpus
 from ...decode.digests import MaskDigests
 from ...decode.filler import Filler
 from ...decode.processor import Admission, BatchProcessor
-from ...errors import CompileFailure, GrammarError, ServerFault
+from ...errors import CompileFailure, GrammarError, InvalidSpecError, ServerFault
 from ...specs.request import STAND_IN, ConstraintRequest
 from .admission import (
     REQUEST_KEYS,
@@ -43,10 +44,11 @@ from .admission import (
     request_of,
     validate_sampling_params,
 )
-from .compat import _speculative_on_v1, unserved
+from .compat import _speculative_on_v1, rust_frontend, unserved
 from .compiler import _COMPILERS, shared_compiler, use_vllm_logging, vocabulary_from_vllm
 from .dropin import OPT_OUT_KEY, log_status
 from .dropin import status as dropin_status
+from .reasoner import rule_for
 from .settings import (
     SETTINGS,
     Settings,
@@ -116,6 +118,11 @@ class PluginCore:
         self.dropin = dropin_status(vllm_config, self.settings)
         log_status(self.dropin, f"{kind.upper()} model runner")
         self._foreign_warned = False
+        if rust := rust_frontend():
+            log.warning("grammask: %s: vLLM's engine serves vLLM's structured outputs; requests "
+                        "with grammask's own keys are checked here, in the engine, and a bad "
+                        "one fails its row (grammask_row_errors, a log line naming it) "
+                        "instead of getting a 400", rust)
         if self.aside:
             log.warning("grammask stands aside on vLLM's %s model runner: %s. vLLM's own engine "
                         "serves structured outputs; requests with grammask's own keys are "
@@ -165,6 +172,7 @@ class PluginCore:
                 self.compiler, max_batch=self.max_batch, wait_s=self.settings.wait_s,
                 hedge_s=self.settings.hedge_s, agreement=self.agreement,
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
+                engine_switch=self.settings.engine_switch,
                 filler=Filler(parallel_min=self.settings.parallel_min,
                               threads=self.settings.fill_threads,
                               cpus=fill_cpus(self.settings.fill_cpus,
@@ -184,26 +192,47 @@ class PluginCore:
                 ) -> tuple[ConstraintRequest | None, Future[Grammar] | None]:
         """The request's constraint and its compile (started now), or (None, None).
 
-        ``resumed``: a preempted request added again (counted once, when it first came).
+        ``resumed``: a preempted request added again (counted once: ``Row.count``).
 
         A malformed constraint that got past validation becomes a failed compile, so that
         row alone errors (stop-only mask) and the batch goes on."""
         if not self.active:
             return None, None
         self._check_foreign(sampling_params)
+        extra = getattr(sampling_params, "extra_args", None)
         try:
-            request = request_of(getattr(sampling_params, "extra_args", None))
+            request = request_of(extra)
+            if request is not None and getattr(sampling_params, "structured_outputs", None):
+                raise InvalidSpecError("a request carries either vLLM structured_outputs or a "
+                                       "grammask constraint, not both", where="grammask")
         except GrammarError as exc:
+            # validation refuses these with a 400; a front end without it (the Rust one)
+            # lets them through: this row alone fails, and the log names the constraint
+            log.warning("grammask: a request's constraint is refused in the engine (%s): %s",
+                        _constraint_text(extra), exc)
             return _invalid(exc)
         if request is None:
             return None, None
-        if not resumed:
-            metrics.REQUESTS.labels(source=request.source, kind=request.spec.kind).inc()
+        try:
+            request = self._with_rule(request, resumed)
+        except Exception as exc:  # the server's parser cannot be built here: this row fails
+            return _invalid(ServerFault(f"reasoning parser {request.reasoning!r}: "
+                                        f"{type(exc).__name__}: {exc}"))
         assert self.compiler is not None
         try:
             return request, self.compiler.compile_async(request.spec)
         except CompileFailure as exc:  # a closed compiler: this row alone fails
             return _invalid(exc)
+
+    def _with_rule(self, request: ConstraintRequest, resumed: bool) -> ConstraintRequest:
+        """The request with vLLM's reasoning rule for it (a request the drop-in took over)
+        and its ``resumed`` mark; parses are cached and shared, so this is a copy."""
+        changes: dict[str, Any] = {"resumed": True} if resumed else {}
+        reasoning = request.reasoning
+        if reasoning is not None and request.thinking:
+            changes["rule"] = rule_for(self.vllm_config.model_config, reasoning.parser,
+                                       reasoning.kwargs)
+        return dataclasses.replace(request, **changes) if changes else request
 
     def claims(self, sampling_params: Any) -> bool:
         """Whether grammask serves this request, from its keys alone (``request`` parses
@@ -245,6 +274,14 @@ def host_masks(sampling_params: Any) -> bool:
     ``bad_words``, ``logit_bias``. Its rows then get the grammar-wins check."""
     return any(bool(getattr(sampling_params, name, None)) for name in
                ("min_tokens", "allowed_token_ids", "bad_words", "logit_bias"))
+
+
+def _constraint_text(extra_args: Any, limit: int = 200) -> str:
+    """The request's grammask keys as text, cut at ``limit`` characters (for a log line)."""
+    keys = {k: v for k, v in (extra_args or {}).items()
+            if isinstance(k, str) and k.startswith("grammask")}
+    text = repr(keys)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _invalid(exc: GrammarError | ServerFault) -> tuple[ConstraintRequest, Future[Grammar]]:

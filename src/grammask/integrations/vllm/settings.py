@@ -45,6 +45,8 @@ class Settings:
     mask_digest_dir: str = ""
     debug_mask_fault_rank: int = -1
     token_marks: bool = True
+    engine_switch: bool = True
+    fill_verdict: str = "auto"
 
     @property
     def think_end_arg(self) -> str | None:
@@ -184,6 +186,12 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
                     "id no constrained row samples) so their fill overlaps the next forward; "
                     "false: grammask writes nothing into vLLM's token history and reads "
                     "each step's tokens after the runner's stream passed them (no overlap)"),
+    "engine_switch": (_bool, "running rows of a JSON schema move to the engine the fill "
+                      "tuner measured cheaper to fill here (outputs then depend on when its "
+                      "verdict lands: seeded runs reproduce only with false)"),
+    "fill_verdict": (_word("auto", "rival", "routed"), "debug, tests only: the fill tuner's "
+                     "verdict measured (auto) or forced (rival: the other engine wins; "
+                     "routed: the routed one keeps the spec)"),
     "metrics_port": (_port, "grammask's own Prometheus exporter in vLLM's engine core (0: off; "
                      "or set PROMETHEUS_MULTIPROC_DIR to see them on vLLM's /metrics)"),
 }

@@ -3,9 +3,7 @@
 The fill tuner (``compile/filltune``) compares a JSON schema's routed grammar with a rival
 that enforces every keyword of it alike (same mode, same whitespace) and, when the rival
 fills cheaper here, serves the spec's later requests with it and offers a ``Verdict``. Rows
-of that spec already running switch here, on the fill thread, at the start of a fill job:
-after the job read their commit and before it feeds and fills them (never on the apply
-path, never during drafts, never while a commit is pending: the job owns its rows).
+of that spec already running switch to it.
 
 A switch replays the row's constrained history (the tokens its matcher took, after the
 thinking gate) into a matcher of the new grammar; the row then follows the new engine's
@@ -13,9 +11,15 @@ language, exactly as a row that started there with the same history. Its rollbac
 past the switch point (the new matcher took the whole history). It stays on its engine,
 counted by why, when the new engine refuses that history (llguidance refuses some escapes
 xgrammar accepts), loses the parse (a dead end) or allows no token. Rows still compiling or
-thinking switch at the first job after they attach. Finished, errored and forced-backend
-rows never switch. At most ``ROWS_PER_STEP`` rows and ``BUDGET_S`` of replay per job: a wave
-of hundreds of rows switches over a few steps and never stalls one.
+thinking switch once they attach. Finished, errored and forced-backend rows never switch.
+
+Where: the replay of a long history runs on a thread of its own (``REPLAY_THREADS``), off
+the fill job and the apply; a fill job only snapshots a row's history for it (at most
+``SUBMIT_PER_JOB`` rows a job) and, for rows whose replay is done, feeds the few tokens
+that came since and swaps the matcher: at the start of the job, after it read the rows'
+commits and before it feeds and fills them (the job owns its rows: no commit pending, no
+draft being fed). A row rolled back behind its replay is replayed again. A wave of hundreds
+of rows switches within a few steps and never stalls one.
 
 Outputs then depend on when a verdict lands (a timing), so seeded runs reproduce only with
 the switch off (``BatchProcessor(engine_switch=False)``; the vLLM setting ``engine_switch``).
@@ -26,22 +30,34 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-
-import torch
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from .. import metrics
 from ..backends import registry
 from ..backends.base import Matcher
-from ..compile.compiler import Compiler
+from ..compile.compiler import Compiler, Grammar
 from ..compile.filltune import Verdict
 from ..kernels.bitmask import allocate_bitmask
 from .rows import Row, Work
 
 log = logging.getLogger("grammask")
 
-#: most rows a fill job switches, and most replay time it spends on them
-ROWS_PER_STEP = 32
-BUDGET_S = 0.002
+#: rows whose history a fill job hands to the replay thread, and replays in flight at most
+SUBMIT_PER_JOB = 64
+IN_FLIGHT = 256
+#: threads that replay histories (off the fill thread)
+REPLAY_THREADS = 1
+
+
+@dataclass(eq=False)
+class _Replay:
+    """A row's history being replayed into a matcher of the verdict's grammar."""
+
+    row: Row
+    verdict: Verdict
+    tokens: list[int]
+    future: Future[tuple[str, Matcher | None]]
 
 
 class EngineSwitch:
@@ -50,14 +66,17 @@ class EngineSwitch:
     def __init__(self, compiler: Compiler, vocab_size: int, *, enabled: bool = True) -> None:
         self._compiler = compiler
         self.enabled = enabled and compiler.tune_fill
+        self._vocab_size = vocab_size
         self._done_epoch = 0  # the compiler's epoch once no row was left to switch
-        self._scratch = allocate_bitmask(1, vocab_size)
+        self._replays: dict[int, _Replay] = {}  # by id(row), the row kept in the entry
+        self._stayed: dict[int, Row] = {}  # rows the new engine refused: never again
+        self._pool: ThreadPoolExecutor | None = None
 
     def run(self, work: Sequence[Work], table: dict[int, Row]) -> None:
-        """Switch rows of ``work`` (the job's rows, commits read, not fed yet) whose grammar
-        has an offer; ``table``: every row, to know when a verdict's rows are done. Costs
-        one int compare per job while no verdict is open. Never raises: a failure leaves
-        the row where it is."""
+        """At the start of a fill job (its rows' commits read, not fed yet): swap in the
+        rows whose replay is done, hand more rows' histories to the replay thread;
+        ``table``: every row, to know when a verdict's rows are done. Costs one int compare
+        a job while no verdict is open. Never raises: a failure leaves rows where they are."""
         if not self.enabled:
             return
         epoch = self._compiler.switch_epoch
@@ -69,18 +88,39 @@ class EngineSwitch:
             log.warning("grammask: the engine switch failed: %s: %s", type(exc).__name__, exc)
             self._done_epoch = epoch
 
+    def settle(self) -> None:
+        """Wait for the replays in flight (tests, benchmarks; a job never waits)."""
+        for replay in list(self._replays.values()):
+            replay.future.exception()
+
+    def close(self) -> None:
+        """Stop the replay thread (replays in flight are dropped with their matchers)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
     def _switch(self, work: Sequence[Work], table: dict[int, Row], epoch: int) -> None:
         keys = self._compiler.switch_keys
-        started = time.perf_counter()
-        switched = 0
+        submitted = 0
         for _, r, new in work:
-            if switched >= ROWS_PER_STEP or time.perf_counter() - started > BUDGET_S:
-                return  # the rest at the next job (the epoch stays open)
             verdict = self._offer(r, keys)
-            if verdict is not None:
-                self._move(r, len(new), verdict)
-                switched += 1
-        if not any(self._left(r, keys) for r in table.values()):
+            if verdict is None:
+                continue
+            replay = self._replays.get(id(r))
+            if replay is not None and replay.row is r:
+                if replay.future.done():
+                    del self._replays[id(r)]
+                    self._finish(r, len(new), replay)
+                continue
+            if submitted < SUBMIT_PER_JOB and len(self._replays) < IN_FLIGHT:
+                self._submit(r, len(new), verdict)
+                submitted += 1
+        live = {id(r) for r in table.values()}
+        for gone in [k for k in self._replays if k not in live]:
+            self._drop(self._replays.pop(gone))
+        for gone in [k for k in self._stayed if k not in live]:
+            del self._stayed[gone]
+        if not self._replays and not any(self._left(r, keys) for r in table.values()):
             self._done_epoch = epoch
             self._report(keys)
 
@@ -88,7 +128,8 @@ class EngineSwitch:
         """The verdict this row may switch by (None: not a running row of an offered spec)."""
         grammar, matcher = r.grammar, r.matcher
         if (grammar is None or matcher is None or r.error is not None or r.backlog
-                or grammar.spec.key not in keys or r.request.spec.backend is not None):
+                or grammar.spec.key not in keys or r.request.spec.backend is not None
+                or id(r) in self._stayed):
             return None
         verdict = self._compiler.switch_offer(grammar.spec.key, grammar.backend)
         if verdict is None or matcher.is_terminated():
@@ -104,35 +145,67 @@ class EngineSwitch:
             return True
         return self._offer(r, keys) is not None
 
-    def _move(self, r: Row, unread: int, verdict: Verdict) -> None:
-        """Replay the row's constrained history (the ``fed`` tokens before this job's
-        ``unread`` new ones) into a matcher of the verdict's grammar; swap when it takes all
-        of it, has the parse and allows a token."""
-        assert r.matcher is not None
+    @staticmethod
+    def _history(r: Row, unread: int) -> list[int] | None:
+        """The row's constrained history: the ``fed`` tokens before this job's ``unread``
+        new ones (None: the output does not hold them, which never happens)."""
         end = r.seen - unread
         history = [int(t) for t in r.output[end - r.fed:end]] if r.fed else []
-        started = time.perf_counter()
-        outcome = "error"
-        matcher: Matcher | None = None
-        try:
-            if len(history) == r.fed:
-                matcher = verdict.grammar.matcher()
-                outcome = _replay(matcher, history, self._scratch)
-        except Exception as exc:
-            log.debug("grammask: switching a row failed: %s", exc)
-            outcome = "error"
-        metrics.ENGINE_SWITCH_REPLAY.observe(time.perf_counter() - started)
-        metrics.ENGINE_SWITCHES.labels(outcome=outcome).inc()
-        if outcome != "switched":
-            verdict.stayed[outcome] = verdict.stayed.get(outcome, 0) + 1
+        return history if len(history) == r.fed else None
+
+    def _submit(self, r: Row, unread: int, verdict: Verdict) -> None:
+        history = self._history(r, unread)
+        if history is None:
+            self._stay(r, verdict, "error")
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(REPLAY_THREADS,
+                                            thread_name_prefix="grammask-switch")
+        future = self._pool.submit(_replay, verdict.grammar, history, self._vocab_size)
+        self._replays[id(r)] = _Replay(r, verdict, history, future)
+
+    def _finish(self, r: Row, unread: int, replay: _Replay) -> None:
+        """A done replay: catch up with the tokens the row took since, then swap (or the
+        row stays, counted; rolled back behind the replay: replayed again later)."""
+        outcome, matcher = replay.future.result()
+        if outcome != "switched" or matcher is None:
+            self._stay(r, replay.verdict, outcome)
+            return
+        history = self._history(r, unread)
+        done = len(replay.tokens)
+        if history is None or len(history) < done or history[:done] != replay.tokens:
+            matcher.release()  # rolled back behind the replay: a new one next job
+            return
+        for token in history[done:]:
+            if not matcher.accept(token):
+                matcher.release()
+                self._stay(r, replay.verdict, "rejected")
+                return
+        if getattr(matcher, "failure", None) is not None:
+            matcher.release()
+            self._stay(r, replay.verdict, "dead_end")
+            return
+        assert r.matcher is not None
+        old = r.matcher
+        r.matcher, r.grammar = matcher, replay.verdict.grammar
+        replay.verdict.switched += 1
+        metrics.ENGINE_SWITCHES.labels(outcome="switched").inc()
+        old.release()
+
+    def _stay(self, r: Row, verdict: Verdict, why: str) -> None:
+        self._stayed[id(r)] = r
+        verdict.stayed[why] = verdict.stayed.get(why, 0) + 1
+        metrics.ENGINE_SWITCHES.labels(outcome=why).inc()
+
+    @staticmethod
+    def _drop(replay: _Replay) -> None:
+        """A replay whose row left: its matcher goes back (or is dropped with the thread)."""
+        if replay.future.done() and not replay.future.cancelled():
+            _, matcher = replay.future.result()
             if matcher is not None:
                 matcher.release()
-            return
-        assert matcher is not None
-        old = r.matcher
-        r.matcher, r.grammar = matcher, verdict.grammar
-        verdict.switched += 1
-        old.release()
+        else:
+            replay.future.cancel()
 
     def _report(self, keys: frozenset[str]) -> None:
         """One log line per verdict whose rows are done here."""
@@ -144,12 +217,31 @@ class EngineSwitch:
                     log.info("grammask: engine switch: %s", verdict.describe())
 
 
-def _replay(matcher: Matcher, history: list[int], scratch: torch.Tensor) -> str:
-    """Feed ``history``; the outcome: switched, rejected, dead_end or empty."""
-    for token in history:
-        if not matcher.accept(token):
-            return "rejected"
-    if getattr(matcher, "failure", None) is not None:
-        return "dead_end"
-    matcher.fill(scratch, 0)
-    return "switched" if bool(scratch.any()) else "empty"
+def _replay(grammar: Grammar, history: list[int], vocab_size: int
+            ) -> tuple[str, Matcher | None]:
+    """The replay thread's work: a matcher of ``grammar`` fed ``history``; the outcome
+    (switched, rejected, dead_end, empty, error) and the matcher when switched."""
+    started = time.perf_counter()
+    matcher: Matcher | None = None
+    try:
+        matcher = grammar.matcher()
+        outcome = "switched"
+        for token in history:
+            if not matcher.accept(token):
+                outcome = "rejected"
+                break
+        if outcome == "switched" and getattr(matcher, "failure", None) is not None:
+            outcome = "dead_end"
+        if outcome == "switched":
+            scratch = allocate_bitmask(1, vocab_size)
+            matcher.fill(scratch, 0)
+            if not bool(scratch.any()):
+                outcome = "empty"
+    except Exception as exc:
+        log.debug("grammask: replaying a row's history failed: %s", exc)
+        outcome = "error"
+    metrics.ENGINE_SWITCH_REPLAY.observe(time.perf_counter() - started)
+    if outcome != "switched" and matcher is not None:
+        matcher.release()
+        matcher = None
+    return outcome, matcher

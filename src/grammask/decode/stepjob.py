@@ -243,6 +243,8 @@ class StepJobs:
         self.settle()
         self.pending = None
         self._worker.close()
+        if self.switch is not None:
+            self.switch.close()
 
     def _plan_fits(self, window_ms: float) -> bool:
         """Whether the next job should also plan the CPU apply: only while the job, planning

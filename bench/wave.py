@@ -1,0 +1,162 @@
+"""A wave: hundreds of first requests of one free-text JSON schema admitted at once (a batch
+job), grammask with the engine switch against grammask with it off and grammask forced to
+xgrammar, interleaved in one run (issue 52).
+
+    python -m bench.wave [--batch-sizes 256,512] [--forward wait3] [--steps 240]
+                         [--repeats 5] [--verdict auto|rival] [--json OUT]
+
+Each repeat starts from a cold compiler (the spec never seen): every row is a first request,
+so the router serves the spec's routed engine (llguidance for free text: xgrammar's compile
+of free text is slow) and the fill tuner compiles xgrammar in the background and compares
+both on a probe walk. With the switch on, once its verdict lands (``--verdict auto``: this
+machine's measurement; ``rival``: forced, to show the mechanism where this machine prefers
+llguidance) the running rows move to xgrammar a bounded number a step. Off, they stay; forced
+to xgrammar, the rows run on it from the start (its compile done before the timing).
+
+Every row walks a long instance (a note of ``--words`` words, a few hundred tokens) one token
+a step, as one request of the wave; the step is ``proc.step`` -> the forward's launch ->
+``wait_masks`` -> the rest of the forward (``bench.step``'s grammask model). Reported per B:
+each side's median step over the steps after the switch finished (or after the verdict when
+no row switched), with its spread over repeats; the step at which the verdict landed and at
+which the last row switched; the ratio to forced xgrammar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.fillscale import FREE_TEXT, WORDS
+from bench.stats import machine_info, render_table, write_json
+from bench.step import make_forward
+from grammask import Compiler, GrammarSpec, Vocabulary, load_vocabulary
+from grammask.decode.processor import BatchProcessor
+
+SIDES = ("switch", "off", "xgrammar")
+
+
+def long_walks(vocab: Vocabulary, count: int, words: int, seed: int = 5) -> list[list[int]]:
+    """Instances of ``FREE_TEXT`` with a long note, as tokens (stop included)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        text = json.dumps({"name": " ".join(rng.choices(WORDS, k=3)), "n": rng.randint(0, 999),
+                           "note": " ".join(rng.choices(WORDS, k=words))},
+                          separators=(",", ":"))
+        out.append([*vocab.encode(text), vocab.stop_ids[0]])
+    return out
+
+
+def run_side(side: str, vocab: Vocabulary, xgr: Compiler, walks: list[list[int]], batch: int,
+             forward: str, steps: int, verdict: str) -> dict[str, Any]:
+    """One wave on a cold compiler: the step times and when the switch happened."""
+    spec = GrammarSpec.json_schema(FREE_TEXT, any_whitespace=False)
+    compiler = Compiler(vocab, fill_verdict=verdict)  # type: ignore[arg-type]
+    fwd = make_forward(forward)
+    try:
+        grammar = (xgr if side == "xgrammar" else compiler).compile(spec)
+        proc = BatchProcessor(compiler, max_batch=batch, think_end=None,
+                              engine_switch=side == "switch")
+        rows = list(range(batch))
+        for row in rows:
+            proc.add(row, spec, grammar=grammar)
+        pos = [0] * batch
+        proc.step()
+        proc.wait_masks()
+        times: list[float] = []
+        landed = switched = None
+        for t in range(steps):
+            going = [r for r in rows if pos[r] < len(walks[r % len(walks)])]
+            if not going:
+                break
+            tokens = [walks[r % len(walks)][pos[r]] for r in going]
+            for r in going:
+                pos[r] += 1
+            t0 = time.perf_counter()
+            proc.step(going, tokens)
+            fwd.launch()
+            proc.wait_masks()
+            fwd.finish()
+            times.append((time.perf_counter() - t0) * 1000)
+            if landed is None and compiler.switch_epoch:
+                landed = t
+            if side == "switch" and landed is not None and switched is None:
+                backends = {proc.info(r).backend for r in going[:: max(1, len(going) // 16)]}
+                if backends == {"xgrammar"}:
+                    switched = t
+        proc.close()
+    finally:
+        compiler.close()
+    return {"times": times, "landed": landed, "switched": switched}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="256,512")
+    ap.add_argument("--forward", default="wait3")
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--words", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--verdict", default="auto", choices=["auto", "rival"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    vocab = load_vocabulary("qwen2.5")
+    xgr = Compiler(vocab, backend="xgrammar", timeout_s=120, tune_fill=False)
+    walks = long_walks(vocab, 64, args.words)
+    cells = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
+        for _ in range(args.repeats):
+            for side in SIDES:  # interleaved: background load hits every side alike
+                runs[side].append(run_side(side, vocab, xgr, walks, batch, args.forward,
+                                           args.steps, args.verdict))
+        cells.append(summarize(batch, runs))
+    xgr.close()
+    headers = ["B", "verdict step", "switched by", "switch ms", "off ms", "xgrammar ms",
+               "switch/xgr", "off/xgr"]
+    print(render_table(headers, [[c["B"], c["landed"], c["switched"], c["switch"]["median"],
+                                  c["off"]["median"], c["xgrammar"]["median"],
+                                  c["ratio_switch"], c["ratio_off"]] for c in cells]))
+    if args.json:
+        write_json(args.json, {"benchmark": "wave", "args": vars(args),
+                               "machine": machine_info(), "cells": cells})
+    return 0
+
+
+def summarize(batch: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per side: the median over repeats of each repeat's median step after the wave
+    switched (the same window for every side: from the latest switch of any repeat)."""
+    ends = [r["switched"] if r["switched"] is not None else r["landed"]
+            for r in runs["switch"]]
+    start = max((e for e in ends if e is not None), default=0) + 1
+    out: dict[str, Any] = {"B": batch, "window_from_step": start,
+                           "landed": _med([r["landed"] for r in runs["switch"]]),
+                           "switched": _med([r["switched"] for r in runs["switch"]])}
+    for side, reps in runs.items():
+        per = [statistics.median(r["times"][start:]) for r in reps if r["times"][start:]]
+        out[side] = {"median": round(statistics.median(per), 3) if per else None,
+                     "min": round(min(per), 3) if per else None,
+                     "max": round(max(per), 3) if per else None}
+    x = out["xgrammar"]["median"]
+    out["ratio_switch"] = round(out["switch"]["median"] / x, 3) if x else None
+    out["ratio_off"] = round(out["off"]["median"] / x, 3) if x else None
+    return out
+
+
+def _med(values: list[Any]) -> Any:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

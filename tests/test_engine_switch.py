@@ -263,3 +263,39 @@ def test_the_switch_off_and_forced_backends_never_switch(vocab: Vocabulary) -> N
         off.close()
         on.close()
         compiler.close()
+
+
+def test_one_rival_compile_at_a_time_per_backend(vocab: Vocabulary,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wave of new free-text schemas: their rivals (xgrammar) are compared one at a time,
+    the others queued, so they never fill the compile slots that first masks routed to
+    that backend wait for; every one is compared in the end."""
+    import threading
+
+    from grammask.compile.filltune import FillTuner
+
+    active, peak, done = [0], [0], []
+    lock = threading.Lock()
+    all_done = threading.Event()
+
+    def tune(self: FillTuner, spec: GrammarSpec, grammar: Any, other: str) -> None:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)  # stands in for the rival's compile and the comparison
+        with lock:
+            active[0] -= 1
+            done.append(spec.key)
+            if len(done) == 6:
+                all_done.set()
+
+    monkeypatch.setattr(FillTuner, "_tune", tune)
+    compiler = Compiler(vocab)
+    try:
+        for i in range(6):
+            compiler.compile(GrammarSpec.json_schema(
+                {**FREE, "description": f"wave {i}"}, any_whitespace=False))
+        assert all_done.wait(30)
+    finally:
+        compiler.close()
+    assert peak[0] == 1 and len(set(done)) == 6

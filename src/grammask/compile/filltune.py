@@ -11,10 +11,10 @@ lock, and only while the grammar it measured is still the one cached.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,6 +28,8 @@ from .router import Plan
 from .state import ServiceState
 
 _FILL_TUNED = metrics.FILL_TUNED
+#: comparisons waiting for their rival backend's one compile at a time (the oldest dropped)
+QUEUED_MAX = 64
 log = logging.getLogger("grammask")
 
 #: ``Compiler(fill_verdict=...)``: measure (auto), or force the verdict (tests: no timing)
@@ -78,6 +80,10 @@ class FillTuner:
         self.epoch = 0
         #: the specs with an offer (a new set per offer: read without the lock)
         self.offered: frozenset[str] = frozenset()
+        # one rival compile at a time per backend (a wave of new schemas must not fill the
+        # rival's compile slots that first masks routed there wait for); the rest queue
+        self._busy: set[str] = set()
+        self._queued: dict[str, deque[tuple[GrammarSpec, Grammar]]] = {}
 
     def offer(self, key: str, backend: str) -> Verdict | None:
         """The verdict for rows of spec ``key`` running on ``backend`` (None: none)."""
@@ -93,8 +99,33 @@ class FillTuner:
         other = route.fallback
         if other is None or route.backend != grammar.backend or route.lenient:
             return
-        with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to tune
-            self._submit(self._tune, spec, grammar, other)
+        with self._offers_lock:
+            if other in self._busy:
+                queue = self._queued.setdefault(other, deque(maxlen=QUEUED_MAX))
+                queue.append((spec, grammar))
+                return
+            self._busy.add(other)
+        self._start(spec, grammar, other)
+
+    def _start(self, spec: GrammarSpec, grammar: Grammar, other: BackendName) -> None:
+        try:
+            self._submit(self._tune_then_next, spec, grammar, other)
+        except RuntimeError:  # closed meanwhile: nothing to tune
+            with self._offers_lock:
+                self._busy.discard(other)
+
+    def _tune_then_next(self, spec: GrammarSpec, grammar: Grammar, other: BackendName) -> None:
+        """``_tune``, then the next comparison queued for the same rival backend."""
+        try:
+            self._tune(spec, grammar, other)
+        finally:
+            with self._offers_lock:
+                queue = self._queued.get(other)
+                following = queue.popleft() if queue else None
+                if following is None:
+                    self._busy.discard(other)
+            if following is not None:
+                self._start(*following, other)
 
     def _tune(self, spec: GrammarSpec, grammar: Grammar, other: BackendName) -> None:
         """Compile ``other``, compare the fills on a probe walk, and serve the cheaper for

@@ -7,6 +7,10 @@
 #      real stream (post_update as device ops, no host sync; B = 1..512 slots from the top,
 #      3/10/30 ms forwards): exact token reads, valid masks, the host's wait in apply, fill
 #      overlap, bytes per step, the step against vLLM's way (issue 45, item 8; <= 90 s);
+#      its contexts are padded as a FULL decode CUDA graph pads them, and an unconstrained
+#      request beside the constrained rows asks for prompt logprobs: vLLM's prompt-logprob
+#      token-id read (at total_len, between the processors and post_update) is replayed on
+#      the device and every id it sees must be a valid token id (issue 50);
 #   3. bench/gpu.py: apply kernel vs memcpy at B=1..1024 on 152k and 248k vocabularies, the
 #      apply's host cost, and the decode step against vLLM's way on CUDA-graph and eager
 #      forwards (bench/gpu_step.py; its cells get 150 s).

@@ -31,7 +31,7 @@ from grammask.integrations.vllm import compat as vllm_compat
 from grammask.integrations.vllm.dropin import DropIn, status, take_over, translate
 from grammask.integrations.vllm.settings import Settings
 from grammask.specs.frontends import from_vllm
-from grammask.specs.request import ConstraintRequest, parse_extra_args
+from grammask.specs.request import ConstraintRequest, VllmReasoning, parse_extra_args
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
@@ -223,11 +223,18 @@ def test_take_over_keeps_the_kind(so: StructuredOutputsParams, kind: str) -> Non
     assert set(sp.extra_args) == {"grammask", "grammask_thinking", "grammask_source"}
 
 
-def test_take_over_with_a_reasoning_parser_gates_on_its_end_text() -> None:
-    drop = DropIn(True, "test: thinking", thinking=True, think_end="</think>")
+def test_take_over_with_a_reasoning_parser_carries_vllms_decision() -> None:
+    """With no decision given (offline generation's: none), vLLM's engine would decide from
+    the prompt with no parser kwargs: the request carries that for the engine side."""
+    drop = DropIn(True, "test: thinking", thinking=True, think_end="</think>", parser="qwen3")
     _, request = taken(StructuredOutputsParams(regex="a+"), drop)
     assert request.thinking is True and request.think_end == "</think>"
+    assert request.reasoning == VllmReasoning("qwen3", None, "{}")
     assert request.source == "structured_outputs"
+    sp = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
+    take_over(sp, drop, decision=True)  # vLLM: reasoning already ended
+    request = parse_extra_args(sp.extra_args)
+    assert request is not None and request.thinking is False and request.reasoning is None
 
 
 def test_the_engines_copy_still_carries_the_constraint() -> None:
@@ -277,9 +284,8 @@ def model_config() -> Any:
     return vllm_config().model_config
 
 
-# vLLM's "qwen3" reasoning parser cannot be imported in this venv (vLLM is installed without
-# its dependencies and that parser needs ``ijson``); "deepseek_r1" ends reasoning at the
-# same ``</think>`` and is built here for real from the model's tokenizer.
+# "deepseek_r1" ends reasoning at the same ``</think>`` as "qwen3"; both are built here for
+# real from the model's tokenizer.
 def test_status_with_a_reasoning_parser_masks_after_its_end(model_config: Any) -> None:
     config = stand_in(model_config=model_config, reasoning_parser="deepseek_r1")
     drop = status(config, Settings())
@@ -287,6 +293,7 @@ def test_status_with_a_reasoning_parser_masks_after_its_end(model_config: Any) -
     assert "'</think>'" in drop.reason and "deepseek_r1" in drop.reason
     _, request = taken(StructuredOutputsParams(regex="a+"), drop)
     assert request.thinking is True and request.think_end == "</think>"
+    assert request.reasoning is not None and request.reasoning.parser == "deepseek_r1"
     # enable_in_reasoning: vLLM masks reasoning too, so grammask does from the first token
     config = stand_in(model_config=model_config, reasoning_parser="deepseek_r1",
                       enable_in_reasoning=True)

@@ -83,10 +83,10 @@ HOST_CONFLICTS = _counter(
     "bad_words, logit_bias) left with no token the grammar allows: its tokens were restored "
     "(counted on CPU logits only)")
 REQUESTS = _counter(
-    "grammask_requests", "Constrained requests the plugin served (counted as they leave, once "
-    "their grammar masked a token: else grammask_unserved_requests), by where the "
-    "constraint came from (structured_outputs: vLLM's own fields, the drop-in; grammask: "
-    "its own keys)", ("source", "kind"))
+    "grammask_requests", "Constrained requests the plugin served (counted as their grammar "
+    "first masks a token; one that never got a mask is in grammask_unserved_requests), by "
+    "where the constraint came from (structured_outputs: vLLM's own fields, the drop-in; "
+    "grammask: its own keys)", ("source", "kind"))
 FILL_SECONDS = _histogram(
     "grammask_fill_seconds", "Mask work per decode step on the fill thread (advance + fill)")
 V2_TOKEN_READS = _counter(

@@ -210,6 +210,28 @@ def test_tool_choice_required_with_a_non_strict_tool(server: Server, client: Any
     assert counts == {"structural_tag": REPS}, counts
 
 
+def test_a_forced_required_call_ends_as_tool_calls(server: Server, client: Any) -> None:
+    """Issue 51: ``tool_choice`` ``"required"`` with parallel calls allowed (the default)
+    and a tool without ``strict``, fixed seeds: every reply ends with its calls
+    (``finish_reason`` ``"tool_calls"``, at most 16 calls, arguments valid), and its raw
+    text (the sampled tokens, from logprobs) never holds a run of more than 2 whitespace
+    characters (JSON whitespace one at a time, no free text between or after calls)."""
+    choices, counts = served_by_grammask(server, lambda: [
+        chat(client, s, max_tokens=640, tools=[weather_tool(strict=False)],
+             tool_choice="required", logprobs=True)
+        for s in range(1, REPS + 1)])
+    for c in choices:
+        raw = "".join(t.token for t in c.logprobs.content)
+        assert c.finish_reason == "tool_calls", (c.finish_reason, raw[-200:])
+        assert not re.search(r"\s{3,}", raw), raw
+        calls = c.message.tool_calls
+        assert calls and len(calls) <= 16, raw
+        for call in calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert counts == {"structural_tag": REPS}, counts
+
+
 # ---------------------------------------------------------- completions and Responses
 def test_completions_structured_outputs(server: Server, client: Any) -> None:
     def run() -> list[Any]:

@@ -14,6 +14,14 @@ the grammar. Per request a ``ThinkGate`` watches the output tokens for the end m
   reasoning: constrained from its first token too.
 - ``thinking=False`` (per request) constrains from the first token regardless.
 
+That rule is grammask's own, for grammask's own keys. A request taken over from vLLM's
+structured outputs carries vLLM's decision instead (``ConstraintRequest.reasoning``) and the
+host's ``ReasoningRule`` for it: its ``RuleGate`` starts and ends reasoning exactly where vLLM's
+engine would (``StructuredOutputManager._get_constraint_bounds``), implicit ends included (a
+Qwen3 ``<tool_call>`` ends reasoning and is the grammar's first token), and while it reasons
+refuses the implicit ends the grammar cannot start with (vLLM 0.33+'s
+``_masked_reasoning_ends``; until the grammar is at hand, every implicit end).
+
 While thinking the matcher is neither masked nor advanced. The tokens that follow the marker in
 the same step go to the matcher. A byte-matched marker must end at a token boundary: the rest
 of a token that ends the marker inside itself (``>{`` for ``</reasoning>``) would be output
@@ -25,13 +33,18 @@ processor fails that row rather than serve text outside the grammar.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InvalidSpecError
+from ..specs.request import ReasoningRule, VllmReasoning
 from ..vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from .pending import PendingGrammar
 
 #: Turn-opening special tokens of common chat templates; present ones reset the prompt scan.
 TURN_TOKENS = ("<|im_start|>", "<｜User｜>", "<｜Assistant｜>", "<|start_header_id|>",
@@ -106,6 +119,15 @@ class ThinkGate:
         return self._marker
 
     @property
+    def byte_marker(self) -> bytes | None:
+        """The marker when it is matched on bytes (its boundary tokens are refused)."""
+        return self._marker.end_bytes
+
+    def refused(self) -> np.ndarray:
+        """Tokens refused while thinking besides the byte marker's boundary: none here."""
+        return _NONE
+
+    @property
     def thinking_tokens(self) -> int:
         """Output tokens that belonged to the thinking section (marker token included)."""
         return len(self._thinking_ids)
@@ -170,6 +192,125 @@ class ThinkGate:
 
     def _bytes(self, tid: int) -> bytes:
         return self._tokens[tid] if 0 <= tid < len(self._tokens) else b""
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+#: Answers whether the grammar can start with each token: None while it is not at hand.
+FirstTokens = Callable[[Sequence[int]], list[bool] | None]
+
+
+class RuleGate:
+    """A request vLLM's engine would gate: reasoning until the host's ``ReasoningRule`` ends
+    it, from where vLLM's decision (``VllmReasoning.ended``) starts it.
+
+    The same interface as ``ThinkGate``. An implicit end (a token that ends reasoning and is
+    content) goes to the matcher; an explicit one does not. While reasoning, ``refused()``
+    holds the implicit ends the grammar cannot start with (asked once the grammar is at
+    hand; every implicit end before)."""
+
+    leftover = b""
+    byte_marker = None
+
+    def __init__(self, rule: ReasoningRule, prompt_ids: Sequence[int], ended: bool | None,
+                 first_tokens: FirstTokens) -> None:
+        self._rule = rule
+        ids = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
+        self.from_prompt = bool(ended) or (ended is None and rule.prompt_ended(ids))
+        self._closed = self.from_prompt
+        self._keep = rule.needs_history
+        self._history = [int(t) for t in ids] if self._keep and not self._closed else []
+        self._prompt_len = len(self._history)
+        self._thinking = 0
+        self._implicit = sorted(rule.implicit_ends)
+        self._first_tokens = first_tokens
+        self._refused: np.ndarray | None = None if self._implicit else _NONE
+
+    @property
+    def thinking(self) -> bool:
+        return not self._closed
+
+    @property
+    def thinking_tokens(self) -> int:
+        return self._thinking
+
+    def marker_prefixes(self) -> list[int]:
+        return []
+
+    def feed(self, tokens: Sequence[int]) -> list[int]:
+        """Take newly committed tokens; return those the grammar takes."""
+        if self._closed:
+            return list(tokens)
+        if not tokens:
+            return []
+        if self._keep:
+            self._history.extend(int(t) for t in tokens)
+        start = self._rule.grammar_start(self._history, tokens)
+        if start is None:
+            self._thinking += len(tokens)
+            return []
+        self._closed = True
+        self._thinking += min(start, len(tokens))
+        return list(tokens[start:])
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` reasoning tokens (reopens a gate the output
+        closed); tokens the grammar took are the caller's to roll back first."""
+        if num_tokens <= 0:
+            return
+        if self.from_prompt:
+            raise ValueError("cannot roll back past the start of the output")
+        if num_tokens > self._thinking:
+            raise ValueError(f"rollback of {num_tokens} tokens past the start of the output")
+        self._thinking -= num_tokens
+        if self._keep:
+            del self._history[self._prompt_len + self._thinking:]
+        self._closed = False
+
+    def refused(self) -> np.ndarray:
+        """The implicit ends refused while reasoning (vLLM's ``_masked_reasoning_ends``)."""
+        if self._refused is not None:
+            return self._refused
+        starts = self._first_tokens(self._implicit)
+        if starts is None:  # the grammar is not at hand yet: none may end reasoning
+            return np.asarray(self._implicit, dtype=np.int64)
+        self._refused = np.asarray([t for t, ok in zip(self._implicit, starts, strict=True)
+                                    if not ok], dtype=np.int64)
+        return self._refused
+
+
+#: A row's thinking gate: grammask's own rule or the host's.
+Gate = ThinkGate | RuleGate
+
+
+def rule_gate(rule: ReasoningRule, reasoning: VllmReasoning | None,
+              prompt_ids: Sequence[int], pending: PendingGrammar) -> RuleGate | None:
+    """The row's ``RuleGate`` (None: constrained from its first token)."""
+    gate = RuleGate(rule, prompt_ids, None if reasoning is None else reasoning.ended,
+                    lambda ids: first_tokens(pending, ids))
+    return None if gate.from_prompt else gate
+
+
+def first_tokens(pending: PendingGrammar, ids: Sequence[int]) -> list[bool] | None:
+    """Whether the row's grammar can start with each of ``ids`` (vLLM's
+    ``grammar.validate_tokens([id])``); None while no compile has finished."""
+    grammar = pending.ready
+    for future in (pending.primary, pending.alternate):
+        if grammar is None and future is not None and future.done() and (
+                not future.cancelled() and future.exception() is None):
+            grammar = future.result()
+    if grammar is None:
+        return None
+    matcher = grammar.matcher()
+    try:
+        out = []
+        for tid in ids:
+            ok = bool(matcher.accept(tid))
+            if ok:
+                matcher.rollback(1)
+            out.append(ok)
+        return out
+    finally:
+        matcher.release()
 
 
 def _closed_in_prompt(marker: ThinkMarker, tokens: Sequence[bytes],

@@ -53,6 +53,7 @@ class RowTable:
         self.apply.forget(row)
         r = self.rows.pop(row, None)
         if r is not None:
+            r.count()
             self.live -= not r.owned
             self.admissions.retired.append(r)
         queued = self.admissions.drop(row)

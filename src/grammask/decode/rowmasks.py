@@ -16,7 +16,7 @@ import torch
 
 from ..vocab import Vocabulary
 from .filler import stop_only_row
-from .reasoning import BoundaryGuard, ThinkGate
+from .reasoning import BoundaryGuard, Gate
 
 ErrorPolicy = Literal["stop", "free"]
 
@@ -42,16 +42,17 @@ class RowMasks:
         if not self.error(out, index):
             out[index].fill_(-1)
 
-    def guard(self, gate: ThinkGate, out: torch.Tensor, index: int) -> bool:
+    def guard(self, gate: Gate, out: torch.Tensor, index: int) -> bool:
         """A thinking row with a byte marker: refuse tokens that would end the marker inside
-        themselves. False when nothing is refused (``out[index]`` is then untouched)."""
-        marker = gate.marker.end_bytes
-        if marker is None:
-            return False
-        guard = self._guards.get(marker)
-        if guard is None:
-            guard = self._guards[marker] = BoundaryGuard(marker, self.vocab.tokens)
-        ids = guard.forbidden(gate.marker_prefixes())
+        themselves; and those the gate refuses (``RuleGate``: vLLM's masked implicit
+        reasoning ends). False when nothing is refused (``out[index]`` is then untouched)."""
+        ids = gate.refused()
+        marker = gate.byte_marker
+        if marker is not None:
+            guard = self._guards.get(marker)
+            if guard is None:
+                guard = self._guards[marker] = BoundaryGuard(marker, self.vocab.tokens)
+            ids = guard.forbidden(gate.marker_prefixes())
         if ids.size == 0:
             return False
         row = out[index]

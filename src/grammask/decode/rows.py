@@ -17,10 +17,10 @@ from .. import metrics
 from ..backends.base import BatchCalls, BatchFills, Matcher, batch_calls
 from ..compile.compiler import Grammar
 from ..specs.grammar_spec import GrammarSpec
-from ..specs.request import ConstraintRequest
+from ..specs.request import STAND_IN, ConstraintRequest
 from ..vocab import Vocabulary
 from .pending import PendingGrammar
-from .reasoning import ThinkGate, ThinkMarker
+from .reasoning import Gate, ThinkGate, ThinkMarker, rule_gate
 
 log = logging.getLogger("grammask")
 
@@ -53,7 +53,7 @@ class Row:
                  output: list[int], owned: bool, vocab_tokens: Sequence[bytes]) -> None:
         self.request = request
         self.pending = pending
-        self.gate: ThinkGate | None = None
+        self.gate: Gate | None = None
         self.output = output
         self.owned = owned
         self.vocab_tokens = vocab_tokens  # to name a rejected token
@@ -193,9 +193,25 @@ class Row:
             return
         self.grammar = grammar
         self.matcher = matcher
+        request = self.request
+        if not request.resumed:  # served: its grammar masks from here on
+            metrics.defer(metrics.REQUESTS.labels(source=request.source,
+                                                  kind=request.spec.kind).inc, 1)
         if self.backlog:
             backlog, self.backlog = self.backlog, []
             self.feed(backlog)
+
+    def count(self) -> None:
+        """The row leaves the batch: a request whose grammar never masked a token (no matcher
+        attached: still reasoning, still compiling, failed first) counts as unserved, by why;
+        a served one was counted as its matcher attached (``attach``). A preempted request
+        counts once: rows of ``ConstraintRequest.resumed`` are not counted."""
+        request = self.request
+        if self.matcher is not None or request.resumed or request is STAND_IN:
+            return
+        why = "reasoning" if self.gate is not None and self.gate.thinking else "no_mask"
+        metrics.UNSERVED.labels(source=request.source, kind=request.spec.kind,
+                                reason=why).inc()
 
     def release(self) -> None:
         """The row left the batch (settled: no fill job holds it): its matcher goes back to
@@ -319,14 +335,17 @@ class RowMaker:
                 output_ids is None, self.vocab.tokens)
         r.host_masks = host_masks
         try:
-            r.gate = self._gate(request, prompt_ids)
+            r.gate = self._gate(request, prompt_ids, pending)
         except Exception as exc:  # a bad marker or prompt: this row alone fails
             r.fail(f"thinking gate failed: {type(exc).__name__}: {exc}", cause="gate")
         return r
 
-    def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int]) -> ThinkGate | None:
+    def _gate(self, request: ConstraintRequest, prompt_ids: Sequence[int],
+              pending: PendingGrammar) -> Gate | None:
         if not request.thinking:
             return None
+        if request.rule is not None:  # the host's engine decides (vLLM's reasoning parser)
+            return rule_gate(request.rule, request.reasoning, prompt_ids, pending)
         marker = self._default
         if request.think_end is not None:
             if request.think_end not in self._markers:

@@ -18,13 +18,30 @@ from typing import Any
 from ... import __version__
 from ...compile.compiler import Compiler
 from ...errors import GrammarError
-from ...specs.request import EXTRA_ARGS_KEY, FLAT_KEYS, ConstraintRequest, parse_extra_args
+from ...specs.request import (
+    EXTRA_ARGS_KEY,
+    FLAT_KEYS,
+    ConstraintRequest,
+    VllmReasoning,
+    parse_extra_args,
+)
 from ...vocab import Vocabulary
-from .compat import admission_config, unserved
+from .compat import admission_config, engine_call, unserved
 from .compiler import use_vllm_logging
-from .dropin import OPT_OUT_KEY, DropIn, field_of, log_status, status, take_over
+from .dropin import (
+    OPT_OUT_KEY,
+    SOURCE_KEY,
+    Decision,
+    DropIn,
+    field_of,
+    log_status,
+    set_decision,
+    status,
+    take_over,
+)
+from .reasoner import rule_for
 from .settings import Settings, describe_settings, load_settings
-from .tools import forced_tool_tag, request_tools
+from .tools import forced_tool_tag
 
 log = logging.getLogger("grammask")
 
@@ -138,10 +155,7 @@ def _forced_tool_tag(so: Any, drop: DropIn, settings: Settings) -> str | None:
     (not a forced call, setting ``tool_arguments=vllm``). A bad schema: a 400 naming the
     tool (``tools[i].function.parameters``)."""
     tag = getattr(so, "structural_tag", None)
-    if not drop.tool_parameters or not isinstance(tag, str) or '"json_schema": true' not in tag:
-        return None
-    tools = request_tools(tag)
-    if not tools:
+    if not drop.tool_parameters or not isinstance(tag, str):
         return None
     from vllm.exceptions import VLLMValidationError
 
@@ -153,7 +167,7 @@ def _forced_tool_tag(so: Any, drop: DropIn, settings: Settings) -> str | None:
                  settings.backend, settings.prefer)
 
     try:
-        return forced_tool_tag(tag, tools, check)
+        return forced_tool_tag(tag, check)
     except GrammarError as exc:
         raise VLLMValidationError(f"grammask: {exc.message}",
                                   parameter=exc.where or "tools") from None
@@ -161,6 +175,56 @@ def _forced_tool_tag(so: Any, drop: DropIn, settings: Settings) -> str | None:
 
 _DROPIN: dict[tuple[int, Settings], tuple[Any, DropIn]] = {}
 _DROPIN_LOCK = threading.Lock()
+
+
+def vllm_decision(config: Any, drop: DropIn) -> Decision | str:
+    """vLLM's reasoning decision for the request being validated (``Decision``), or why it
+    cannot be read or followed (the request then stays with vLLM's engine).
+
+    Read where the request enters vLLM's engine (``compat.engine_call``). vLLM's
+    ``reasoning_ended`` True: constrained from the first token; False or None: the engine
+    side follows vLLM's rule with the server's parser built with the request's kwargs,
+    built here once first so that a parser this server cannot build is refused here."""
+    if not drop.thinking:
+        return True
+    call = engine_call()
+    if call is None:
+        return ("the request did not come through AsyncLLM.add_request or "
+                "LLMEngine.add_request, so vLLM's reasoning decision for it is unknown")
+    if call.reasoning_ended is True:
+        return True
+    try:
+        kwargs = json.dumps(call.parser_kwargs or {}, sort_keys=True)
+        rule_for(config.model_config, drop.parser, kwargs)
+    except Exception as exc:
+        return (f"reasoning parser {drop.parser} cannot be built with this request's "
+                f"reasoning_parser_kwargs ({type(exc).__name__}: {exc})")
+    return VllmReasoning(drop.parser, call.reasoning_ended, kwargs)
+
+
+def _left_to_vllm(why: str) -> None:
+    """Log (once per reason) a request the drop-in leaves to vLLM's engine."""
+    if why not in _LEFT:
+        _LEFT.add(why)
+        log.warning("grammask: a structured-output request stays with vLLM's engine: %s", why)
+
+
+_LEFT: set[str] = set()
+
+
+def _redecide(sampling_params: Any, config: Any, settings: Settings) -> None:
+    """A params object the drop-in already took over, validated again for another request
+    (offline generation reuses one for every prompt): its reasoning keys get this request's
+    decision where it can be read (else they keep the first one's)."""
+    drop = dropin_for(config, settings)
+    if not drop.on or not drop.thinking:
+        return
+    decision = vllm_decision(config, drop)
+    if isinstance(decision, str):
+        return
+    extra = dict(sampling_params.extra_args)
+    set_decision(extra, drop, decision)
+    sampling_params.extra_args = extra
 
 
 def validate_sampling_params(sampling_params: Any) -> None:
@@ -189,10 +253,14 @@ def validate_sampling_params(sampling_params: Any) -> None:
         drop = dropin_for(config, settings)
         if not drop.on:
             return  # vLLM's engine serves it; the start-up log said why
+        decision = vllm_decision(config, drop)
+        if isinstance(decision, str):
+            _left_to_vllm(decision)
+            return
         tag = _forced_tool_tag(so, drop, settings)
         kind = "structured_outputs"
         try:
-            kind = field_of(take_over(sampling_params, drop, tag))
+            kind = field_of(take_over(sampling_params, drop, tag, decision))
             _checked(_request_key(sampling_params.extra_args) or "", settings.backend,
                      settings.prefer)
         except GrammarError as exc:
@@ -213,3 +281,5 @@ def validate_sampling_params(sampling_params: Any) -> None:
         parameter = (exc.where if exc.where and exc.where.startswith(EXTRA_ARGS_KEY + "_")
                      else EXTRA_ARGS_KEY)
         raise VLLMValidationError(f"grammask: {exc}", parameter=parameter) from None
+    if extra and extra.get(SOURCE_KEY) == "structured_outputs":
+        _redecide(sampling_params, config, settings)

@@ -18,6 +18,14 @@ serve the configuration (``compat.unserved``: speculative decoding, or async sch
 why. It never half-works: both processes decide from the same inputs.
 What this relies on in vLLM is checked in ``compat``.
 
+Reasoning: a request taken over is gated where vLLM's engine would gate it. ``take_over``
+writes vLLM's decision for it (``reasoning_ended`` and ``reasoning_parser_kwargs``, read where
+the request enters vLLM's engine: ``compat.engine_call``) under ``grammask_reasoning``; the
+engine side builds the server's reasoning parser with those kwargs once per (parser, kwargs)
+and follows vLLM's rule (``reasoner.VllmRule``). Where the decision cannot be read, the
+request stays with vLLM's engine (``admission``): no guess. grammask's own keys keep
+grammask's own thinking rule.
+
 The request's params object is changed in place (vLLM's own ``verify`` does the same to
 ``_backend``); a params object reused for another request still carries the constraint, now
 under ``extra_args``.
@@ -32,9 +40,9 @@ from typing import Any
 
 from ...backends import registry
 from ...errors import GrammarError
-from ...specs.request import EXTRA_ARGS_KEY
+from ...specs.request import EXTRA_ARGS_KEY, REASONING_KEY, VllmReasoning
 from .compat import mismatch as vllm_mismatch
-from .compat import unserved
+from .compat import rust_frontend, unserved
 from .settings import Settings
 
 log = logging.getLogger("grammask")
@@ -55,6 +63,7 @@ class DropIn:
     backend: str | None = None  # the server's vLLM backend as grammask's default, or None
     thinking: bool = False  # a reasoning parser gates the masks (and not enable_in_reasoning)
     think_end: str | None = None  # the parser's end-of-reasoning text (``</think>``)
+    parser: str = ""  # the server's --reasoning-parser where ``thinking``
     compact_json: bool = True
     tool_parameters: bool = True  # forced tool calls follow each tool's parameters
 
@@ -70,6 +79,8 @@ def status(vllm_config: Any, settings: Settings) -> DropIn:
         return DropIn(False, mismatch)
     if vllm_config is None:
         return DropIn(False, "the server's vLLM config was not found at admission")
+    if rust := rust_frontend():
+        return DropIn(False, f"{rust}: vLLM's engine serves structured outputs")
     aside = unserved(vllm_config)
     if aside:
         return DropIn(False, f"grammask stands aside: {aside}; vLLM's engine serves "
@@ -92,15 +103,15 @@ def status(vllm_config: Any, settings: Settings) -> DropIn:
                                  "structured outputs")
     compact = bool(getattr(so, "disable_any_whitespace", False)) or (
         settings.json_whitespace == "compact")
-    gate = (f"masks after {think_end!r}, where reasoning parser {parser} ends reasoning"
-            if thinking else "masks from the first token")
+    gate = (f"masks after {think_end!r}, where reasoning parser {parser} ends reasoning "
+            "(vLLM's decision per request)" if thinking else "masks from the first token")
     spaces = "compact" if compact else "any"
     tools = settings.tool_arguments == "parameters"
     how = (f"backend {backend or 'auto'}, {gate}, JSON whitespace {spaces}, forced tool "
            f"calls' arguments {'follow parameters' if tools else 'as vLLM builds them'}")
     return DropIn(True, f"grammask serves vLLM's structured outputs ({how})", backend=backend,
-                  thinking=thinking, think_end=think_end, compact_json=compact,
-                  tool_parameters=tools)
+                  thinking=thinking, think_end=think_end, parser=parser if thinking else "",
+                  compact_json=compact, tool_parameters=tools)
 
 
 def reasoning_end(vllm_config: Any, parser: str) -> tuple[str | None, str]:
@@ -189,21 +200,43 @@ def bounded_whitespace(tag: Any) -> Any:
     return json.dumps(bounded, ensure_ascii=False) if isinstance(tag, str) else bounded
 
 
-def take_over(sampling_params: Any, drop: DropIn, tag: str | None = None) -> str:
+#: vLLM's decision for a request: constrained from its first token (True), or reasoning as
+#: ``VllmReasoning`` says
+Decision = bool | VllmReasoning
+
+
+def take_over(sampling_params: Any, drop: DropIn, tag: str | None = None,
+              decision: Decision | None = None) -> str:
     """Move the request's structured outputs under ``extra_args`` (vLLM's engine skips it);
-    returns the kind. Raises ``GrammarError`` naming the field for a malformed one."""
+    returns the kind. Raises ``GrammarError`` naming the field for a malformed one.
+
+    ``decision``: vLLM's reasoning decision where ``drop.thinking``; None means vLLM's
+    engine decides from the prompt with no parser kwargs (offline generation's)."""
     so = sampling_params.structured_outputs
     obj = translate(so, drop, tag)
     kind = next(iter(obj))
     extra = dict(sampling_params.extra_args or {})
     extra[EXTRA_ARGS_KEY] = json.dumps(obj, ensure_ascii=False)
-    extra["grammask_thinking"] = "auto" if drop.thinking else "off"
-    if drop.think_end is not None:
-        extra["grammask_think_end"] = drop.think_end
+    set_decision(extra, drop, decision)
     extra[SOURCE_KEY] = "structured_outputs"
     sampling_params.extra_args = extra
     sampling_params.structured_outputs = None
     return kind
+
+
+def set_decision(extra: dict[str, Any], drop: DropIn, decision: Decision | None) -> None:
+    """Write vLLM's reasoning decision into a taken-over request's ``extra_args`` (the drop-in
+    owns these keys); None: vLLM's engine decides from the prompt, with no parser kwargs."""
+    if decision is None:
+        decision = VllmReasoning(drop.parser, None)
+    extra.pop(REASONING_KEY, None)
+    extra.pop("grammask_think_end", None)
+    extra["grammask_thinking"] = "off"
+    if drop.thinking and isinstance(decision, VllmReasoning):
+        extra["grammask_thinking"] = "auto"
+        extra[REASONING_KEY] = decision.key()
+        if drop.think_end is not None:  # the prompt travels to the engine for the gate
+            extra["grammask_think_end"] = drop.think_end
 
 
 def field_of(kind: str) -> str:

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -59,12 +59,17 @@ _LOCK = threading.Lock()
 @lru_cache(maxsize=1)
 def model_dir() -> Path:
     """The offline model dir (built on first use, then reused from the temp dir)."""
+    return _built(_LAYOUT, _build)
+
+
+def _built(layout: str, build: Callable[[Path], None]) -> Path:
+    """The model dir of ``layout`` in the temp dir, built by ``build`` when missing."""
     with _LOCK:
-        target = Path(tempfile.gettempdir()) / f"grammask-vllm-{_LAYOUT}"
+        target = Path(tempfile.gettempdir()) / f"grammask-vllm-{layout}"
         if (target / "config.json").is_file():
             return target
         work = Path(tempfile.mkdtemp(prefix="grammask-vllm-build-"))
-        _build(work)
+        build(work)
         try:
             work.rename(target)  # atomic: a concurrent builder loses and cleans up
         except OSError:
@@ -118,17 +123,7 @@ def tiny_model_dir() -> Path:
     """A model dir whose tokenizer is byte-level BPE over a ~280-token vocabulary and whose
     config pads it to ``TINY_VOCAB`` (padding ids exist, as in real models): for tests of
     large batches, where Qwen's 151,936-wide logits would cost gigabytes."""
-    with _LOCK:
-        target = Path(tempfile.gettempdir()) / f"grammask-vllm-{_TINY_LAYOUT}"
-        if (target / "config.json").is_file():
-            return target
-        work = Path(tempfile.mkdtemp(prefix="grammask-vllm-tiny-"))
-        _build_tiny(work)
-        try:
-            work.rename(target)
-        except OSError:
-            shutil.rmtree(work, ignore_errors=True)
-        return target
+    return _built(_TINY_LAYOUT, _build_tiny)
 
 
 def _build_tiny(out: Path) -> None:

@@ -102,6 +102,22 @@ V2_TOKEN_WAIT = _histogram(
     "committed in the step before (their landing, then the hand-over to the fill)")
 V2_APPLY_SECONDS = _histogram(
     "grammask_v2_apply_seconds", "The host's time in a V2 apply: tokens, fill, mask")
+ENGINE_SWITCHES = _counter(
+    "grammask_engine_switches", "Running rows moved to the engine the fill tuner found "
+    "cheaper (outcome=switched), or left on theirs, by why (outcome=rejected: the new engine "
+    "refused the row's history; dead_end; empty: no token allowed; error)", ("outcome",))
+ENGINE_SWITCH_REPLAY = _histogram(
+    "grammask_engine_switch_replay_seconds", "One running row's history replayed into the new "
+    "engine's matcher (on the engine switch's own thread)")
+FILL_SECONDS_PER_TOKEN = _histogram(
+    "grammask_fill_seconds_per_token", "The fill tuner's measured fill time of one row per "
+    "token, by engine (a probe walk, both engines on the same tokens)", ("backend",),
+    buckets=(1e-6, 2e-6, 4e-6, 8e-6, 16e-6, 32e-6, 64e-6, 128e-6, 256e-6, 512e-6, 1e-3, 4e-3))
+UNSERVED = _counter(
+    "grammask_unserved_requests", "Constrained requests that left without a grammar mask, "
+    "by why: reasoning (still reasoning when they finished), no_mask (their grammar never "
+    "masked a token: still compiling, or failed first); not in grammask_requests",
+    ("source", "kind", "reason"))
 
 
 class Children:
@@ -216,21 +232,3 @@ def snapshot() -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
-
-
-ENGINE_SWITCHES = _counter(
-    "grammask_engine_switches", "Running rows moved to the engine the fill tuner found "
-    "cheaper (outcome=switched), or left on theirs, by why (outcome=rejected: the new engine "
-    "refused the row's history; dead_end; empty: no token allowed; error)", ("outcome",))
-ENGINE_SWITCH_REPLAY = _histogram(
-    "grammask_engine_switch_replay_seconds", "One running row's history replayed into the new "
-    "engine's matcher (on the fill thread)")
-FILL_SECONDS_PER_TOKEN = _histogram(
-    "grammask_fill_seconds_per_token", "The fill tuner's measured fill time of one row per "
-    "token, by engine (a probe walk, both engines on the same tokens)", ("backend",),
-    buckets=(1e-6, 2e-6, 4e-6, 8e-6, 16e-6, 32e-6, 64e-6, 128e-6, 256e-6, 512e-6, 1e-3, 4e-3))
-UNSERVED = _counter(
-    "grammask_unserved_requests", "Constrained requests that left without a grammar mask, "
-    "by why: reasoning (still reasoning when they finished), no_mask (their grammar never "
-    "masked a token: still compiling, or failed first); not in grammask_requests",
-    ("source", "kind", "reason"))

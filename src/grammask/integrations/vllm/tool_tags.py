@@ -147,8 +147,8 @@ def owners(reg: Any, model: str, request: Any, tools: list[Tool]) -> dict[str, T
     return {begin: found[0] for begin, found in holders.items() if len(found) == 1}
 
 
-def begins(node: Any) -> Iterator[str]:
-    """The text ``begin`` of every tag in a format (schemas are data: not entered)."""
+def _tags(node: Any) -> Iterator[dict[str, Any]]:
+    """Every tag (a dict with a text ``begin``) in a format; schemas are data: not entered."""
     stack = [node]
     while stack:
         item = stack.pop()
@@ -156,22 +156,20 @@ def begins(node: Any) -> Iterator[str]:
             stack.extend(item)
         elif isinstance(item, dict):
             if item.get("type") == "tag" and isinstance(item.get("begin"), str):
-                yield item["begin"]
+                yield item
             stack.extend(v for k, v in item.items() if k != "json_schema")
+
+
+def begins(node: Any) -> Iterator[str]:
+    """The text ``begin`` of every tag in a format."""
+    return (tag["begin"] for tag in _tags(node))
 
 
 def contents(tag: dict[str, Any]) -> dict[str, Any]:
     """``begin`` -> content of each tag in ``tag`` whose begin has one content only."""
     found: dict[str, list[Any]] = {}
-    stack: list[Any] = [tag]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            if item.get("type") == "tag" and isinstance(item.get("begin"), str):
-                seen = found.setdefault(item["begin"], [])
-                if item.get("content") not in seen:
-                    seen.append(item.get("content"))
-            stack.extend(v for k, v in item.items() if k != "json_schema")
+    for item in _tags(tag):
+        seen = found.setdefault(item["begin"], [])
+        if item.get("content") not in seen:
+            seen.append(item.get("content"))
     return {begin: c[0] for begin, c in found.items() if len(c) == 1}

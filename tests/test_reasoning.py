@@ -10,6 +10,7 @@ import torch
 from grammask import (
     Compiler,
     ConstraintRequest,
+    Grammar,
     GrammarSpec,
     Vocabulary,
     allocate_bitmask,
@@ -17,9 +18,10 @@ from grammask import (
 )
 from grammask.backends import Matcher
 from grammask.decode.processor import BatchProcessor
-from grammask.decode.reasoning import ThinkGate, ThinkMarker
+from grammask.decode.reasoning import RuleGate, ThinkGate, ThinkMarker
+from grammask.decode.rows import Row
 
-from .helpers import PATIENT
+from .helpers import PATIENT, RawReference
 
 THINK, END_THINK, IM_START, IM_END = 248068, 248069, 248045, 248046
 SPEC = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
@@ -250,3 +252,115 @@ def test_a_byte_marker_must_end_at_a_token_boundary(compiler36: Compiler,
         proc.add(0, request)
         _, rows = fill(proc)
         assert 0 not in rows
+
+
+# ------------------------------------------------------------ implicit reasoning ends
+class _BraceRule:
+    """A host rule (``ReasoningRule``) whose implicit end is ``{``, the JSON grammar's first
+    token, and whose explicit end is ``end``: vLLM's Qwen3 ``<tool_call>`` in small."""
+
+    needs_history = False
+
+    def __init__(self, brace: int, end: int) -> None:
+        self.implicit_ends = frozenset({brace})
+        self._brace, self._end = brace, end
+
+    def prompt_ended(self, prompt_ids: object) -> bool:
+        return False
+
+    def grammar_start(self, history: list[int], delta: list[int]) -> tuple[int, bool] | None:
+        for i, tid in enumerate(delta):
+            if tid in (self._brace, self._end):
+                return (i, True) if tid == self._brace else (i + 1, False)
+        return None
+
+
+def _implicit_row(compiler: Compiler, qwen25: Vocabulary,
+                  backend: str) -> tuple[Row, _BraceRule, GrammarSpec]:
+    from concurrent.futures import Future
+
+    from grammask.decode.pending import PendingGrammar
+
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                    "required": ["a"]}, backend=backend)  # type: ignore[arg-type]
+    grammar = compiler.compile(spec)
+    assert grammar.backend == backend
+    done: Future[Grammar] = Future()
+    done.set_result(grammar)
+    (brace,) = qwen25.encode("{")
+    (end,) = qwen25.encode("###")
+    rule = _BraceRule(brace, end)
+    row = Row(ConstraintRequest(spec), PendingGrammar(done, None, hedge_s=0.0), [], True,
+              qwen25.tokens)
+    row.gate = RuleGate(rule, [1, 2], False, lambda ids: [True] * len(ids))
+    row.attach(grammar)
+    return row, rule, spec
+
+
+def _take(row: Row, tokens: list[int]) -> None:
+    """Commit ``tokens`` to ``row`` as the host's read does (``Row.read``)."""
+    row.seen += len(tokens)
+    row.advance(tokens)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_rolling_back_exactly_an_implicit_end_reopens_the_gate(
+        compiler: Compiler, qwen25: Vocabulary, backend: str) -> None:
+    """The implicit end is the grammar's first token and ended reasoning: undoing it (and
+    only it) gives the row back to reasoning, with the grammar at its start."""
+    row, _, spec = _implicit_row(compiler, qwen25, backend)
+    think = qwen25.encode(" hmm ok")
+    brace, quote = qwen25.encode("{")[0], qwen25.encode('"')[0]
+    _take(row, [*think, brace, quote])
+    assert row.status == "active" and row.fed == 2
+    row.rewind(1)
+    assert row.status == "active" and row.fed == 1  # the brace still ended reasoning
+    row.rewind(1)
+    assert row.status == "thinking" and row.fed == 0
+    assert row.gate is not None and row.gate.thinking_tokens == len(think)
+    _take(row, [brace])
+    assert row.status == "active" and row.fed == 1
+    ref = RawReference(spec, qwen25, backend)  # type: ignore[arg-type]
+    assert ref.accept(brace)
+    assert row.matcher is not None
+    words = torch.zeros((1, (qwen25.vocab_size + 31) // 32), dtype=torch.int32)
+    row.matcher.fill(words, 0)
+    assert torch.equal(words[0], ref.words())
+    row.rewind(2)  # the brace and one thinking token
+    assert row.status == "thinking" and row.gate.thinking_tokens == len(think) - 1
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_draft_with_an_implicit_end_masks_after_it_as_the_grammar(
+        compiler: Compiler, qwen25: Vocabulary, backend: str) -> None:
+    """Speculative decoding: a draft that goes from reasoning straight to the implicit end
+    masks the positions after it with the grammar past that token (vLLM's engine feeds it to
+    the grammar), and leaves the row as it was."""
+    from grammask.decode.drafts import Drafts
+    from grammask.decode.firstmask import FirstMasks
+    from grammask.decode.rowmasks import RowMasks
+    from grammask.decode.steptypes import FillStats
+
+    row, _, spec = _implicit_row(compiler, qwen25, backend)
+    think = qwen25.encode(" so")
+    _take(row, think)
+    assert row.status == "thinking"
+    brace = qwen25.encode("{")[0]
+    drafts = [*qwen25.encode(" then"), brace, *qwen25.encode('"a')]
+    words = (qwen25.vocab_size + 31) // 32
+    out = torch.full((len(drafts) + 1, words), -1, dtype=torch.int32)
+    first = FirstMasks.__new__(FirstMasks)  # unused: the row's matcher is attached
+    Drafts(first, RowMasks(qwen25, "stop"), FillStats()).fill(
+        row, drafts, out, list(range(len(drafts) + 1)))
+    ref = RawReference(spec, qwen25, backend)  # type: ignore[arg-type]
+    at = drafts.index(brace)
+    for k, tid in enumerate(drafts[at:], start=at):
+        assert ref.accept(tid)
+        assert torch.equal(out[k + 1], ref.words()), f"position after draft {k}"
+    assert row.status == "thinking" and row.fed == 0
+    assert row.gate is not None and row.gate.thinking_tokens == len(think)
+    fresh = RawReference(spec, qwen25, backend)  # type: ignore[arg-type]
+    assert row.matcher is not None
+    check = torch.zeros((1, words), dtype=torch.int32)
+    row.matcher.fill(check, 0)
+    assert torch.equal(check[0], fresh.words())  # the grammar is back at its start

@@ -114,10 +114,10 @@ class _Rule:
     def prompt_ended(self, prompt_ids: Any) -> bool:
         return False
 
-    def grammar_start(self, history: list[int], delta: Any) -> int | None:
+    def grammar_start(self, history: list[int], delta: Any) -> tuple[int, bool] | None:
         for i, tid in enumerate(delta):
             if tid in (7, 9):
-                return i if tid == 7 else i + 1
+                return (i, True) if tid == 7 else (i + 1, False)
         return None
 
 

@@ -86,7 +86,10 @@ class Drafts:
         mask (which already refuses that token, so the rejection sampler rejects it there and
         no later row is used); after a placeholder (negative id) positions are free; an
         errored row gets its error mask everywhere."""
-        fed = gated = 0
+        fed = 0
+        gate = r.gate
+        opened = gate is not None and gate.thinking
+        thought = gate.thinking_tokens if gate is not None else 0
         prev = out_rows[0]
         refused = free = False
         row_masks = self.row_masks
@@ -100,9 +103,8 @@ class Drafts:
                 elif refused:
                     out[target].copy_(out[prev])
                 else:
-                    accepted, g, f = self._feed_tentatively(r, int(tid))
-                    gated += g
-                    fed += f
+                    accepted, took = self._feed_tentatively(r, int(tid))
+                    fed += took
                     if not accepted:
                         refused = True
                         out[target].copy_(out[prev])
@@ -118,26 +120,30 @@ class Drafts:
                 if fed:
                     assert r.matcher is not None
                     r.matcher.rollback(fed)
-                if gated:
-                    assert r.gate is not None
-                    r.gate.rollback(gated)
+                if opened:  # every constrained token since is a draft's, undone above
+                    assert gate is not None
+                    gate.rollback(gate.thinking_tokens - thought, emptied=True)
             except Exception as exc:
                 r.fail(f"undoing draft tokens failed: {type(exc).__name__}: {exc}",
                        cause="drafts")
 
-    def _feed_tentatively(self, r: Row, tid: int) -> tuple[bool, int, int]:
-        """Feed one draft token: (accepted, gate tokens taken, matcher tokens taken)."""
-        if r.gate is not None and r.gate.thinking:
-            r.gate.feed([tid])
-            if r.gate.leftover:  # would end the marker mid-token: refused
-                return False, 1, 0
-            if not r.gate.thinking and r.matcher is None:
+    def _feed_tentatively(self, r: Row, tid: int) -> tuple[bool, int]:
+        """Feed one draft token: (accepted, matcher tokens taken). A token that ends
+        reasoning and is content (an implicit end) goes on to the matcher, as committed
+        tokens do (``Row.advance``)."""
+        gate = r.gate
+        if gate is not None and gate.thinking:
+            taken = gate.feed([tid])
+            if gate.leftover:  # would end the marker mid-token: refused
+                return False, 0
+            if not gate.thinking and r.matcher is None:
                 self.first.attach_all([r])  # thinking ends inside the window
-            return True, 1, 0
+            if not taken:
+                return True, 0
         if r.matcher is None:
-            return False, 0, 0
+            return False, 0
         accepted = r.matcher.accept(tid)
-        return accepted, 0, int(accepted)
+        return accepted, int(accepted)
 
     def _fill_position(self, r: Row, out: torch.Tensor, target: int) -> None:
         if r.error is not None:

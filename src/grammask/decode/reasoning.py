@@ -143,10 +143,11 @@ class ThinkGate:
                 return list(tokens[i + 1:])
         return []
 
-    def rollback(self, num_tokens: int) -> None:
+    def rollback(self, num_tokens: int, *, emptied: bool = False) -> None:
         """Forget the last ``num_tokens`` thinking tokens (reopens a gate the output closed).
 
-        Tokens fed after the marker are the caller's to roll back first."""
+        Tokens fed after the marker are the caller's to roll back first (``emptied``: all of
+        them were; nothing here, since the marker is a thinking token)."""
         if num_tokens <= 0:
             return
         if self.from_prompt:
@@ -221,6 +222,7 @@ class RuleGate:
         self._history = [int(t) for t in ids] if self._keep and not self._closed else []
         self._prompt_len = len(self._history)
         self._thinking = 0
+        self._shared = False  # closed by an implicit end: the grammar's first token ended it
         self._implicit = sorted(rule.implicit_ends)
         self._first_tokens = first_tokens
         self._refused: np.ndarray | None = None if self._implicit else _NONE
@@ -244,17 +246,26 @@ class RuleGate:
             return []
         if self._keep:
             self._history.extend(int(t) for t in tokens)
-        start = self._rule.grammar_start(self._history, tokens)
-        if start is None:
+        found = self._rule.grammar_start(self._history, tokens)
+        if found is None:
             self._thinking += len(tokens)
             return []
+        start, implicit = found
         self._closed = True
+        self._shared = implicit and start < len(tokens)
         self._thinking += min(start, len(tokens))
         return list(tokens[start:])
 
-    def rollback(self, num_tokens: int) -> None:
+    def rollback(self, num_tokens: int, *, emptied: bool = False) -> None:
         """Forget the last ``num_tokens`` reasoning tokens (reopens a gate the output
-        closed); tokens the grammar took are the caller's to roll back first."""
+        closed). Tokens the grammar took are the caller's to roll back first; ``emptied``:
+        all of them were, so a gate an implicit end closed reopens even for 0 (that end
+        was the grammar's first token, and it is gone)."""
+        if emptied and self._shared:
+            self._shared = False
+            self._closed = False
+            if self._keep:
+                del self._history[self._prompt_len + self._thinking:]
         if num_tokens <= 0:
             return
         if self.from_prompt:

@@ -116,18 +116,20 @@ class Row:
         self.seen -= k
         if self.error is not None:
             return  # errors are sticky
+        constrained = self.fed + len(self.backlog)
         drop = min(k, len(self.backlog))
         del self.backlog[len(self.backlog) - drop:]
         k -= drop
         undo = min(k, self.fed)
+        emptied = constrained > 0 and drop + undo == constrained
         try:
             if undo:
                 assert self.matcher is not None
                 self.matcher.rollback(undo)
                 self.fed -= undo
                 k -= undo
-            if k and self.gate is not None:
-                self.gate.rollback(k)
+            if (k or emptied) and self.gate is not None:
+                self.gate.rollback(k, emptied=emptied)
         except Exception as exc:
             self.fail(f"rollback of {num_tokens} tokens failed: {exc}", cause="host")
 

@@ -90,10 +90,11 @@ class ReasoningRule(Protocol):
         """The engine's decision from the prompt alone (``reasoning_ended`` None)."""
         ...
 
-    def grammar_start(self, history: list[int], delta: Sequence[int]) -> int | None:
+    def grammar_start(self, history: list[int], delta: Sequence[int]) -> tuple[int, bool] | None:
         """Where in ``delta`` (tokens committed in one step; ``history`` is the prompt and
         output up to and including them, where ``needs_history``) the grammar's tokens
-        start; None: still reasoning after them."""
+        start, and whether the token there also ended reasoning (an implicit end); None:
+        still reasoning after them."""
         ...
 
 

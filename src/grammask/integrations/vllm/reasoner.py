@@ -54,13 +54,15 @@ class VllmRule:
     def prompt_ended(self, prompt_ids: Sequence[int]) -> bool:
         return bool(self._reasoner.is_reasoning_end(list(prompt_ids)))
 
-    def grammar_start(self, history: list[int], delta: Sequence[int]) -> int | None:
+    def grammar_start(self, history: list[int], delta: Sequence[int]) -> tuple[int, bool] | None:
         if self._find is not None:
             end = self._find(delta)
             if end is not None:
-                start = int(end.offset) if end.implicit else int(end.offset) + 1
-                return start if start <= len(delta) else None
-        return self._streaming_start(history, delta)
+                implicit = bool(end.implicit)
+                at = int(end.offset) if implicit else int(end.offset) + 1
+                return (at, implicit) if at <= len(delta) else None
+        start = self._streaming_start(history, delta)
+        return None if start is None else (start, False)
 
     def _streaming_start(self, history: list[int], delta: Sequence[int]) -> int | None:
         """The fallback of ``_get_constraint_bounds`` for committed tokens: the shortest

@@ -299,3 +299,57 @@ def test_one_rival_compile_at_a_time_per_backend(vocab: Vocabulary,
     finally:
         compiler.close()
     assert peak[0] == 1 and len(set(done)) == 6
+
+
+def test_the_comparison_times_both_engines_on_a_running_rows_tokens(
+        vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the rival compiles, running rows of the spec hand their tokens over (one row's
+    history once it took ``WALK_AFTER``); both engines are then timed along those tokens,
+    not a probe walk (the grammar's reason says which). Without rows, a probe walk."""
+    import threading
+
+    monkeypatch.setattr(engine_switch, "WALK_AFTER", 8)
+    spec = GrammarSpec.json_schema(FREE, any_whitespace=False)
+    compiler = Compiler(vocab, fill_verdict="rival")
+    tuner = compiler._tuner
+    gate = threading.Event()
+    compile_rival = tuner._compile
+
+    def slow_rival(s: GrammarSpec) -> Any:
+        assert gate.wait(60)  # the rival is still compiling while rows run
+        return compile_rival(s)
+
+    monkeypatch.setattr(tuner, "_compile", slow_rival)
+    seen: list[list[int]] = []
+    note = tuner.note_walk
+    monkeypatch.setattr(tuner, "note_walk", lambda k, t: (seen.append(list(t)), note(k, t)))
+    (walk,) = _walks(FREE, vocab, spec, "guidance", 1, seed=3)
+    proc = BatchProcessor(compiler, max_batch=2, think_end=None, engine_switch=False)
+    try:
+        proc.add(0, spec, (), None)
+        proc.wait_masks([0])  # the routed compile is done: the rival's has started
+        deadline = time.monotonic() + 10
+        while spec.key not in compiler.tuning_walks:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for token in walk[:20]:
+            proc.wait_masks([0])
+            proc.step([0], [token])
+        proc.wait_masks([0])
+        assert seen and seen[-1] == walk[:len(seen[-1])] and len(seen[-1]) >= 8
+        gate.set()
+        verdict = _verdict(compiler, spec, "guidance")
+        assert "a running row's walk of" in verdict.grammar.reason, verdict.grammar.reason
+        assert spec.key not in compiler.tuning_walks
+    finally:
+        gate.set()
+        proc.close()
+        compiler.close()
+    other = GrammarSpec.json_schema(CLOSED, any_whitespace=False)
+    probe_compiler = Compiler(vocab, fill_verdict="rival")
+    try:
+        routed = probe_compiler.compile(other)
+        verdict = _verdict(probe_compiler, other, routed.backend)
+        assert "a probe walk of" in verdict.grammar.reason
+    finally:
+        probe_compiler.close()

@@ -273,6 +273,17 @@ class Compiler:
         """The specs with a verdict for a rival (``switch_offer``)."""
         return self._tuner.offered
 
+    @property
+    def tuning_walks(self) -> frozenset[str]:
+        """The specs whose fill comparison would take a running row's tokens
+        (``note_walk``); empty while none is due (read without a lock: one set a change)."""
+        return self._tuner.wanting
+
+    def note_walk(self, key: str, tokens: list[int]) -> None:
+        """Tokens a running row of spec ``key`` took on its routed grammar: the fill
+        comparison fills both engines along them (``compile/filltune``)."""
+        self._tuner.note_walk(key, tokens)
+
     def switch_offer(self, key: str, backend: str) -> Verdict | None:
         """The fill tuner's verdict for rows of spec ``key`` running on ``backend``: the
         grammar they may switch to (None: keep theirs)."""

@@ -1,6 +1,9 @@
 """Fill tuning (``Compiler(tune_fill=True)``): when another backend also enforces every keyword
-of a JSON schema, it is compiled in the background, both fill a probe walk
-(``fillcost``), and the cheaper to fill on this machine serves the spec's later requests.
+of a JSON schema, it is compiled in the background, both fill the same walk (``fillcost``),
+and the cheaper to fill on this machine serves the spec's later requests. The walk is a
+running row's real tokens where the decode side handed one over by then (``note_walk``:
+rows start as the routed compile ends, and a rival worth switching to, xgrammar on free
+text, compiles for far longer than a few steps), else a probe walk of the grammar.
 A verdict for the rival is also kept as a ``Verdict`` (``offer``): rows of that spec already
 running on the routed grammar switch to the rival (``decode/engine_switch``).
 
@@ -30,6 +33,8 @@ from .state import ServiceState
 _FILL_TUNED = metrics.FILL_TUNED
 #: comparisons waiting for their rival backend's one compile at a time (the oldest dropped)
 QUEUED_MAX = 64
+#: the fewest tokens of a running row's history a comparison takes instead of a probe walk
+REAL_WALK_MIN = 16
 log = logging.getLogger("grammask")
 
 #: ``Compiler(fill_verdict=...)``: measure (auto), or force the verdict (tests: no timing)
@@ -84,6 +89,21 @@ class FillTuner:
         # rival's compile slots that first masks routed there wait for); the rest queue
         self._busy: set[str] = set()
         self._queued: dict[str, deque[tuple[GrammarSpec, Grammar]]] = {}
+        #: the specs whose comparison would take a running row's tokens (a new set per
+        #: change: read without the lock), and the walks handed over for them
+        self.wanting: frozenset[str] = frozenset()
+        self._walks: dict[str, list[int]] = {}
+
+    def note_walk(self, key: str, tokens: list[int]) -> None:
+        """A running row of spec ``key`` took ``tokens`` on the routed grammar (its
+        constrained history): the comparison fills along them, the longest handed over (at
+        most ``fillcost.PROBE_TOKENS``: then no more are asked for). Ignored once the
+        comparison ran."""
+        with self._offers_lock:
+            if key in self.wanting and len(tokens) > len(self._walks.get(key, ())):
+                self._walks[key] = list(tokens[:fillcost.PROBE_TOKENS])
+                if len(tokens) >= fillcost.PROBE_TOKENS:
+                    self.wanting = self.wanting - {key}
 
     def offer(self, key: str, backend: str) -> Verdict | None:
         """The verdict for rows of spec ``key`` running on ``backend`` (None: none)."""
@@ -100,6 +120,7 @@ class FillTuner:
         if other is None or route.backend != grammar.backend or route.lenient:
             return
         with self._offers_lock:
+            self.wanting = self.wanting | {spec.key}
             if other in self._busy:
                 queue = self._queued.setdefault(other, deque(maxlen=QUEUED_MAX))
                 queue.append((spec, grammar))
@@ -113,6 +134,8 @@ class FillTuner:
         except RuntimeError:  # closed meanwhile: nothing to tune
             with self._offers_lock:
                 self._busy.discard(other)
+                self._walks.clear()
+                self.wanting = frozenset()
 
     def _tune_then_next(self, spec: GrammarSpec, grammar: Grammar, other: BackendName) -> None:
         """``_tune``, then the next comparison queued for the same rival backend."""
@@ -120,6 +143,8 @@ class FillTuner:
             self._tune(spec, grammar, other)
         finally:
             with self._offers_lock:
+                self._walks.pop(spec.key, None)
+                self.wanting = self.wanting - {spec.key}
                 queue = self._queued.get(other)
                 following = queue.popleft() if queue else None
                 if following is None:
@@ -134,9 +159,7 @@ class FillTuner:
             rival = self._compile(spec.with_backend(other))
             if rival.unenforced != grammar.unenforced:
                 return
-            walk = fillcost.probe(grammar, self._structure_tokens(), self._state.vocab.vocab_size,
-                                  seed=int(spec.key[:8], 16))
-            result = fillcost.compare(grammar, rival, walk, self._state.vocab.vocab_size)
+            result, walked = self._compare(spec, grammar, rival)
         except Exception as exc:  # never the request's concern: it is served already
             log.debug("grammask: fill tuning of %s skipped: %s", spec.describe(), exc)
             return
@@ -157,7 +180,7 @@ class FillTuner:
                 rival, spec=grammar.spec, fallback_from=None,
                 reason=f"{grammar.reason}; {title} then measured cheaper to fill here: "
                        f"{result.b_us:.1f} µs a token against {result.a_us:.1f} "
-                       f"(a probe walk of {result.tokens} tokens)")
+                       f"({walked} of {result.tokens} tokens)")
             self._state.memory.insert(spec.key, served)
         with self._offers_lock:
             self._offers[(spec.key, grammar.backend)] = Verdict(
@@ -165,8 +188,24 @@ class FillTuner:
             self.offered = self.offered | {spec.key}
             self.epoch += 1
         log.info("grammask: fill tuning: %s fills cheaper than %s here (%.1f against %.1f µs "
-                 "a token): it serves %s from now on, running rows switch",
-                 other, grammar.backend, result.b_us, result.a_us, spec.describe())
+                 "a token, %s of %d tokens): it serves %s from now on, running rows switch",
+                 other, grammar.backend, result.b_us, result.a_us, walked, result.tokens,
+                 spec.describe())
+
+    def _compare(self, spec: GrammarSpec, grammar: Grammar, rival: Grammar
+                 ) -> tuple[fillcost.Comparison, str]:
+        """Both fills along a running row's tokens when one was handed over (and both
+        engines take enough of it), else along a probe walk; and which walk it was."""
+        vocab_size = self._state.vocab.vocab_size
+        with self._offers_lock:
+            real = self._walks.pop(spec.key, None)
+        if real is not None and len(real) >= REAL_WALK_MIN:
+            result = fillcost.compare(grammar, rival, real, vocab_size)
+            if result.tokens >= REAL_WALK_MIN:
+                return result, "a running row's walk"
+        walk = fillcost.probe(grammar, self._structure_tokens(), vocab_size,
+                              seed=int(spec.key[:8], 16))
+        return fillcost.compare(grammar, rival, walk, vocab_size), "a probe walk"
 
     def _structure_tokens(self) -> dict[str, int]:
         """The probe walks' structural tokens of this vocabulary (texts that are one token)."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from .. import metrics
 from ..backends import registry
 from ..backends.base import Matcher
+from ..compile import fillcost
 from ..compile.compiler import Compiler, Grammar
 from ..compile.filltune import Verdict
 from ..kernels.bitmask import allocate_bitmask
@@ -48,6 +49,8 @@ SUBMIT_PER_JOB = 64
 IN_FLIGHT = 256
 #: threads that replay histories (off the fill thread)
 REPLAY_THREADS = 1
+#: a row hands its history to the fill comparison once it took this many tokens
+WALK_AFTER = 48
 
 
 @dataclass(eq=False)
@@ -76,7 +79,12 @@ class EngineSwitch:
         """At the start of a fill job (its rows' commits read, not fed yet): swap in the
         rows whose replay is done, hand more rows' histories to the replay thread;
         ``table``: every row, to know when a verdict's rows are done. Costs one int compare
-        a job while no verdict is open. Never raises: a failure leaves rows where they are."""
+        a job while no verdict is open. Never raises: a failure leaves rows where they are.
+        Before any verdict, hands the fill comparison a running row's tokens
+        (``Compiler.note_walk``), so both engines are timed on the tokens rows take."""
+        wanting = self._compiler.tuning_walks
+        if wanting:
+            self._hand_walks(work, wanting)
         if not self.enabled:
             return
         epoch = self._compiler.switch_epoch
@@ -87,6 +95,20 @@ class EngineSwitch:
         except Exception as exc:  # never the job's concern: rows stay on their engines
             log.warning("grammask: the engine switch failed: %s: %s", type(exc).__name__, exc)
             self._done_epoch = epoch
+
+    def _hand_walks(self, work: Sequence[Work], wanting: frozenset[str]) -> None:
+        """One row's history per spec the comparison waits on (those with ``WALK_AFTER``
+        tokens or more)."""
+        handed: set[str] = set()
+        for _, r, new in work:
+            grammar = r.grammar
+            if (grammar is None or r.fed < WALK_AFTER or r.error is not None
+                    or grammar.spec.key not in wanting or grammar.spec.key in handed):
+                continue
+            start = r.seen - len(new) - r.fed
+            history = [int(t) for t in r.output[start:start + fillcost.PROBE_TOKENS]]
+            handed.add(grammar.spec.key)
+            self._compiler.note_walk(grammar.spec.key, history)
 
     def settle(self) -> None:
         """Wait for the replays in flight (tests, benchmarks; a job never waits)."""

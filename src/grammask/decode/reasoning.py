@@ -35,16 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InvalidSpecError
-from ..specs.request import ReasoningRule, VllmReasoning
+from ..specs.request import ReasoningRule
 from ..vocab import Vocabulary
-
-if TYPE_CHECKING:
-    from .pending import PendingGrammar
 
 #: Turn-opening special tokens of common chat templates; present ones reset the prompt scan.
 TURN_TOKENS = ("<|im_start|>", "<｜User｜>", "<｜Assistant｜>", "<|start_header_id|>",
@@ -291,37 +287,6 @@ class RuleGate:
 
 #: A row's thinking gate: grammask's own rule or the host's.
 Gate = ThinkGate | RuleGate
-
-
-def rule_gate(rule: ReasoningRule, reasoning: VllmReasoning | None,
-              prompt_ids: Sequence[int], pending: PendingGrammar) -> RuleGate | None:
-    """The row's ``RuleGate`` (None: constrained from its first token)."""
-    gate = RuleGate(rule, prompt_ids, None if reasoning is None else reasoning.ended,
-                    lambda ids: first_tokens(pending, ids))
-    return None if gate.from_prompt else gate
-
-
-def first_tokens(pending: PendingGrammar, ids: Sequence[int]) -> list[bool] | None:
-    """Whether the row's grammar can start with each of ``ids`` (vLLM's
-    ``grammar.validate_tokens([id])``); None while no compile has finished."""
-    grammar = pending.ready
-    for future in (pending.primary, pending.alternate):
-        if grammar is None and future is not None and future.done() and (
-                not future.cancelled() and future.exception() is None):
-            grammar = future.result()
-    if grammar is None:
-        return None
-    matcher = grammar.matcher()
-    try:
-        out = []
-        for tid in ids:
-            ok = bool(matcher.accept(tid))
-            if ok:
-                matcher.rollback(1)
-            out.append(ok)
-        return out
-    finally:
-        matcher.release()
 
 
 def _closed_in_prompt(marker: ThinkMarker, tokens: Sequence[bytes],

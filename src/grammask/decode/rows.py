@@ -17,10 +17,10 @@ from .. import metrics
 from ..backends.base import BatchCalls, BatchFills, Matcher, batch_calls
 from ..compile.compiler import Grammar
 from ..specs.grammar_spec import GrammarSpec
-from ..specs.request import STAND_IN, ConstraintRequest
+from ..specs.request import STAND_IN, ConstraintRequest, ReasoningRule, VllmReasoning
 from ..vocab import Vocabulary
 from .pending import PendingGrammar
-from .reasoning import Gate, ThinkGate, ThinkMarker, rule_gate
+from .reasoning import Gate, RuleGate, ThinkGate, ThinkMarker
 
 log = logging.getLogger("grammask")
 
@@ -358,3 +358,34 @@ class RowMaker:
             return None
         gate = ThinkGate(marker, self.vocab.tokens, prompt_ids=prompt_ids)
         return None if gate.from_prompt else gate
+
+
+def rule_gate(rule: ReasoningRule, reasoning: VllmReasoning | None,
+              prompt_ids: Sequence[int], pending: PendingGrammar) -> RuleGate | None:
+    """The row's ``RuleGate`` (None: constrained from its first token)."""
+    gate = RuleGate(rule, prompt_ids, None if reasoning is None else reasoning.ended,
+                    lambda ids: first_tokens(pending, ids))
+    return None if gate.from_prompt else gate
+
+
+def first_tokens(pending: PendingGrammar, ids: Sequence[int]) -> list[bool] | None:
+    """Whether the row's grammar can start with each of ``ids`` (vLLM's
+    ``grammar.validate_tokens([id])``); None while no compile has finished."""
+    grammar = pending.ready
+    for future in (pending.primary, pending.alternate):
+        if grammar is None and future is not None and future.done() and (
+                not future.cancelled() and future.exception() is None):
+            grammar = future.result()
+    if grammar is None:
+        return None
+    matcher = grammar.matcher()
+    try:
+        out = []
+        for tid in ids:
+            ok = bool(matcher.accept(tid))
+            if ok:
+                matcher.rollback(1)
+            out.append(ok)
+        return out
+    finally:
+        matcher.release()

@@ -328,8 +328,7 @@ def grammask_steps(side: Side, vocab: Any, extra: dict[str, Any], prompt: list[i
     its matcher is never attached here)."""
     from concurrent.futures import Future
 
-    from grammask.decode.pending import PendingGrammar
-    from grammask.decode.rows import FROM_VOCAB, RowMaker
+    from grammask.decode.rows import FROM_VOCAB, PendingGrammar, RowMaker
     from grammask.integrations.vllm.admission import request_of
     from grammask.integrations.vllm.plugin_core import PluginCore
 

@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grammask import GrammarSpec
-from grammask.decode.pending import FAILED, PENDING, READY, Decision, decide
+from grammask.decode.rows import FAILED, PENDING, READY, Decision, decide
 
 XGR_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                                "ok": {"type": "boolean"}},
@@ -71,7 +71,7 @@ def _rank(rank: int, port: int, scenario: str, agree: bool, out: str) -> None:
 
     from grammask import Compiler, load_vocabulary
     from grammask.compile.compiler import Grammar
-    from grammask.decode.agreement import Solo, TorchGroup
+    from grammask.decode.firstmask import Solo, TorchGroup
     from grammask.decode.processor import BatchProcessor
     from grammask.errors import CompileTimeoutError
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from grammask.decode.cpu_placement import check_setting, choose, fill_cpus, parse_cpus, same_node
+from grammask.decode.fill import check_setting, choose, fill_cpus, parse_cpus, same_node
 
 LINUX = hasattr(os, "sched_setaffinity")
 
@@ -51,7 +51,7 @@ def test_spare_cpus_are_what_no_pin_holds() -> None:
 
 
 def test_spare_cpus_prefer_the_workers_numa_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from grammask.decode import cpu_placement
+    from grammask.decode import fill as cpu_placement
 
     nodes = {0: 0, 1: 0, 2: 1, 3: 1}
     monkeypatch.setattr(cpu_placement, "_node", nodes.get)
@@ -64,7 +64,7 @@ def test_spare_cpus_prefer_the_workers_numa_node(monkeypatch: pytest.MonkeyPatch
 _PROBE = """
 import os, sys
 os.sched_setaffinity(0, {%d})
-from grammask.decode.cpu_placement import fill_cpus
+from grammask.decode.fill import fill_cpus
 got = fill_cpus("auto", pinning_host=True)
 print("none" if got is None else ",".join(map(str, sorted(got))))
 """

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary
-from grammask.decode.digests import MaskDigests, compare
 from grammask.decode.processor import BatchProcessor
+from grammask.decode.step_apply import MaskDigests, compare
 
 SPECS = [GrammarSpec.regex("(ab|cd)[0-9]{1,3}", backend="guidance"),
          GrammarSpec.choice(["red", "green"], backend="xgrammar")]
@@ -59,7 +59,7 @@ def test_a_fault_of_one_token_is_caught(compiler: Compiler, qwen25: Vocabulary,
 def test_rows_served_by_two_backends_are_keyed_apart() -> None:
     """A request served by the hedge or a fallback may be masked differently at the same
     prefix than one served as routed: its digests must not be compared with the other's."""
-    from grammask.decode.digests import row_key
+    from grammask.decode.step_apply import row_key
 
     assert row_key("spec", [1, 2], "xgrammar") != row_key("spec", [1, 2], "guidance")
     assert row_key("spec", [1, 2], "xgrammar") == row_key("spec", [1, 2], "xgrammar")

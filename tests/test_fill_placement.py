@@ -18,8 +18,7 @@ import torch
 
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
 from grammask.backends.capabilities import LaneRow, batch_calls, lane_calls
-from grammask.decode.fill_placement import place_fills
-from grammask.decode.filler import Filler
+from grammask.decode.fill import Filler, place_fills
 
 Row = tuple[Hashable | None, int, str]
 

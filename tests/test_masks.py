@@ -17,8 +17,7 @@ import torch
 from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
 from grammask.backends import Matcher
 from grammask.backends.guidance import tokenizer_view
-from grammask.decode.fill_worker import FillWorker
-from grammask.decode.filler import Filler, stop_only_row
+from grammask.decode.fill import Filler, FillWorker, stop_only_row
 from grammask.decode.processor import BatchProcessor
 from grammask.kernels.apply import apply_bitmask
 from grammask.kernels.buffers import MaskBuffers
@@ -453,7 +452,7 @@ def test_the_fill_thread_runs_on_the_cpus_it_was_given() -> None:
     view of the thread's affinity)."""
     import os
 
-    from grammask.decode.fill_worker import FillWorker
+    from grammask.decode.fill import FillWorker
 
     def allowed(tid: int) -> str:
         with open(f"/proc/self/task/{tid}/status", encoding="ascii") as f:

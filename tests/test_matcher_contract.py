@@ -15,7 +15,7 @@ import torch
 from grammask import Compiler, GrammarSpec, UnsupportedError, Vocabulary, allocate_bitmask
 from grammask.backends.guidance import GuidanceMatcher
 from grammask.backends.xgrammar import XGrammarMatcher
-from grammask.decode.filler import Filler
+from grammask.decode.fill import Filler
 from grammask.specs.grammar_spec import BackendName
 
 from .helpers import RawReference, bit, feed, mask_of, words_to_bool

@@ -16,7 +16,7 @@ import torch
 from grammask import AlongDrafts, Compiler, Grammar, GrammarError, GrammarSpec, Mapped, Vocabulary
 from grammask.backends import Matcher
 from grammask.backends.base import BatchFills
-from grammask.decode.filler import Filler
+from grammask.decode.fill import Filler
 from grammask.decode.processor import BatchProcessor
 
 from .helpers import PATIENT, RawReference, raw_reference
@@ -777,7 +777,7 @@ def test_a_draft_failure_masks_the_committed_position_too(
     """A bug while filling a row's draft positions fails that row alone: every one of its
     positions, the committed one included, gets the error mask (stop only), whatever the
     step had filled there; the other row keeps its mask."""
-    from grammask.decode.drafts import Drafts
+    from grammask.decode.step_apply import Drafts
 
     regex, choice = grammars[2], grammars[3]
     real = Drafts._fill_position

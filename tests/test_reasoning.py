@@ -279,7 +279,7 @@ def _implicit_row(compiler: Compiler, qwen25: Vocabulary,
                   backend: str) -> tuple[Row, _BraceRule, GrammarSpec]:
     from concurrent.futures import Future
 
-    from grammask.decode.pending import PendingGrammar
+    from grammask.decode.rows import PendingGrammar
 
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
                                     "required": ["a"]}, backend=backend)  # type: ignore[arg-type]
@@ -336,10 +336,10 @@ def test_a_draft_with_an_implicit_end_masks_after_it_as_the_grammar(
     """Speculative decoding: a draft that goes from reasoning straight to the implicit end
     masks the positions after it with the grammar past that token (vLLM's engine feeds it to
     the grammar), and leaves the row as it was."""
-    from grammask.decode.drafts import Drafts
+    from grammask.decode.fill import RowMasks
     from grammask.decode.firstmask import FirstMasks
-    from grammask.decode.rowmasks import RowMasks
-    from grammask.decode.steptypes import FillStats
+    from grammask.decode.step_apply import Drafts
+    from grammask.decode.stepjob import FillStats
 
     row, _, spec = _implicit_row(compiler, qwen25, backend)
     think = qwen25.encode(" so")

@@ -20,8 +20,8 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from grammask import metrics
-from grammask.decode.pending import PendingGrammar
 from grammask.decode.reasoning import RuleGate
+from grammask.decode.rows import PendingGrammar
 from grammask.integrations.vllm import admission, compat
 from grammask.integrations.vllm.dropin import DropIn, status
 from grammask.integrations.vllm.plugin_core import PluginCore

@@ -83,7 +83,7 @@ from bench.step import VLLM_CHUNK, VLLM_SERIAL_MAX, vllm_workers
 
 from grammask import Compiler, Grammar, GrammarSpec, Mapped, Vocabulary, load_vocabulary
 from grammask.decode.processor import BatchProcessor
-from grammask.decode.token_watch import Items, SlotTokens, TokenWatch
+from grammask.integrations.vllm.token_watch import Items, SlotTokens, TokenWatch
 from grammask.integrations.vllm.v2 import bind_device, sampling_rows
 from grammask.integrations.vllm.v2_device import (
     CudaPort,

@@ -23,7 +23,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from grammask.decode import digests
+from grammask.decode import step_apply as digests
 from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json, check_regex
 from tests.e2e.server import MODEL_NAME, ROOT, Server, xargs

@@ -108,7 +108,7 @@ def _descendants(pid: int) -> list[int]:
 
 def _thread_cpus(pid: int) -> dict[str, set[int]]:
     """Thread name -> the CPUs its threads may run on (``/proc``, the kernel's view)."""
-    from grammask.decode.cpu_placement import parse_cpus
+    from grammask.decode.fill import parse_cpus
 
     out: dict[str, set[int]] = {}
     for task in _tasks(pid):

@@ -46,12 +46,19 @@ All methods are to be called from one host thread; the worker thread only runs f
 lifecycle (``rows.py``), the per-step fill job (``stepjob.py``), first masks
 (``firstmask.py``), errored and thinking rows' masks (``rowmasks.py``), speculative drafts
 (``drafts.py``), masks into the host's logits (``step_apply.py``).
+
+The batch's rows: those made (index -> ``Row``) and those queued to be made
+(``admissions.py``), kept in step with the pending fill job and the ended step.
+
+One object, held by the parts that read the rows (the processor, its step jobs and its apply
+side share its ``rows`` dict), instead of a table passed from hand to hand.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -59,20 +66,12 @@ from ..compile.compiler import Compiler, Grammar
 from ..specs.grammar_spec import GrammarSpec
 from ..specs.request import STAND_IN, ConstraintRequest
 from ..vocab import Vocabulary
-from .admissions import Admission, Admissions, Queued
-from .agreement import Agreement, Solo
-from .digests import MaskDigests
-from .drafts import Drafts
 from .engine_switch import EngineSwitch
-from .filler import Filler
-from .firstmask import FirstMasks
-from .pending import PendingGrammar
-from .row_table import RowTable
-from .rowmasks import ErrorPolicy, RowMasks
-from .rows import FROM_VOCAB, Row, RowInfo, RowMaker, RowStatus
-from .step_apply import HostLogits, HostRows, StepApply
-from .stepjob import StepJobs
-from .steptypes import FillStats
+from .fill import ErrorPolicy, Filler, RowMasks
+from .firstmask import Agreement, FirstMasks, Solo
+from .rows import FROM_VOCAB, PendingGrammar, Row, RowInfo, RowMaker, RowStatus
+from .step_apply import Drafts, HostLogits, HostRows, MaskDigests, StepApply
+from .stepjob import Admission, Admissions, FillStats, Queued, StepJobs
 
 __all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
 
@@ -371,3 +370,74 @@ def failed_row(entry: Queued, message: str, vocab: Vocabulary) -> Row:
             [] if output is None else output, output is None, vocab.tokens)
     r.fail(message, cause="host")
     return r
+
+
+@dataclass(eq=False)
+class RowTable:
+    """Rows ``0 .. max_batch - 1``: made or queued; mutations settle what they touch."""
+
+    max_batch: int
+    rows: dict[int, Row]  # the made rows, shared with the step jobs and the apply side
+    admissions: Admissions  # the queued ones
+    jobs: StepJobs
+    apply: StepApply
+    #: rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which may
+    #: count an add that turned out unconstrained until its row is reused
+    live: int = 0
+
+    def check(self, row: int) -> None:
+        """Raises IndexError for a row out of range."""
+        if not 0 <= row < self.max_batch:
+            raise IndexError(f"row {row} outside 0..{self.max_batch - 1}")
+
+    def made(self, row: int) -> Row | None:
+        """``row``'s request, made now when it was only queued (None: unconstrained)."""
+        self.jobs.admit_now(self.rows)
+        return self.rows.get(row)
+
+    def queue(self, row: int, entry: Queued | None) -> None:
+        """The row's previous request leaves; ``entry`` (None: none) waits for a fill job
+        to make its row."""
+        self.jobs.drop(row)
+        self.pop(row)
+        if entry is not None:
+            self.admissions.queued[row] = entry
+            self.live += entry.output_ids is not None
+
+    def pop(self, row: int) -> None:
+        """Drop the row's request, made or queued, if any (the live-list count follows); a
+        made row's matcher is released by the next fill job (``Admissions.retired``)."""
+        self.apply.forget(row)
+        r = self.rows.pop(row, None)
+        if r is not None:
+            r.count()
+            self.live -= not r.owned
+            self.admissions.retired.append(r)
+        queued = self.admissions.drop(row)
+        if queued is not None:
+            self.live -= queued.output_ids is not None
+
+    def move(self, src: int, dst: int) -> None:
+        """Row ``src`` now lives at ``dst``; ``dst``'s previous request is dropped."""
+        self.check(src)
+        self.check(dst)
+        self.apply.end()
+        self.jobs.discard()
+        moved = self.rows.pop(src, None)
+        self.pop(dst)
+        if moved is not None:
+            self.rows[dst] = moved
+        self.admissions.move(src, dst)
+
+    def swap(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` trade requests."""
+        self.check(a)
+        self.check(b)
+        self.apply.end()
+        self.jobs.discard()
+        ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
+        if ra is not None:
+            self.rows[b] = ra
+        if rb is not None:
+            self.rows[a] = rb
+        self.admissions.swap(a, b)

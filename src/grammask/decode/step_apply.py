@@ -6,12 +6,44 @@ draft positions along speculative drafts (``drafts``). Each ends the step: it wa
 step's fill. A later apply of the same step (vLLM 0.34's rejection sampler verifies a large
 speculative batch in request chunks, one apply each) takes that step's masks, as long as no
 step began and its rows are still theirs (``_Ended``).
+
+Speculative decoding: a row's masks along its draft tokens, from its committed state.
+
+Draft tokens are fed tentatively and rolled back, so the row keeps its committed state. The
+rules are vLLM's own: a position still inside the thinking section is free (all ones, or the
+marker-boundary guard); after a draft token the grammar refuses, every later position repeats
+the last valid mask (which already refuses that token, so the rejection sampler rejects it
+there and no later row is used); after a placeholder (negative id) positions are free; an
+errored row gets its error mask everywhere.
+
+``Drafts.place`` lays a batch's masks out for the apply (``step_apply``) as one row map into
+the step's bitmask: committed positions at their rows' own masks, so the step's CPU plan
+serves them, and draft and bonus positions in rows above those the step uses.
+
+Mask digests: each tensor-parallel rank records what it masked, so ranks can be compared.
+
+With tensor parallelism every rank applies its own masks, and the scheduler keeps rank 0's
+tokens. A rank whose mask differs leaves no trace in the text. Its sampled token is thrown
+away, and the next step feeds it rank 0's token again. Comparing the ranks' masks is the only
+way to see such a fault. A debug setting (``mask_digest_dir``) makes each rank append one
+line per masked row and step to ``rank<R>-<pid>.jsonl``:
+``{"key": ..., "mask": ...}``. ``key`` is a digest of the row's spec and of the output
+tokens it has consumed (what the mask is a function of, on every rank), ``mask`` a digest
+of the mask's bits. ``compare`` reads a directory: agreeing ranks have identical records.
+
+``fault=True`` (setting ``debug_mask_fault``, tests only) makes this rank's masks refuse the
+first token they allow, one token off, to show that the comparison catches it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,11 +53,10 @@ from .. import metrics
 from ..kernels.apply import apply_pairs
 from ..kernels.buffers import MaskBuffers
 from ..kernels.cpu_plan import CpuPlan, LogitsLayout
-from .digests import MaskDigests, row_key
-from .drafts import Drafts
+from .fill import RowMasks
+from .firstmask import FirstMasks
 from .rows import Row
-from .stepjob import StepJobs
-from .steptypes import StepMasks
+from .stepjob import DraftMasks, FillStats, StepJobs, StepMasks
 
 
 class Pairs(NamedTuple):
@@ -237,3 +268,211 @@ class StepApply:
         if ended is None or self._jobs.pending is not None or not ended.rows.issuperset(rows):
             return None
         return ended
+
+
+class Drafts:
+    """Fills draft positions on the host's thread (between the step's fill and the apply)."""
+
+    def __init__(self, first: FirstMasks, row_masks: RowMasks, stats: FillStats) -> None:
+        self.first = first
+        self.row_masks = row_masks
+        self.stats = stats
+
+    def place(self, table: dict[int, Row], masked: Sequence[int], bitmask: torch.Tensor,
+              base: int, rows: Sequence[int], positions: Sequence[int],
+              inputs: Sequence[int], sampling: set[int]) -> DraftMasks:
+        """Each row's masks along its drafts (``AlongDrafts``: logits row
+        ``i`` is row ``rows[i]`` at draft position ``positions[i]``, fed ``inputs[i]``), in
+        the step's ``bitmask``: a committed position at its row's own mask (``masked``: the
+        rows the step masked), the draft positions in rows ``base``, ``base + 1``, ... (above
+        every row of ``masked`` and ``rows``; the bitmask has one for each logits row).
+        ``sampling``: the rows of ``rows`` in ``table`` (the others are left alone)."""
+        ready = set(masked)
+        placed: dict[int, list[tuple[int, int]]] = {}
+        for at, (row, pos) in enumerate(zip(rows, positions, strict=True)):
+            if int(row) in sampling:
+                placed.setdefault(int(row), []).append((int(pos), at))
+        committed: list[tuple[int, int]] = []  # (mask row, logits row)
+        others: list[tuple[int, int, int]] = []  # (logits row, mask row, owner)
+        spare = base
+        stale = False
+        for row, spots in placed.items():
+            ats = [at for _, at in sorted(spots)]
+            if len(ats) > 1:
+                r = table[row]
+                errored = r.error is not None
+                if row not in ready:
+                    bitmask[row].fill_(-1)  # ``fill`` reads the committed mask here
+                mask_rows = [row, *range(spare, spare + len(ats) - 1)]
+                spare += len(ats) - 1
+                self.fill(r, [int(inputs[at]) for at in ats[1:]], bitmask, mask_rows)
+                others += [(at, m, row) for at, m in zip(ats[1:], mask_rows[1:], strict=True)]
+                if row not in ready or (r.error is not None) != errored:
+                    others.append((ats[0], row, row))  # unmasked by the step, or rewritten
+                    stale = stale or row in ready
+                    continue
+            if row in ready:
+                committed.append((row, ats[0]))
+        committed.sort()
+        pairs = [(at, row, row) for row, at in committed] + others
+        n = len(pairs)
+        return DraftMasks(np.fromiter((p[0] for p in pairs), np.intp, n),
+                          np.fromiter((p[1] for p in pairs), np.intp, n),
+                          np.fromiter((p[2] for p in pairs), np.intp, n), len(committed), stale)
+
+    def fill(self, r: Row, drafts: Sequence[int], out: torch.Tensor,
+             out_rows: Sequence[int]) -> None:
+        """``out[out_rows[k + 1]]`` gets the mask of the position after ``drafts[:k + 1]``;
+        ``out[out_rows[0]]`` already holds the committed position's (from ``wait_masks``, or
+        all ones for a row it did not list). Draft tokens are fed tentatively and rolled
+        back, so the row keeps its committed state. The rules are vLLM's own: a position
+        still inside the thinking section is free (all ones, or the marker-boundary guard);
+        after a draft token the grammar refuses, every later position repeats the last valid
+        mask (which already refuses that token, so the rejection sampler rejects it there and
+        no later row is used); after a placeholder (negative id) positions are free; an
+        errored row gets its error mask everywhere."""
+        fed = 0
+        gate = r.gate
+        opened = gate is not None and gate.thinking
+        thought = gate.thinking_tokens if gate is not None else 0
+        prev = out_rows[0]
+        refused = free = False
+        row_masks = self.row_masks
+        try:
+            for tid, target in zip(drafts, out_rows[1:], strict=True):
+                if r.error is not None:
+                    row_masks.error_or_free(out, target)
+                elif free or tid < 0:
+                    free = True
+                    out[target].fill_(-1)
+                elif refused:
+                    out[target].copy_(out[prev])
+                else:
+                    accepted, took = self._feed_tentatively(r, int(tid))
+                    fed += took
+                    if not accepted:
+                        refused = True
+                        out[target].copy_(out[prev])
+                    else:
+                        self._fill_position(r, out, target)
+                        prev = target
+        except Exception as exc:  # a bug of ours: this row alone ends
+            r.fail(f"speculative masks failed: {type(exc).__name__}: {exc}", cause="drafts")
+            for target in out_rows:
+                row_masks.error_or_free(out, target)
+        finally:
+            try:
+                if fed:
+                    assert r.matcher is not None
+                    r.matcher.rollback(fed)
+                if opened:  # every constrained token since is a draft's, undone above
+                    assert gate is not None
+                    gate.rollback(gate.thinking_tokens - thought, emptied=True)
+            except Exception as exc:
+                r.fail(f"undoing draft tokens failed: {type(exc).__name__}: {exc}",
+                       cause="drafts")
+
+    def _feed_tentatively(self, r: Row, tid: int) -> tuple[bool, int]:
+        """Feed one draft token: (accepted, matcher tokens taken). A token that ends
+        reasoning and is content (an implicit end) goes on to the matcher, as committed
+        tokens do (``Row.advance``)."""
+        gate = r.gate
+        if gate is not None and gate.thinking:
+            taken = gate.feed([tid])
+            if gate.leftover:  # would end the marker mid-token: refused
+                return False, 0
+            if not gate.thinking and r.matcher is None:
+                self.first.attach_all([r])  # thinking ends inside the window
+            if not taken:
+                return True, 0
+        if r.matcher is None:
+            return False, 0
+        accepted = r.matcher.accept(tid)
+        return accepted, int(accepted)
+
+    def _fill_position(self, r: Row, out: torch.Tensor, target: int) -> None:
+        if r.error is not None:
+            self.row_masks.error_or_free(out, target)
+        elif r.gate is not None and r.gate.thinking:
+            if not self.row_masks.guard(r.gate, out, target):
+                out[target].fill_(-1)
+        elif r.matcher is not None:
+            r.matcher.fill(out, target)
+            self.stats.rows_filled += 1
+        else:
+            out[target].fill_(-1)
+
+
+class MaskDigests:
+    """Appends (key, mask digest) lines for one rank; thread-safe, flushed per step."""
+
+    def __init__(self, directory: str | Path, rank: int, *, fault: bool = False) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path = self.directory / f"rank{rank}-{os.getpid()}.jsonl"
+        self.fault = fault
+        self._lock = threading.Lock()
+
+    def observe(self, bitmask: torch.Tensor, rows: Iterable[tuple[int, str]]) -> None:
+        """Record (and with ``fault``, first corrupt) ``bitmask`` rows about to be applied;
+        ``rows``: (bitmask row, key)."""
+        lines = []
+        for index, key in rows:
+            row = bitmask[index]
+            if self.fault:
+                _refuse_first_allowed(row)
+            digest = hashlib.blake2b(row.numpy().tobytes(), digest_size=12).hexdigest()
+            lines.append(json.dumps({"key": key, "mask": digest}) + "\n")
+        if lines:
+            with self._lock, self.path.open("a") as out:
+                out.writelines(lines)
+
+
+def row_key(spec_key: str, tokens: Iterable[int], backend: str = "") -> str:
+    """What a row's mask is a function of: its spec, the backend serving it and the output
+    tokens it consumed (two backends may allow different tokens at the same prefix: a
+    request served by the hedge or a fallback is keyed apart from one served as routed)."""
+    h = hashlib.blake2b(f"{spec_key}|{backend}".encode(), digest_size=12)
+    h.update(b"|" + ",".join(str(int(t)) for t in tokens).encode())
+    return h.hexdigest()
+
+
+def _refuse_first_allowed(row: torch.Tensor) -> None:
+    nonzero = row.nonzero().flatten()
+    if len(nonzero):
+        word = int(nonzero[0])
+        value = int(row[word])
+        row[word] = value & (value - 1)  # clears the lowest set bit
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What the ranks' digests say: ``shared`` keys seen by every rank, ``differing`` keys
+    whose masks differ, ``one_sided`` keys only some ranks saw (on vLLM's V1 runner each rank
+    appends its own sampled tokens, so a rank that masked differently drifts onto other
+    keys: agreeing ranks have identical records)."""
+
+    ranks: int
+    shared: int
+    differing: list[str]
+    one_sided: int
+
+    @property
+    def agree(self) -> bool:
+        return self.ranks > 1 and not self.differing and not self.one_sided
+
+
+def compare(directory: str | Path) -> Comparison:
+    """Compare the ``rank*.jsonl`` records in ``directory``."""
+    masks: dict[str, set[str]] = {}
+    seen: dict[str, set[str]] = {}
+    for path in sorted(Path(directory).glob("rank*.jsonl")):
+        rank = path.name.split("-", 1)[0]
+        for line in path.read_text().splitlines():
+            item = json.loads(line)
+            masks.setdefault(item["key"], set()).add(item["mask"])
+            seen.setdefault(item["key"], set()).add(rank)
+    ranks = len(set().union(*seen.values())) if seen else 0
+    shared = [k for k, r in seen.items() if len(r) == ranks]
+    return Comparison(ranks, len(shared), sorted(k for k in shared if len(masks[k]) > 1),
+                      sum(1 for r in seen.values() if len(r) < ranks))

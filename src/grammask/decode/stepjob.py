@@ -3,6 +3,22 @@ worker thread while the model's forward runs; collect the masks when the host ne
 
 A fill job's failures stay inside it: one row's (a refused token, a broken matcher) fail that
 row alone; a bug in the job itself fails the job's rows, never the host (``_contain``).
+
+Requests added to the batch, made into rows by the next fill job instead of on the host.
+
+A host adds new requests on its model runner's thread, right before the forward (vLLM's
+runners: ``update_state`` / ``add_request``). Making a row there (the request, its pending
+compile, its thinking gate, and giving the previous occupant's matcher back) costs a few
+microseconds a request on the forward's critical path, and a large batch of short requests
+starts many of them a step (docs/benchmarks.md, Figures: decode host path). Here an add is
+one dict entry on the host. The next fill job makes the rows on the fill thread, while the
+forward runs, and releases the rows that left.
+
+The decode step's data types, shared by the fill job, the apply and the host adapters.
+
+It imports nothing of the decode side, so every decode module may use these types without
+depending on another one's job (``stepjob``, ``drafts``, ``step_apply``); the apply's own
+types (``CpuPlan``, ``LogitsLayout``) are ``grammask.kernels.cpu_plan``.
 """
 
 from __future__ import annotations
@@ -10,25 +26,27 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import metrics
 from ..backends.base import Matcher
+from ..compile.compiler import Grammar
 from ..kernels.buffers import MaskBuffers
 from ..kernels.cpu_plan import CpuPlan, LogitsLayout, plan_cpu_apply
-from .admissions import Admissions, Queued
+from ..specs.grammar_spec import GrammarSpec
+from ..specs.request import ConstraintRequest
 from .engine_switch import EngineSwitch
-from .fill_worker import FillWorker, Ticket
-from .filler import Filler
+from .fill import Filler, FillWorker, RowMasks, Ticket
 from .firstmask import FirstMasks
-from .rowmasks import RowMasks
 from .rows import Row, Work, advance_all
-from .steptypes import FillStats, StepMasks
 
 log = logging.getLogger("grammask")
 
@@ -377,3 +395,133 @@ def _read_rows(step: Step, table: dict[int, Row], rows: list[int] | None,
         work.extend([(i, table[i], take(table[i], late)) for i in sorted(set(rows))
                      if i in table])
     step.late = bool(late)
+
+
+class Admission(NamedTuple):
+    """A request for a row: the request (None: the row stays unconstrained), its grammar
+    (compiled, a future of one, or None to compile now) and ``host_masks``
+    (``BatchProcessor.add``)."""
+
+    request: ConstraintRequest | GrammarSpec | None
+    grammar: Grammar | Future[Grammar] | None = None
+    host_masks: bool = False
+
+
+#: what a queued add holds: the admission, or how to make it (``BatchProcessor.add_later``)
+Resolve = Admission | Callable[[], Admission]
+
+
+class Queued(NamedTuple):
+    resolve: Resolve
+    prompt_ids: Sequence[int]
+    output_ids: list[int] | None
+
+
+#: makes a queued add's row (None: unconstrained); contains every failure in the row
+MakeRow = Callable[[Queued], Row | None]
+
+
+class Admissions:
+    """Adds not yet made into rows, and rows that left the batch not yet released.
+
+    The host thread owns ``queued`` and ``retired`` until ``hand_over`` gives both to a
+    fill job; ``admit`` (on the fill thread, or on the host's when it needs a row at once)
+    then makes the rows into the table."""
+
+    def __init__(self, make: MakeRow) -> None:
+        self._make = make
+        self.queued: dict[int, Queued] = {}
+        self.retired: list[Row] = []
+
+    def drop(self, row: int) -> Queued | None:
+        return self.queued.pop(row, None)
+
+    def move(self, src: int, dst: int) -> None:
+        entry = self.queued.pop(src, None)
+        self.queued.pop(dst, None)
+        if entry is not None:
+            self.queued[dst] = entry
+
+    def swap(self, a: int, b: int) -> None:
+        ea, eb = self.queued.pop(a, None), self.queued.pop(b, None)
+        if ea is not None:
+            self.queued[b] = ea
+        if eb is not None:
+            self.queued[a] = eb
+
+    def hand_over(self) -> tuple[dict[int, Queued], list[Row]] | None:
+        """The queued adds and retired rows, for one fill job (None: nothing to do);
+        the host starts new ones."""
+        if not self.queued and not self.retired:
+            return None
+        handed = self.queued, self.retired
+        self.queued, self.retired = {}, []
+        return handed
+
+    def admit(self, table: dict[int, Row], handed: tuple[dict[int, Queued], list[Row]]
+              ) -> None:
+        """Release the retired rows' matchers, then make the queued rows into ``table``
+        (in the order they were added)."""
+        queued, retired = handed
+        for r in retired:
+            r.release()
+        make = self._make
+        for row, entry in queued.items():
+            made = make(entry)
+            if made is not None:
+                table[row] = made
+
+    def admit_now(self, table: dict[int, Row]) -> None:
+        """Make every queued row now, on the calling (host) thread: a host asks about a
+        row, or masks it, before a fill job made it."""
+        handed = self.hand_over()
+        if handed is not None:
+            self.admit(table, handed)
+
+    def close(self) -> None:
+        """Release what is left (the processor closes)."""
+        for r in self.retired:
+            r.release()
+        self.queued, self.retired = {}, []
+
+
+class StepMasks(NamedTuple):
+    """A step's masks: the bitmask, the rows it masks (sorted), the CPU apply's plan."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    plan: CpuPlan | None  # None: none made, or stale
+
+
+@dataclass
+class FillStats:
+    """What the fill jobs did, for metrics, benchmarks and tests (``BatchProcessor.stats``).
+
+    Written by the fill thread and read by the host's: each field is one float or int, so a
+    read sees the last job's value or the one before, never a torn one."""
+
+    #: milliseconds the last job spent advancing matchers and filling
+    last_advance_ms: float = 0.0
+    last_fill_ms: float = 0.0
+    #: ... and expanding the masks into the CPU apply's plan (0: the job did not plan)
+    last_plan_ms: float = 0.0
+    #: mask rows filled by the backends so far (work done), drafts included
+    rows_filled: int = 0
+
+
+class DraftMasks(NamedTuple):
+    """A batch's masks at its speculative draft positions, as the apply takes them
+    (``drafts.Drafts.place``): one row map into one bitmask, the step's.
+
+    Logits row ``at[i]`` takes bitmask row ``rows[i]`` and belongs to processor row
+    ``owners[i]``. The first ``committed`` pairs are committed positions as the step masked
+    them (its CPU plan serves them); the others are draft and bonus positions (bitmask rows
+    above every row the step uses), and committed positions the step did not mask or whose
+    drafts rewrote them. ``stale``: a mask the step planned was rewritten (the plan no longer
+    holds)."""
+
+    at: np.ndarray[Any, np.dtype[np.intp]]
+    rows: np.ndarray[Any, np.dtype[np.intp]]
+    owners: np.ndarray[Any, np.dtype[np.intp]]
+    committed: int
+    stale: bool

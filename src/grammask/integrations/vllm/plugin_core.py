@@ -25,11 +25,10 @@ from typing import Any, Literal
 
 from ... import __version__, metrics
 from ...compile.compiler import Compiler, Grammar
-from ...decode.agreement import Agreement, Solo, tp_group_for_vllm
-from ...decode.cpu_placement import fill_cpus
-from ...decode.digests import MaskDigests
-from ...decode.filler import Filler
+from ...decode.fill import Filler, fill_cpus
+from ...decode.firstmask import Agreement, Solo, tp_group_for_vllm
 from ...decode.processor import Admission, BatchProcessor
+from ...decode.step_apply import MaskDigests
 from ...errors import CompileFailure, GrammarError, InvalidSpecError, ServerFault
 from ...specs.request import STAND_IN, ConstraintRequest
 from .admission import (

@@ -105,7 +105,7 @@ def _optional_int(value: object) -> int | None:
 def _cpus(value: object) -> str:
     """``auto``, ``none`` or a CPU list, kept as text (``cpu_placement.fill_cpus`` reads
     it; checked here)."""
-    from ...decode.cpu_placement import check_setting
+    from ...decode.fill import check_setting
 
     text = str(value).strip()
     check_setting(text)
@@ -178,7 +178,7 @@ SETTINGS: dict[str, tuple[Callable[[object], Any], str]] = {
     "disk_cache_mb": (_positive(int), "size bound of the disk cache, MiB"),
     "mask_digest_dir": (lambda v: str(v).strip(), "debug: each tensor-parallel rank appends "
                         "a digest of every mask it applies (per request and step) to a file "
-                        "here, to compare ranks (grammask.decode.digests.compare; empty: off)"),
+                        "here, to compare ranks (grammask.decode.step_apply.compare; empty: off)"),
     "debug_mask_fault_rank": (_rank, "debug, tests only: this tensor-parallel rank's masks "
                               "refuse one token they allow, to show the digests catch it "
                               "(-1: off)"),

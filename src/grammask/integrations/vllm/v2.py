@@ -44,14 +44,14 @@ import numpy as np
 import torch
 
 from ... import metrics
-from ...decode.admissions import Admission
 from ...decode.processor import BatchProcessor
 from ...decode.step_apply import AlongDrafts, Mapped
-from ...decode.token_watch import Items, SlotTokens, TokenWatch
+from ...decode.stepjob import Admission
 from ...kernels.apply import stop_only, warm_device_apply
 from ...specs.request import thinking_of
 from .faults import log_fault
 from .plugin_core import PluginCore
+from .token_watch import Items, SlotTokens, TokenWatch
 from .v2_device import CudaPort, DevicePort, TokenReader, unsampleable_id
 
 log = logging.getLogger("grammask")

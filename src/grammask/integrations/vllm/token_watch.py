@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import metrics
+from ... import metrics
 
 log = logging.getLogger("grammask")
 

@@ -8,9 +8,10 @@ xgrammar, interleaved in one run (issue 52).
 Each repeat starts from a cold compiler (the spec never seen): every row is a first request,
 so the router serves the spec's routed engine (llguidance for free text: xgrammar's compile
 of free text is slow) and the fill tuner compiles xgrammar in the background and compares
-both on a probe walk. With the switch on, once its verdict lands (``--verdict auto``: this
-machine's measurement; ``rival``: forced, to show the mechanism where this machine prefers
-llguidance) the running rows move to xgrammar a bounded number a step. Off, they stay; forced
+both along a running row's tokens (a probe walk where none came in time). With the switch
+on, once its verdict lands (``--verdict auto``: this machine's measurement; ``rival``:
+forced, to show the mechanism where this machine prefers llguidance) the running rows move
+to xgrammar a bounded number a step. Off, they stay; forced
 to xgrammar, the rows run on it from the start (its compile done before the timing).
 
 Every row walks a long instance (a note of ``--words`` words, a few hundred tokens) one token

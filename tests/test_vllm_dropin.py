@@ -28,7 +28,13 @@ from grammask import GrammarSpec
 from grammask.errors import GrammarError
 from grammask.integrations.vllm import admission as vllm_admission
 from grammask.integrations.vllm import compat as vllm_compat
-from grammask.integrations.vllm.dropin import DropIn, status, take_over, translate
+from grammask.integrations.vllm.dropin import (
+    DropIn,
+    bounded_lark_json,
+    status,
+    take_over,
+    translate,
+)
 from grammask.integrations.vllm.settings import Settings
 from grammask.specs.frontends import from_vllm
 from grammask.specs.request import ConstraintRequest, VllmReasoning, parse_extra_args
@@ -152,6 +158,25 @@ def test_bounded_whitespace_leaves_the_schemas_own_values_alone() -> None:
     obj = translate(StructuredOutputsParams(structural_tag=json.dumps(tag)), ON)
     content = json.loads(obj["structural_tag"])["format"]["tags"][0]["content"]
     assert content["json_schema"] == schema
+
+
+def test_a_lark_grammars_json_arguments_get_json_dumps_separators(compiler: Any) -> None:
+    """A lark grammar's ``%json`` (Mistral's forced calls) takes whitespace without bound in
+    llguidance: the drop-in sets ``json.dumps``'s separators on each one that sets no
+    ``x-guidance`` of its own; one that does, and text that is no JSON object, stay."""
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}
+    lark = 'start: "<" %json ' + json.dumps(schema) + ' ">"\n'
+    obj = translate(StructuredOutputsParams(grammar=lark), ON)
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = compiler.compile(GrammarSpec.grammar(grammar, syntax="lark")).matcher()
+        return all(matcher.accept(t) for t in compiler.vocab.encode(text))
+
+    assert accepts(obj["grammar"], '<{"n": 1}>')
+    assert not accepts(obj["grammar"], '<{"n"   : 1}>') and accepts(lark, '<{"n"   : 1}>')
+    own = 'start: %json {"x-guidance": {"whitespace_flexible": true}, "type": "object"}'
+    assert bounded_lark_json(own) == own
+    assert bounded_lark_json('start: %json {"type": ') == 'start: %json {"type": '
 
 
 def test_extra_properties_are_closed_even_when_vllm_would_allow_them() -> None:

@@ -190,11 +190,36 @@ def _blank(vocab: Vocabulary) -> np.ndarray:
 POLICIES: dict[str, Policy] = {"uniform": uniform, "longest": longest, "spacious": spacious}
 
 
+def capped(policy: Policy, token: int, most: int) -> Policy:
+    """``policy`` until it has chosen ``token`` ``most`` times, then a stop token wherever
+    one is allowed: for a grammar that repeats a call without bound (Mistral's
+    ``(call)+``), whose longest walks would otherwise never end."""
+    chosen = 0
+
+    def pick(allowed: np.ndarray, vocab: Vocabulary, rng: random.Random) -> int:
+        nonlocal chosen
+        stops = allowed[np.isin(allowed, vocab.stop_ids)]
+        if chosen >= most and len(stops):
+            return int(stops[0])
+        out = policy(allowed, vocab, rng)
+        chosen += out == token
+        return out
+
+    return pick
+
+
 def texts(matcher_of: Callable[[], Matcher], vocab: Vocabulary, *, seed: int, walks: int,
-          steps: int) -> Iterator[tuple[str, str, bool]]:
-    """(policy, text, ended) for ``walks`` walks of each policy."""
+          steps: int, policies: Callable[[], dict[str, Policy]] | None = None,
+          decode: Callable[[list[int]], str] | None = None
+          ) -> Iterator[tuple[str, str, bool]]:
+    """(policy, text, ended) for ``walks`` walks of each policy (``POLICIES``, or a fresh
+    ``policies()`` for each walk); the text is ``decode`` of the tokens (default: the
+    vocabulary's bytes as UTF-8)."""
     rng = random.Random(seed)
-    for name, policy in POLICIES.items():
+    for name in (policies() if policies else POLICIES):
         for _ in range(walks):
+            policy = (policies() if policies else POLICIES)[name]
             tokens, ended = walk(matcher_of(), vocab, policy, rng, steps=steps)
-            yield name, vocab.decode(tokens).decode("utf-8", "replace"), ended
+            text = (decode(tokens) if decode is not None
+                    else vocab.decode(tokens).decode("utf-8", "replace"))
+            yield name, text, ended

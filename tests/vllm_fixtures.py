@@ -170,6 +170,41 @@ def _build_tiny(out: Path) -> None:
         {"bos_token_id": eos, "eos_token_id": [im_end, eos], "pad_token_id": eos}))
 
 
+#: where a v11 Tekken file (Mistral Small 3.2, Devstral Small 1.1) puts the special tokens
+#: a tool call needs beyond the 20 of mistral_common's defaults
+_MISTRAL_V11_SPECIALS = {32: "[ARGS]", 33: "[CALL_ID]"}
+_MISTRAL_LAYOUT = "tekken-v11-v1"
+
+
+@lru_cache(maxsize=1)
+def mistral_dir() -> Path:
+    """A Mistral-format model dir (``tekken.json`` only) that vLLM's ``MistralTokenizer``
+    loads as a grammar-capable v11 Tekken tokenizer: the real Tekken vocabulary that
+    ``mistral_common`` ships (``data/tekken_240911.json``: 150,000 byte-level BPE ranks, of
+    which the file's ``default_vocab_size`` 131,072 less 1,000 special ids are used) with
+    ``config.version`` ``"v11"`` and the ``special_tokens`` list of a v11 file: the 20
+    defaults (``<unk>``, ``<s>``, ``</s>``, ... ``[TOOL_CALLS]`` = 9), ``<SPECIAL_i>``
+    fillers, ``[ARGS]`` = 32, ``[CALL_ID]`` = 33 (Tekken fills the rest up to 1,000)."""
+    return _built(_MISTRAL_LAYOUT, _build_mistral)
+
+
+def _build_mistral(out: Path) -> None:
+    import mistral_common
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    data = json.loads((Path(mistral_common.__file__).parent / "data" /
+                       "tekken_240911.json").read_text())
+    specials = [{"rank": t["rank"], "token_str": str(t["token_str"].value),
+                 "is_control": True} for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    for rank in range(len(specials), max(_MISTRAL_V11_SPECIALS) + 1):
+        specials.append({"rank": rank, "is_control": True,
+                         "token_str": _MISTRAL_V11_SPECIALS.get(rank, f"<SPECIAL_{rank}>")})
+    data["special_tokens"] = specials
+    data["config"]["version"] = "v11"
+    (out / "tekken.json").write_text(json.dumps(data, ensure_ascii=False))
+    (out / "config.json").write_text("{}")  # ``_built``'s mark of a finished dir
+
+
 def vllm_config(*, max_num_seqs: int = 4, logits_processors: list[str] | None = None,
                 additional_config: dict[str, Any] | None = None, tiny: bool = False) -> Any:
     """A fresh ``VllmConfig`` for the offline model (CPU: V1 runner, no async scheduling);

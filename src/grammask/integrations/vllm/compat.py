@@ -158,6 +158,8 @@ def unserved(config: Any, runner: Literal["v1", "v2"] | None = None) -> str:
     if getattr(getattr(config, "model_config", None), "skip_tokenizer_init", False):
         return ("--skip-tokenizer-init: grammask builds its masks from the model's tokenizer, "
                 "which vLLM does not load")
+    if why := _unread_tokenizer(getattr(config, "model_config", None)):
+        return why
     if why := _drops_masked_samples(config):
         return why
     if not _on_v1(config, runner):
@@ -173,6 +175,28 @@ def unserved(config: Any, runner: Literal["v1", "v2"] | None = None) -> str:
                 "of its output tokens only when --logits-processors is non-empty; start with "
                 "`--logits-processors grammask.integrations.vllm.plugin:"
                 "GrammaskLogitsProcessor`, or --no-async-scheduling, or the V2 model runner")
+    return ""
+
+
+def _unread_tokenizer(model_config: Any) -> str:
+    """Why grammask cannot read this model's token bytes (empty: it can): a Mistral
+    SentencePiece tokenizer (``--tokenizer-mode mistral`` on an older Mistral model), whose
+    bytes ``compiler.mistral_vocabulary`` does not read; masks over wrong bytes would be
+    silent violations, so vLLM's engine serves it. The tokenizer is vLLM's cached one (a
+    config whose tokenizer cannot be loaded counts as readable: vLLM's own start-up fails
+    on it)."""
+    if getattr(model_config, "tokenizer_mode", None) not in ("mistral", "auto"):
+        return ""
+    try:
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tokenizer = cached_tokenizer_from_config(model_config)
+    except Exception:
+        return ""
+    if getattr(type(tokenizer), "IS_MISTRAL_TOKENIZER", False) and not getattr(
+            tokenizer, "is_tekken", False):
+        return ("a Mistral SentencePiece tokenizer (tokenizer_mode=mistral): grammask reads "
+                "Hugging Face and Mistral Tekken tokenizers; --tokenizer-mode hf serves it")
     return ""
 
 

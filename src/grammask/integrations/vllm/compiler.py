@@ -60,9 +60,54 @@ def vocabulary_from_vllm(model_config: Any) -> Vocabulary:
             if isinstance(tid, int) and 0 <= tid < n_tokens and tid not in stops:
                 stops.append(tid)
     vocab_size = max(int(model_config.get_vocab_size()), n_tokens)
+    if getattr(type(tokenizer), "IS_MISTRAL_TOKENIZER", False):  # vllm.utils.mistral's test
+        return mistral_vocabulary(tokenizer, vocab_size=vocab_size, stop_ids=stops,
+                                  name=str(model_config.tokenizer))
     return Vocabulary.from_huggingface(tokenizer, vocab_size=vocab_size,
                                        stop_ids=stops or None,
                                        name=str(model_config.tokenizer))
+
+
+def mistral_vocabulary(tokenizer: Any, *, vocab_size: int, stop_ids: list[int],
+                       name: str) -> Vocabulary:
+    """The vocabulary of vLLM's ``MistralTokenizer`` (``--tokenizer-mode mistral``), read
+    from its Tekken tokenizer (``mistral_common``'s ``Tekkenizer``), not from ``get_vocab``.
+
+    Why not the Hugging Face path (which also cannot tell how such a tokenizer spells its
+    bytes, and refuses it): a ``MistralTokenizer`` spells each token by its decoded text, so
+    the byte tokens ``0x80``..``0xFF`` and every other token holding part of a character
+    read ``"\ufffd"`` (1,435 of the 131,072 ids of ``mistral_common``'s Tekken file), and
+    ``get_vocab`` keeps one id per spelling (1,028 ids missing).
+
+    Contract: token ``i`` is the Tekkenizer's own bytes for it (``id_to_byte_piece``); the
+    special tokens (ids below ``num_special_tokens``: ``<s>``, ``</s>``, ``[TOOL_CALLS]``,
+    ``[ARGS]``, ...) are special, spelled as Mistral spells them; ``encode`` is Tekken's
+    (special-token text is plain text); the thinking end is ``[/THINK]`` where it is a
+    special token (v13+). Grammars name Mistral's special tokens by id (``<[9]>``, as
+    ``mistral_common``'s ``GrammarFactory`` writes them) or by this text.
+
+    A SentencePiece Mistral tokenizer (older models, ``is_spm``) raises ``RuntimeError``:
+    its byte tokens and ``▁`` spaces are not checked here, and grammask stands aside rather
+    than serve masks over wrong token bytes."""
+    if not getattr(tokenizer, "is_tekken", False):
+        raise RuntimeError(
+            f"grammask supports Hugging Face tokenizers and Mistral's Tekken tokenizers, got "
+            f"a SentencePiece {type(tokenizer).__name__} (tokenizer_mode=mistral): use "
+            "--tokenizer-mode hf, or disable grammask (GRAMMASK_ENABLED=0)")
+    tekken = tokenizer.tokenizer
+    n_special = int(tekken.num_special_tokens)
+    tokens = [str(tekken.id_to_piece(i)).encode() if i < n_special
+              else bytes(tekken.id_to_byte_piece(i)) for i in range(int(tekken.n_words))]
+    special = range(n_special)
+    stops = stop_ids or [int(tekken.eos_id)]
+
+    def encode(text: str) -> list[int]:
+        return list(tekken.encode(text, bos=False, eos=False))
+
+    think = "[/THINK]" if tekken.is_special("[/THINK]") else None
+    return Vocabulary(tokens, special_ids=special, stop_ids=stops,
+                      vocab_size=max(vocab_size, len(tokens)), name=name, encode=encode,
+                      think_end=think)
 
 
 _COMPILERS: dict[tuple[Any, ...], Compiler] = {}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,8 @@ def translate(so: Any, drop: DropIn, tag: str | None = None) -> dict[str, Any]:
                                      f"{exc.colno}") from None
     if kind == "structural_tag" and drop.compact_json:
         value = bounded_whitespace(value)
+    if kind == "grammar" and drop.compact_json and isinstance(value, str):
+        value = bounded_lark_json(value)
     out: dict[str, Any] = {kind: value}
     if kind in ("json", "json_object"):
         pattern = getattr(so, "whitespace_pattern", None)
@@ -198,6 +201,39 @@ def bounded_whitespace(tag: Any) -> Any:
     except RecursionError:  # absurdly deep: left as it is, the spec check refuses it
         return tag
     return json.dumps(bounded, ensure_ascii=False) if isinstance(tag, str) else bounded
+
+
+#: llguidance's JSON options for a lark grammar's ``%json`` without any: the separators of
+#: ``json.dumps``, which is how ``mistral_common`` writes a call's arguments into the prompts
+#: Mistral's models learn from (``{"a": 1, "b": 2}``). Not a bound of one whitespace
+#: character, as structural tags get: llguidance 1.7's ``whitespace_pattern`` holds only
+#: in some places of a ``%json`` (after an enum key, runs of any length pass)
+LARK_JSON_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ",
+                        "key_separator": ": "}
+_LARK_JSON = re.compile(r"%json\s*(?=\{)")
+
+
+def bounded_lark_json(grammar: str) -> str:
+    """The lark grammar with ``LARK_JSON_WHITESPACE`` set on each ``%json`` schema that sets
+    no ``x-guidance`` of its own (Mistral's tool parser writes its calls' arguments so:
+    llguidance then takes whitespace without bound, and a weak model writes it until
+    ``max_tokens``). Anything that does not read as a JSON object is left as it is."""
+    decoder = json.JSONDecoder()
+    out, at = [], 0
+    for found in _LARK_JSON.finditer(grammar):
+        start = found.end()
+        if start < at:
+            continue
+        try:
+            schema, end = decoder.raw_decode(grammar, start)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if not isinstance(schema, dict) or "x-guidance" in schema:
+            continue
+        schema["x-guidance"] = dict(LARK_JSON_WHITESPACE)
+        out += [grammar[at:start], json.dumps(schema, ensure_ascii=False)]
+        at = end
+    return "".join(out) + grammar[at:] if out else grammar
 
 
 #: vLLM's decision for a request: constrained from its first token (True), or reasoning as

@@ -376,7 +376,7 @@ class _FirstOnly:
 
 def vocab_for(side: Side) -> Any:
     """grammask's vocabulary of the model (its default thinking marker: ``</think>``)."""
-    from grammask.integrations.vllm.compiler import vocabulary_from_vllm
+    from grammask.integrations.vllm.process import vocabulary_from_vllm
 
     return vocabulary_from_vllm(side.config.model_config)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grammask import Compiler, Grammar, GrammarSpec, Mapped, Vocabulary
-from grammask.decode.processor import Admission, BatchProcessor
+from grammask.decode.processor import Arrival, BatchProcessor
 from grammask.decode.rows import RowMaker
 
 from .helpers import PATIENT, RawReference
@@ -58,9 +58,9 @@ def test_rows_are_made_on_the_fill_thread(compiler: Compiler, grammars: list[Gra
     monkeypatch.setattr(RowMaker, "make", spy)
     resolved_on: list[int] = []
 
-    def resolve() -> Admission:
+    def resolve() -> Arrival:
         resolved_on.append(threading.get_ident())
-        return Admission(CHOICES[1], grammars[1])
+        return Arrival(CHOICES[1], grammars[1])
 
     with BatchProcessor(compiler, max_batch=2, think_end=None, **PATIENT) as proc:
         proc.add(0, CHOICES[0], grammar=grammars[0])
@@ -101,13 +101,13 @@ def test_a_failing_resolve_errors_its_row_alone(
     """A host's ``resolve`` that raises, or returns something that is not a request, errors
     that row (stop tokens only); an unconstrained answer leaves the row free; the others
     are masked as usual."""
-    def broken() -> Admission:
+    def broken() -> Arrival:
         raise KeyError("lost params")
 
     with BatchProcessor(compiler, max_batch=4, think_end=None, **PATIENT) as proc:
         proc.add_later(0, broken)
-        proc.add_later(1, lambda: Admission(42))  # type: ignore[arg-type]
-        proc.add_later(2, lambda: Admission(None))
+        proc.add_later(1, lambda: Arrival(42))  # type: ignore[arg-type]
+        proc.add_later(2, lambda: Arrival(None))
         proc.add(3, CHOICES[0], grammar=grammars[0])
         logits = masks(proc, 4, qwen25)
         stops = sorted(qwen25.stop_ids)
@@ -178,9 +178,9 @@ def test_add_later_refuses_what_it_cannot_call(compiler: Compiler) -> None:
     and the batch is as before."""
     with BatchProcessor(compiler, max_batch=2, think_end=None, **PATIENT) as proc:
         with pytest.raises(TypeError, match="callable"):
-            proc.add_later(0, Admission(CHOICES[0]))  # type: ignore[arg-type]
+            proc.add_later(0, Arrival(CHOICES[0]))  # type: ignore[arg-type]
         with pytest.raises(IndexError):
-            proc.add_later(2, lambda: Admission(None))
+            proc.add_later(2, lambda: Arrival(None))
         assert proc.rows == [] and not proc.has_rows
 
 

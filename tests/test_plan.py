@@ -156,7 +156,7 @@ def test_rank_invariant_compilers_do_not_fall_back_on_timing(
 
 
 def test_check_walks_the_plan(qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Admission refuses exactly what no attempt could serve: when the routed backend's check
+    """Arrival refuses exactly what no attempt could serve: when the routed backend's check
     refuses, the next attempt of the plan that passes is the answer."""
     compiler = Compiler(qwen25, backend="auto")
     spec = GrammarSpec.json_schema(FREE_TEXT)

@@ -262,7 +262,7 @@ def test_strict_mode_refuses_unenforced_keywords_at_admission(
 
 def test_disk_cache_setting_resolves_to_a_directory(tmp_path: Path) -> None:
     from grammask.backends.diskcache import default_cache_dir
-    from grammask.integrations.vllm.compiler import disk_cache_dir
+    from grammask.integrations.vllm.process import disk_cache_dir
 
     assert disk_cache_dir(load_settings(None, {})) == default_cache_dir()  # on by default
     assert disk_cache_dir(load_settings(None, {"GRAMMASK_DISK_CACHE": "off"})) is None

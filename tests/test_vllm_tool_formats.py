@@ -251,7 +251,7 @@ def mistral() -> Iterator[tuple[Any, Vocabulary, Any]]:
     import vllm.tokenizers
     from vllm.tokenizers.mistral import MistralTokenizer
 
-    from grammask.integrations.vllm.compiler import vocabulary_from_vllm
+    from grammask.integrations.vllm.process import vocabulary_from_vllm
 
     tok = MistralTokenizer.from_pretrained(str(mistral_dir()))
     assert tok.supports_grammar and tok.version == 11
@@ -296,7 +296,7 @@ def test_mistral_sentencepiece_tokenizer_is_refused(monkeypatch: pytest.MonkeyPa
     import vllm.tokenizers
 
     from grammask.integrations.vllm import compat
-    from grammask.integrations.vllm.compiler import mistral_vocabulary
+    from grammask.integrations.vllm.process import mistral_vocabulary
 
     spm = type("MistralTokenizer", (), {"IS_MISTRAL_TOKENIZER": True, "is_tekken": False,
                                         "is_spm": True})()

@@ -31,7 +31,7 @@ Semantics shared by both backends (tests/test_matcher_contract.py holds both to 
   ``BatchGrammarMatcher``, llguidance ``LLExecutor``) under the same bitmask checks as
   ``fill``, and ``batch_accept(matchers, tokens)``, one token each, as ``accept`` would.
   Both exist so that the fill thread's work is a few native calls that release the GIL, not
-  Python per row: a model runner's busy thread would otherwise starve it. ``masks.Filler``
+  Python per row: a model runner's busy thread would otherwise starve it. ``decode.fill.Filler``
   and ``rows.advance_all`` group matchers by class; they never see a concrete class.
 - ``native`` (both adapters) is the backend's own matcher, for the batch-parallel fills
   (and benchmarks) only: a caller must not advance it (the adapter's counters would go stale).

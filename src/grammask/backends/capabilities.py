@@ -4,7 +4,7 @@ through these names (never by probing attributes).
 
 - ``BatchCalls``: its matcher class fills and advances many rows in a few native calls.
 - ``FillLanes``: beside ``BatchCalls``, its rows' fills take turns on locks that rows share;
-  the caller places the rows on fill threads by lock (``decode.fill_placement``).
+  the caller places the rows on fill threads by lock (``decode.fill.place_fills``).
 - ``DiskBackend``: its adapter stores compiled grammars in grammask's disk cache (through a
   ``diskcache.DiskCodec`` of its own).
 - ``Warnings``: its compiled grammar says what it ignored (a lenient compile's report).
@@ -55,7 +55,7 @@ class FillLanes(Protocol):
     """A ``BatchCalls`` matcher class whose fills take turns on locks that several rows
     share (llguidance: the copies of one template share its lexer), so that its rows fill
     on several threads only when placed by lock: the caller asks the backend for each row's
-    lock group and lane (``fill_lanes``), places them (``decode.fill_placement``: backend
+    lock group and lane (``fill_lanes``), places them (``decode.fill.place_fills``: backend
     knowledge stays here, the policy there) and hands the backend the shares
     (``fill_shares``), which moves the rows placed on another lane and fills natively."""
 

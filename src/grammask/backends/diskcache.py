@@ -60,7 +60,7 @@ DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
 #: Temporary files older than this are a crashed writer's: removed by the eviction scan.
 STALE_TMP_S = 3600.0
 #: Writes waiting for the writer thread beyond this are dropped (the cache is a bonus).
-MAX_PENDING = 64
+MAX_QUEUED_WRITES = 64
 #: Serialized on the writer thread only when the grammar is this small and its
 #: ``oneOf``/``anyOf`` nest at most ``INLINE_DEPTH`` deep; anything else goes to a child. The
 #: serializer's peak is many times its JSON, itself a multiple of the grammar, and more with
@@ -200,7 +200,7 @@ class DiskCache:
         self.last_write: dict[str, Any] | None = None
         self.enabled = False
         self._cond = threading.Condition()
-        self._pending: list[Callable[[], None]] = []
+        self._writes: list[Callable[[], None]] = []
         self._busy = False
         self._thread: threading.Thread | None = None
         self._approx: int | None = None
@@ -358,9 +358,9 @@ class DiskCache:
         if not self.enabled:
             return False
         with self._cond:
-            if len(self._pending) >= MAX_PENDING:
+            if len(self._writes) >= MAX_QUEUED_WRITES:
                 return False
-            self._pending.append(work)
+            self._writes.append(work)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._write_loop,
                                                 name="grammask-disk-cache", daemon=True)
@@ -370,12 +370,12 @@ class DiskCache:
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                if not self._pending:
+                if not self._writes:
                     self._busy = False
                     self._thread = None
                     self._cond.notify_all()
                     return
-                work = self._pending.pop(0)
+                work = self._writes.pop(0)
                 self._busy = True
             try:
                 work()
@@ -385,7 +385,7 @@ class DiskCache:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted write is on disk; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._busy
+            return self._cond.wait_for(lambda: not self._writes and not self._busy
                                        and self._thread is None, timeout)
 
     def report(self, report: dict[str, Any], what: str) -> None:

@@ -190,7 +190,7 @@ class GuidanceMatcher(BackendMatcher):
         """Fill many rows on the calling thread, in one native call (the GIL released
         throughout). ``threads`` is not read: several threads take the rows placed by lock
         first (``fill_lanes`` and ``fill_shares``: ``capabilities.FillLanes``), which is the
-        caller's to do (``decode.fill_placement``).
+        caller's to do (``decode.fill.place_fills``).
 
         One thread: one LLExecutor call, not a fill per row. Alone on the machine the
         per-row fills are faster (the executor's thread runs on cold caches), but each lets

@@ -90,7 +90,7 @@ class BackendInfo:
     #: hand-off to a compile worker (the hand-off is what lets a deadline abandon a compile;
     #: it costs a small share of a cold llguidance compile). Bounded is not short (a large
     #: choice compiles for seconds), so a large spec's goes to a worker all the same
-    #: (``compile_slots.may_run_here``; docs/benchmarks.md, Figures: compile routing).
+    #: (``compile.slots.may_run_here``; docs/benchmarks.md, Figures: compile routing).
     bounded_compile: bool = False
     #: process memory per cached grammar = scale * the grammar's ``memory_bytes`` + base
     #: (measured with bench/stress.py --calibrate)

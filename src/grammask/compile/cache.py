@@ -50,7 +50,7 @@ class CompileCache:
         self._failed: OrderedDict[str, tuple[float, GrammarError]] = OrderedDict()
         self._plans: OrderedDict[str, Plan] = OrderedDict()
         self._planned_with: tuple[BackendInfo, ...] = ()
-        self.trim_pending = False  # enough memory was freed since the last trim
+        self.trim_wanted = False  # enough memory was freed since the last trim
         self._last_trim = 0.0
         self._inserted = 0  # grammar bytes inserted since the last trim
         self._urgent = False  # a long compile's scratch: trim without waiting the interval
@@ -70,13 +70,13 @@ class CompileCache:
         """Keep a grammar, evicting the least recent ones past the byte budget; False when it
         does not fit."""
         if grammar.compile_ms >= TRIM_AFTER_COMPILE_MS and not grammar.from_disk:
-            self.trim_pending = self._urgent = True
+            self.trim_wanted = self._urgent = True
         size = grammar.memory_bytes
         if size > self.max_bytes:
             return False
         self._inserted += size  # compile scratch, freed but not yet returned
         if self._inserted >= TRIM_AFTER_BYTES:
-            self.trim_pending = True
+            self.trim_wanted = True
         old = self._grammars.pop(key, None)
         if old is not None:
             self.used -= old.memory_bytes
@@ -86,7 +86,7 @@ class CompileCache:
             _, evicted = self._grammars.popitem(last=False)
             self.used -= evicted.memory_bytes
             self.stats.evictions += 1
-            self.trim_pending = True
+            self.trim_wanted = True
         return True
 
     def __len__(self) -> int:
@@ -150,14 +150,14 @@ class CompileCache:
     # --------------------------------------------------------------------------- trims
     def trim_due(self, now: float) -> bool:
         """Memory was freed or allocated, and the last heap trim is a while ago."""
-        return self.trim_pending and (self._urgent or now - self._last_trim >= TRIM_INTERVAL_S)
+        return self.trim_wanted and (self._urgent or now - self._last_trim >= TRIM_INTERVAL_S)
 
     def take_trim(self, now: float, force: bool = False) -> bool:
         """Whether to return freed memory to the OS now (at most once a ``TRIM_INTERVAL_S``
         unless forced); a yes counts as done."""
         if not force and not self.trim_due(now):
             return False
-        self.trim_pending = self._urgent = False
+        self.trim_wanted = self._urgent = False
         self._inserted = 0
         self._last_trim = now
         self.stats.trims += 1

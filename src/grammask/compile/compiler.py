@@ -2,19 +2,19 @@
 an LRU and one deadline per request. Each job is its own module; this one coordinates them:
 
 - the plan: asked of the router once per spec key (``router.plan``), run in order by
-  ``attempts.PlanRunner`` (each attempt in its mode, within its share of the time left, on
-  its backend's compile slots: ``compile_slots``). Nothing here picks a backend or a mode
+  ``plan_runner.PlanRunner`` (each attempt in its mode, within its share of the time left, on
+  its backend's compile slots: ``slots``). Nothing here picks a backend or a mode
   (data flows one way: router -> compiler -> backend);
 - single flight and the deadline (``flights``): N concurrent requests for one key share one
   compile, each caller with a future of its own; a reaper settles any request still pending
   ``timeout_s`` after submission (slot waits, the routed backend and its fallbacks);
-- memory (``compile_cache``): an LRU bounded by calibrated bytes, a bounded negative cache
+- memory (``cache``): an LRU bounded by calibrated bytes, a bounded negative cache
   that expires (only the request's own errors go there), plans per key; freed memory goes
   back to the OS (``trim_heap``);
 - a compile that may run long (a large spec, or an unbounded backend's: xgrammar's) runs on a
   compile worker, because a runaway native compile cannot be killed, only *abandoned*
   (``max_abandoned`` per backend bounds what runaways hold); a small spec of a bounded
-  backend compiles on the requesting thread (``compile_slots.may_run_here``);
+  backend compiles on the requesting thread (``slots.may_run_here``);
 - the disk (``disk_cache_dir``, off by default; ``diskcache``): tried inside the request's
   flight before compiling; a compile (a late one too) is written in the background;
 - fill tuning (``filltune``), after a request is served.

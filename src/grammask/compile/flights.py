@@ -240,7 +240,7 @@ class Flights:
         """Settle every pending flight with ``error`` and stop watching deadlines (the
         service closed, so ``lookup`` registers no new flight)."""
         with self._lock:
-            pending = list(self._inflight.values())
-        for flight in pending:
+            left = list(self._inflight.values())
+        for flight in left:
             self.resolve(flight, error=error)
         self._reaper.stop()

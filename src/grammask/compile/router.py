@@ -24,7 +24,7 @@ policy:
 ``plan`` turns the decision into the ordered attempts a compile runs (fallbacks, lenient
 retries, budget shares, the hedge a batch processor may start) from the same single walk of
 the schema; the compiler carries it out and never asks again. Plans are kept by the
-compiler's cache (``compile_cache``), per spec key: the router keeps nothing.
+compiler's cache (``compile.cache``), per spec key: the router keeps nothing.
 """
 
 from __future__ import annotations

@@ -80,16 +80,16 @@ def warm(compiler: Compiler, directory: str | Path, *, any_whitespace: bool = Tr
     if not root.is_dir():
         raise GrammarError(f"warm-up directory {str(root)!r} does not exist or is not a "
                            "directory", where=str(root))
-    pending: list[tuple[Path, GrammarSpec | None, Future[Grammar] | None, str | None]] = []
+    started: list[tuple[Path, GrammarSpec | None, Future[Grammar] | None, str | None]] = []
     for path in sorted(p for p in root.iterdir() if p.is_file()):
         try:
             spec = spec_of_file(path, any_whitespace=any_whitespace)
             future = compiler.compile_async(spec) if spec is not None else None
-            pending.append((path, spec, future, None))
+            started.append((path, spec, future, None))
         except (GrammarError, ServerFault, ValueError, UnicodeDecodeError, OSError) as exc:
-            pending.append((path, None, None, _message(exc)))
+            started.append((path, None, None, _message(exc)))
     results = []
-    for path, spec, future, error in pending:
+    for path, spec, future, error in started:
         result = _outcome(path, spec, future, error)
         results.append(result)
         if progress is not None:

@@ -53,13 +53,13 @@ pin its workers to their compute cores (vLLM's CPU platform): a GPU worker bound
 node is where its memory is, and is left as it is.
 
 Batch-parallel fills (``Filler``): the fill side of a step (``grammask.kernels.apply``
-masks the logits; buffers are ``grammask.kernels.buffers``, the thread ``fill_worker``).
+masks the logits; buffers are ``grammask.kernels.buffers``, the thread ``FillWorker``).
 
 ``Filler`` fills a set of rows through the backends' batch calls (``BatchCalls``:
 xgrammar ``BatchGrammarMatcher``, llguidance ``LLExecutor``), on the backend's threads from
-``parallel_min`` rows of one backend, on the fill thread (``fill_worker``). A backend whose
+``parallel_min`` rows of one backend, on the fill thread (``FillWorker``). A backend whose
 fills take turns on shared locks (``FillLanes``: llguidance) has its rows placed on threads
-here, by lock (``fill_placement``), and fills the shares it is handed.
+here, by lock (``place_fills``), and fills the shares it is handed.
 
 Masks of rows their grammar does not fill: errored rows and thinking rows.
 
@@ -440,7 +440,7 @@ class Filler:
         ``parallel_min`` rows, on this thread below that (one native call, the
         GIL released, still cheaper than a Python loop: the backend keeps the per-row
         choice). On several threads, a class with ``FillLanes`` tells its rows' locks and
-        lanes, the rows are placed on threads here (``fill_placement``) and it fills the
+        lanes, the rows are placed on threads here (``place_fills``) and it fills the
         shares. Terminated matchers of those classes (only stop tokens allowed) are copied
         in bulk (``fill_stop_only``); lone rows and other classes take their own ``fill``."""
         groups: BatchFills = {}

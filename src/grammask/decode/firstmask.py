@@ -13,7 +13,7 @@ is not compiled at its first mask, the whole batch waits. So the wait is bounded
 - With tensor parallelism each rank shares its view (``Agreement``) and ``decide`` turns the
   gathered views into one outcome, identical on every rank.
 
-``FirstMasks`` runs it: it starts each row's compile (``pending``) and, on the fill thread,
+``FirstMasks`` runs it: it starts each row's compile (``compiles``) and, on the fill thread,
 gives the rows that need a mask now their grammar (``attach_all``).
 
 Agreement across tensor-parallel ranks on decisions that depend on timing.
@@ -22,7 +22,7 @@ With tensor parallelism every rank runs its own processor and must write identic
 row's first mask depends on *when* its grammar is ready (which backend finished first, whether
 the first-mask budget ran out), and clocks and thread schedules differ between ranks. So each
 rank shares its local view and every rank applies one pure decision function to the gathered
-views (``pending.decide``): the same input on every rank gives the same outcome.
+views (``rows.decide``): the same input on every rank gives the same outcome.
 
 - ``Solo``: one process, nothing to exchange.
 - ``TorchGroup``: an all-gather of small int64 vectors over a gloo process group (the
@@ -57,7 +57,7 @@ from .rows import (
     wait_for_change,
 )
 
-#: pending states kept for grammars given to ``pending`` (``FirstMasks._ready``)
+#: pending states kept for grammars given to ``compiles`` (``FirstMasks._ready``)
 READY_GRAMMARS = 256
 
 
@@ -76,7 +76,7 @@ class FirstMasks:
         self.agreement = agreement
         self._ready_rows: dict[int, tuple[Grammar, PendingGrammar]] = {}  # ``_ready``'s
 
-    def pending(self, spec: GrammarSpec,
+    def compiles(self, spec: GrammarSpec,
                 grammar: Grammar | Future[Grammar] | None) -> PendingGrammar:
         """The compiles that may serve a new row: ``grammar`` (compiled, or a future of one)
         or the routed compile, started now; the hedge only when it is late."""

@@ -33,7 +33,7 @@ Row semantics (the contract the vLLM / transformers adapters are written against
   returning text that claims to follow the grammar; ``on_error="free"`` leaves it unmasked.
 - First masks (``firstmask.py``): a row whose grammar is late makes the step wait at most
   ``wait_s`` (default 0.5 s), hedged onto the other backend after ``hedge_s``. With tensor
-  parallelism pass an ``agreement`` (``agreement.py``): ranks then agree on each such outcome.
+  parallelism pass an ``agreement`` (``firstmask.Agreement``): ranks then agree on each such outcome.
 - Any mutation (add/remove/move/swap/advance/rollback) after ``step()`` and before
   ``apply()`` discards that fill; ``apply`` then fills synchronously. The exception: after
   ``step(rows)``, ``add``/``remove`` of a row keep the others' fill (the V2 runner admits
@@ -44,11 +44,11 @@ All methods are to be called from one host thread; the worker thread only runs f
 
 ``BatchProcessor`` is the facade hosts call; each job lives in its own module: a row and its
 lifecycle (``rows.py``), the per-step fill job (``stepjob.py``), first masks
-(``firstmask.py``), errored and thinking rows' masks (``rowmasks.py``), speculative drafts
-(``drafts.py``), masks into the host's logits (``step_apply.py``).
+(``firstmask.py``), the fill thread and the masks no grammar fills (``fill.py``), masks
+into the host's logits, along speculative drafts too (``step_apply.py``).
 
 The batch's rows: those made (index -> ``Row``) and those queued to be made
-(``admissions.py``), kept in step with the pending fill job and the ended step.
+(``arrivals.py``), kept in step with the pending fill job and the ended step.
 
 One object, held by the parts that read the rows (the processor, its step jobs and its apply
 side share its ``rows`` dict), instead of a table passed from hand to hand.
@@ -71,9 +71,9 @@ from .fill import ErrorPolicy, Filler, RowMasks
 from .firstmask import Agreement, FirstMasks, Solo
 from .rows import FROM_VOCAB, PendingGrammar, Row, RowInfo, RowMaker, RowStatus
 from .step_apply import Drafts, HostLogits, HostRows, MaskDigests, StepApply
-from .stepjob import Admission, Admissions, FillStats, Queued, StepJobs
+from .stepjob import Arrival, Arrivals, FillStats, Queued, StepJobs
 
-__all__ = ["Admission", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
+__all__ = ["Arrival", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
 
 
 class BatchProcessor:
@@ -131,21 +131,21 @@ class BatchProcessor:
         self._first = FirstMasks(compiler, wait_s=wait_s, hedge_s=hedge_s,
                                  agreement=agreement or Solo())
         self._row_masks = RowMasks(self.vocab, on_error)
-        self._admissions = Admissions(self._make)
+        self._arrivals = Arrivals(self._make)
         self._jobs = StepJobs(max_batch=max_batch, vocab_size=self.vocab_size,
                               filler=filler or Filler(), first=self._first, masks=self._row_masks,
-                              stats=self.stats, admissions=self._admissions,
+                              stats=self.stats, arrivals=self._arrivals,
                               switch=EngineSwitch(compiler, self.vocab_size,
                                                   enabled=engine_switch))
         self._drafts = Drafts(self._first, self._row_masks, self.stats)
-        self._new_row = RowMaker(self.vocab, self._first.pending, think_end).make
+        self._new_row = RowMaker(self.vocab, self._first.compiles, think_end).make
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, digests=digests)
         self._rows: dict[int, Row] = {}
         #: the apply side: the step's masks into the host's logits, in its layout (a
         #: later apply of the same step, vLLM 0.34's chunks, takes the same masks)
         self._apply = StepApply(self._rows, self._jobs, self._logits, self._drafts)
-        self._table = RowTable(max_batch, self._rows, self._admissions, self._jobs,
+        self._table = RowTable(max_batch, self._rows, self._arrivals, self._jobs,
                                self._apply)
 
     # ------------------------------------------------------------------ batch membership
@@ -154,7 +154,7 @@ class BatchProcessor:
             grammar: Grammar | Future[Grammar] | None = None, host_masks: bool = False) -> None:
         """Put a request in ``row`` (replacing whatever was there); None = unconstrained.
 
-        The row is made by the next step's fill job, on the fill thread (``admissions.py``:
+        The row is made by the next step's fill job, on the fill thread (``arrivals.py``:
         the host's share is a table entry), or at once when the host asks about the row
         first. The compile starts then unless ``grammar`` (compiled, or a future of one) is
         given. ``output_ids``: a live list the host appends to, or None to use ``advance``.
@@ -168,9 +168,9 @@ class BatchProcessor:
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
         self._table.queue(row, None if request is None else Queued(
-            Admission(request, grammar, host_masks), prompt_ids, output_ids))
+            Arrival(request, grammar, host_masks), prompt_ids, output_ids))
 
-    def add_later(self, row: int, resolve: Callable[[], Admission],
+    def add_later(self, row: int, resolve: Callable[[], Arrival],
                   prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None) -> None:
         """``add(row, *resolve(), prompt_ids, output_ids)``, with ``resolve`` called by the
         fill job that makes the row: a host's own per-request work (parsing its parameters,
@@ -180,7 +180,7 @@ class BatchProcessor:
         when ``resolve`` is not callable."""
         self._table.check(row)
         if not callable(resolve):
-            raise TypeError(f"resolve must be callable (returning an Admission), got "
+            raise TypeError(f"resolve must be callable (returning an Arrival), got "
                             f"{type(resolve).__name__}")
         self._table.queue(row, Queued(resolve, prompt_ids, output_ids))
 
@@ -218,7 +218,7 @@ class BatchProcessor:
             return
         if not r.owned:
             raise ValueError(f"row {row} reads a live output list; append to it instead")
-        if self._jobs.pending is not None:
+        if self._jobs.in_flight is not None:
             self._jobs.discard()
         r.output.extend(map(int, tokens))
 
@@ -309,7 +309,7 @@ class BatchProcessor:
     @property
     def errors(self) -> dict[int, str]:
         """Every errored row and why (waits for an in-flight fill)."""
-        self._jobs.admit_now(self._rows)
+        self._jobs.make_rows_now(self._rows)
         self._jobs.settle()
         return {i: r.error for i, r in self._rows.items() if r.error is not None}
 
@@ -317,13 +317,13 @@ class BatchProcessor:
     def rows(self) -> list[int]:
         """The constrained rows, those added but not yet made by a fill job included (an
         add whose ``resolve`` turns out unconstrained among them until then)."""
-        return sorted(self._rows.keys() | self._admissions.queued.keys()
+        return sorted(self._rows.keys() | self._arrivals.queued.keys()
                       | set(self._jobs.handed_rows()))
 
     @property
     def has_rows(self) -> bool:
         """Whether any row is constrained (``rows``, without sorting them)."""
-        return (bool(self._rows) or bool(self._admissions.queued)
+        return (bool(self._rows) or bool(self._arrivals.queued)
                 or bool(self._jobs.handed_rows()))
 
     @property
@@ -335,7 +335,7 @@ class BatchProcessor:
         """Wait for an in-flight fill and stop the fill thread; compiles go on in the
         compiler, which the caller owns."""
         self._jobs.close()
-        self._admissions.close()
+        self._arrivals.close()
 
     def __enter__(self) -> BatchProcessor:
         return self
@@ -348,15 +348,15 @@ class BatchProcessor:
         exception of the host's ``resolve`` or of making the row errors it."""
         resolve = entry.resolve
         try:
-            admission = resolve if isinstance(resolve, Admission) else resolve()
-            if admission.request is None:
+            arrival = resolve if isinstance(resolve, Arrival) else resolve()
+            if arrival.request is None:
                 return None
-            r = self._new_row(admission.request, entry.prompt_ids, entry.output_ids,
-                              admission.grammar, admission.host_masks)
+            r = self._new_row(arrival.request, entry.prompt_ids, entry.output_ids,
+                              arrival.grammar, arrival.host_masks)
         except Exception as exc:
             return failed_row(entry, f"adding the request failed: {type(exc).__name__}: "
                                      f"{exc}", self.vocab)
-        if admission.host_masks:
+        if arrival.host_masks:
             self._logits.host_masks_seen = True
         return r
 
@@ -378,7 +378,7 @@ class RowTable:
 
     max_batch: int
     rows: dict[int, Row]  # the made rows, shared with the step jobs and the apply side
-    admissions: Admissions  # the queued ones
+    arrivals: Arrivals  # the queued ones
     jobs: StepJobs
     apply: StepApply
     #: rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which may
@@ -392,7 +392,7 @@ class RowTable:
 
     def made(self, row: int) -> Row | None:
         """``row``'s request, made now when it was only queued (None: unconstrained)."""
-        self.jobs.admit_now(self.rows)
+        self.jobs.make_rows_now(self.rows)
         return self.rows.get(row)
 
     def queue(self, row: int, entry: Queued | None) -> None:
@@ -401,19 +401,19 @@ class RowTable:
         self.jobs.drop(row)
         self.pop(row)
         if entry is not None:
-            self.admissions.queued[row] = entry
+            self.arrivals.queued[row] = entry
             self.live += entry.output_ids is not None
 
     def pop(self, row: int) -> None:
         """Drop the row's request, made or queued, if any (the live-list count follows); a
-        made row's matcher is released by the next fill job (``Admissions.retired``)."""
+        made row's matcher is released by the next fill job (``Arrivals.retired``)."""
         self.apply.forget(row)
         r = self.rows.pop(row, None)
         if r is not None:
             r.count()
             self.live -= not r.owned
-            self.admissions.retired.append(r)
-        queued = self.admissions.drop(row)
+            self.arrivals.retired.append(r)
+        queued = self.arrivals.drop(row)
         if queued is not None:
             self.live -= queued.output_ids is not None
 
@@ -427,7 +427,7 @@ class RowTable:
         self.pop(dst)
         if moved is not None:
             self.rows[dst] = moved
-        self.admissions.move(src, dst)
+        self.arrivals.move(src, dst)
 
     def swap(self, a: int, b: int) -> None:
         """Rows ``a`` and ``b`` trade requests."""
@@ -440,4 +440,4 @@ class RowTable:
             self.rows[b] = ra
         if rb is not None:
             self.rows[a] = rb
-        self.admissions.swap(a, b)
+        self.arrivals.swap(a, b)

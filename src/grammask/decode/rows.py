@@ -30,14 +30,14 @@ from ..specs.request import STAND_IN, ConstraintRequest, ReasoningRule, VllmReas
 from ..vocab import Vocabulary
 from .reasoning import Gate, RuleGate, ThinkGate, ThinkMarker
 
-PENDING, READY, FAILED = 0, 1, 2
+COMPILING, READY, FAILED = 0, 1, 2
 #: ints per row in an agreement vector: expired, hedged, primary state, hedge state
 VIEW = 4
 
 
 def _state(future: Future[Grammar] | None) -> int:
     if future is None or not future.done():
-        return PENDING
+        return COMPILING
     if future.cancelled() or future.exception() is not None:
         return FAILED
     return READY
@@ -132,7 +132,7 @@ class RowView(NamedTuple):
 
     expired: int  # its wait_s ran out on this rank
     hedged: int  # the other backend's compile was started
-    primary: int  # state of the routed compile (PENDING / READY / FAILED)
+    primary: int  # state of the routed compile (COMPILING / READY / FAILED)
     alternate: int  # state of the hedge
 
 
@@ -467,19 +467,19 @@ def _advance_one(r: Row, tokens: list[int]) -> None:
         r.fail(f"advancing failed: {type(exc).__name__}: {exc}", cause="matcher")
 
 
-#: a new row's compiles (``firstmask.FirstMasks.pending``): from its spec and the grammar the
+#: a new row's compiles (``firstmask.FirstMasks.compiles``): from its spec and the grammar the
 #: host may hand over (compiled, or a future of one)
 Compiles = Callable[[GrammarSpec, Grammar | Future[Grammar] | None], PendingGrammar]
 
 
 class RowMaker:
-    """Rows for requests added to the batch: the compile (``pending``) and the thinking gate
+    """Rows for requests added to the batch: the compile (``compiles``) and the thinking gate
     (one marker per ``think_end``, made once)."""
 
-    def __init__(self, vocab: Vocabulary, pending: Compiles,
+    def __init__(self, vocab: Vocabulary, compiles: Compiles,
                  think_end: str | int | Sequence[int] | None) -> None:
         self.vocab = vocab
-        self.pending = pending
+        self.compiles = compiles
         self._default = (ThinkMarker.for_vocab(vocab) if think_end == FROM_VOCAB
                          else None if think_end is None
                          else ThinkMarker.for_vocab(vocab, think_end))
@@ -493,7 +493,7 @@ class RowMaker:
         if not isinstance(request, ConstraintRequest):
             raise TypeError(f"expected a ConstraintRequest, GrammarSpec or None, got "
                             f"{type(request).__name__}")
-        pending = self.pending(request.spec, grammar)
+        pending = self.compiles(request.spec, grammar)
         r = Row(request, pending, [] if output_ids is None else output_ids,
                 output_ids is None, self.vocab.tokens)
         r.host_masks = host_masks

@@ -82,7 +82,7 @@ class HostLogits:
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.buffers = buffers  # the step's (row order)
-        #: per-rank mask digests (a debug setting; ``digests.py``), None: off
+        #: per-rank mask digests (a debug setting; ``MaskDigests`` below), None: off
         self.digests = digests
         #: some row of the table may have ``host_masks`` (set when such a row is made,
         #: cleared once none has): while False, the apply skips the restore
@@ -128,7 +128,7 @@ class HostLogits:
 
     def _record(self, table: dict[int, Row], bitmask: torch.Tensor,
                 rows: Sequence[int]) -> None:
-        """Mask digests for comparing ranks (``digests.py``; a debug setting)."""
+        """Mask digests for comparing ranks (``MaskDigests``; a debug setting)."""
         assert self.digests is not None
         self.digests.observe(bitmask, [
             (i, row_key(r.request.spec.key, r.output[:r.seen],
@@ -240,7 +240,7 @@ class StepApply:
         """``AlongDrafts``: each row's masks follow its drafts (``Drafts.place``) in rows of
         the step's bitmask above those it uses; the committed positions take the step's
         masks as ``Mapped`` rows do."""
-        self._jobs.admit_now(self.table)
+        self._jobs.make_rows_now(self.table)
         sampling = {int(r) for r in rows if int(r) in self.table}
         ended = self._reusable(sampling)
         if ended is None:
@@ -265,7 +265,7 @@ class StepApply:
     def _reusable(self, rows: Collection[int]) -> _Ended | None:
         """The ended step, when it still holds every one of ``rows`` (and no step began)."""
         ended = self._ended
-        if ended is None or self._jobs.pending is not None or not ended.rows.issuperset(rows):
+        if ended is None or self._jobs.in_flight is not None or not ended.rows.issuperset(rows):
             return None
         return ended
 

@@ -68,8 +68,8 @@ class Step:
     #: rows replaced or removed after the job read them: their masks are not handed out
     dropped: set[int] | None = None
     #: the queued adds the job makes into rows first, and the rows it releases
-    #: (``admissions.py``); None: none
-    admits: tuple[dict[int, Queued], list[Row]] | None = None
+    #: (``arrivals.py``); None: none
+    handed_adds: tuple[dict[int, Queued], list[Row]] | None = None
     #: the step before, ended: dropped by this step's job, so that freeing its work (a
     #: tuple and a token list per row) costs the fill thread, not the host's ``wait``
     before: Step | None = None
@@ -80,9 +80,9 @@ class StepJobs:
 
     def __init__(self, *, max_batch: int, vocab_size: int, filler: Filler,
                  first: FirstMasks, masks: RowMasks, stats: FillStats,
-                 admissions: Admissions, switch: EngineSwitch | None = None) -> None:
+                 arrivals: Arrivals, switch: EngineSwitch | None = None) -> None:
         self.vocab_size = vocab_size
-        self.admissions = admissions
+        self.arrivals = arrivals
         self.buffers = MaskBuffers(max_batch, vocab_size)
         self.first = first
         self.masks = masks
@@ -91,7 +91,7 @@ class StepJobs:
         #: running rows moved to a cheaper engine, at the start of a job (None: never)
         self.switch = switch
         self._worker = FillWorker(cpus=filler.cpus)
-        self.pending: Step | None = None
+        self.in_flight: Step | None = None
         self._last_waited: Step | None = None  # the last step waited for (``Step.before``)
         #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
         #: or planning would not fit in the forward: see ``_plan_fits``)
@@ -124,9 +124,9 @@ class StepJobs:
         does ``step(rows, tokens)`` look for one to refuse)."""
         if tokens is not None and (rows is None or len(rows) != len(tokens)):
             raise ValueError("step(rows, tokens) needs one row per token")
-        if self.pending is not None:
+        if self.in_flight is not None:
             self.settle()
-            self.pending = None
+            self.in_flight = None
         live: int | None = None  # a row of ``rows`` whose list the host appends to itself
         order: list[int] | None = None
         handed: list[int] | None = None
@@ -136,27 +136,27 @@ class StepJobs:
             assert order is not None
             handed = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
             if live_rows:
-                queued = self.admissions.queued
+                queued = self.arrivals.queued
                 live = next((i for i in order if (i in table and not table[i].owned) or (
                     i in queued and queued[i].output_ids is not None)), None)
         step = Step(None, self.buffers.acquire(), [],
                     rows=frozenset(order) if order is not None else None,
-                    admits=self.admissions.hand_over(), before=self._last_waited)
+                    handed_adds=self.arrivals.hand_over(), before=self._last_waited)
         self._last_waited = None
         self._stepped_at = time.perf_counter()
         self._steps += 1
-        if table or step.admits is not None:
+        if table or step.handed_adds is not None:
             step.future = self._worker.run(
                 partial(self._job, step, self.cpu_layout, table, order, handed))
         else:  # no job to drop it: steps of an empty batch must not chain
             step.before = None
-        self.pending = step
+        self.in_flight = step
         if live is not None:  # the other rows' job runs: the host's mistake is this row's
             raise ValueError(f"row {live} reads a live output list; append to it instead")
 
     def settle(self) -> None:
         """Wait for an in-flight fill so the host thread may touch matchers again."""
-        step = self.pending
+        step = self.in_flight
         if step is not None and step.future is not None:
             try:
                 step.future.result()
@@ -168,34 +168,34 @@ class StepJobs:
     def discard(self) -> None:
         """A mutation of the batch: the pending fill no longer holds."""
         self.settle()
-        self.pending = None
+        self.in_flight = None
 
     def drop(self, row: int) -> None:
         """``row`` is removed or replaced: the pending fill holds for the other rows. A job
         over named rows that neither names nor makes ``row`` never touches it; one that does
         is waited for and ``row``'s mask left out. A job over every row is discarded."""
-        step = self.pending
+        step = self.in_flight
         if step is None:
             return
         if step.rows is None:
             self.discard()
-        elif row in step.rows or (step.admits is not None and row in step.admits[0]):
+        elif row in step.rows or (step.handed_adds is not None and row in step.handed_adds[0]):
             self.settle()
             step.dropped = (step.dropped or set()) | {row}
 
-    def admit_now(self, table: dict[int, Row]) -> None:
+    def make_rows_now(self, table: dict[int, Row]) -> None:
         """Every added row in ``table`` now: an in-flight job that makes some is waited for
         (the table then has one writer at a time), and rows added since are made on the
         host's thread (the host asks about a row, or masks it, before a fill job made it)."""
-        step = self.pending
-        if self.admissions.queued or (step is not None and step.admits is not None):
+        step = self.in_flight
+        if self.arrivals.queued or (step is not None and step.handed_adds is not None):
             self.settle()
-            self.admissions.admit_now(table)
+            self.arrivals.make_rows_now(table)
 
     def handed_rows(self) -> Collection[int]:
         """The rows whose adds the in-flight job is making."""
-        step = self.pending
-        return () if step is None or step.admits is None else step.admits[0].keys()
+        step = self.in_flight
+        return () if step is None or step.handed_adds is None else step.handed_adds[0].keys()
 
     def wait_for_apply(self, table: dict[int, Row], rows: Collection[int] | None = None
                        ) -> StepMasks:
@@ -210,11 +210,11 @@ class StepJobs:
     def wait(self, table: dict[int, Row], rows: Collection[int] | None) -> StepMasks:
         """Wait for this step's fill (``step`` now, when none is pending); rows read late and
         ``rows`` the step skipped are filled here. Ends the step."""
-        if self.pending is None:
+        if self.in_flight is None:
             self.step(table, rows)
-        step = self.pending
+        step = self.in_flight
         assert step is not None
-        self.pending = None
+        self.in_flight = None
         self._last_waited = step
         if step.future is None:
             indices: set[int] = set()
@@ -229,7 +229,7 @@ class StepJobs:
                     return result
                 indices = set(result.rows)
         if rows is not None:  # rows added since the step, which the host masks now
-            self.admissions.admit_now(table)
+            self.arrivals.make_rows_now(table)
         dropped = step.dropped or set()
         if dropped:  # rows the job filled for an occupant that left: not theirs now
             indices.difference_update(dropped)
@@ -259,7 +259,7 @@ class StepJobs:
 
     def close(self) -> None:
         self.settle()
-        self.pending = None
+        self.in_flight = None
         self._worker.close()
         if self.switch is not None:
             self.switch.close()
@@ -285,8 +285,8 @@ class StepJobs:
         so ``wait`` has nothing left to do but return them."""
         step.before = None
         try:
-            if step.admits is not None:
-                self.admissions.admit(table, step.admits)
+            if step.handed_adds is not None:
+                self.arrivals.make_rows(table, step.handed_adds)
             _read_rows(step, table, rows, tokens)
         except BaseException:  # a bug in the read: every row it was to read fails
             step.work[:] = [(i, r, []) for i, r in table.items()
@@ -397,7 +397,7 @@ def _read_rows(step: Step, table: dict[int, Row], rows: list[int] | None,
     step.late = bool(late)
 
 
-class Admission(NamedTuple):
+class Arrival(NamedTuple):
     """A request for a row: the request (None: the row stays unconstrained), its grammar
     (compiled, a future of one, or None to compile now) and ``host_masks``
     (``BatchProcessor.add``)."""
@@ -408,7 +408,7 @@ class Admission(NamedTuple):
 
 
 #: what a queued add holds: the admission, or how to make it (``BatchProcessor.add_later``)
-Resolve = Admission | Callable[[], Admission]
+Resolve = Arrival | Callable[[], Arrival]
 
 
 class Queued(NamedTuple):
@@ -421,11 +421,11 @@ class Queued(NamedTuple):
 MakeRow = Callable[[Queued], Row | None]
 
 
-class Admissions:
+class Arrivals:
     """Adds not yet made into rows, and rows that left the batch not yet released.
 
     The host thread owns ``queued`` and ``retired`` until ``hand_over`` gives both to a
-    fill job; ``admit`` (on the fill thread, or on the host's when it needs a row at once)
+    fill job; ``make_rows`` (on the fill thread, or on the host's when it needs a row at once)
     then makes the rows into the table."""
 
     def __init__(self, make: MakeRow) -> None:
@@ -458,7 +458,7 @@ class Admissions:
         self.queued, self.retired = {}, []
         return handed
 
-    def admit(self, table: dict[int, Row], handed: tuple[dict[int, Queued], list[Row]]
+    def make_rows(self, table: dict[int, Row], handed: tuple[dict[int, Queued], list[Row]]
               ) -> None:
         """Release the retired rows' matchers, then make the queued rows into ``table``
         (in the order they were added)."""
@@ -471,12 +471,12 @@ class Admissions:
             if made is not None:
                 table[row] = made
 
-    def admit_now(self, table: dict[int, Row]) -> None:
+    def make_rows_now(self, table: dict[int, Row]) -> None:
         """Make every queued row now, on the calling (host) thread: a host asks about a
         row, or masks it, before a fill job made it."""
         handed = self.hand_over()
         if handed is not None:
-            self.admit(table, handed)
+            self.make_rows(table, handed)
 
     def close(self) -> None:
         """Release what is left (the processor closes)."""

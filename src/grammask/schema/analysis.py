@@ -35,7 +35,7 @@ def analyse(schema: Any, *, free: bool) -> tuple[Features, str | None] | None:
         for at, node in checked(walk):
             if not FEATURE_KEYS.isdisjoint(node):
                 _note(node, walk, at, found, strays)
-            if free and free_at is None and admits_free_text(node):
+            if free and free_at is None and allows_free_text(node):
                 free_at = walk.pointer(at) or "/"
         _stray_features(schema, strays, found)
     except Exception:  # whatever the checker makes of it, it says so itself
@@ -100,7 +100,7 @@ def _stray(ref: str) -> bool:
 def free_text_pointer(schema: Any) -> str | None:
     """Where the schema first admits free-form text (the xgrammar compile-cost driver)."""
     for pointer, node in subschemas(schema):
-        if admits_free_text(node):
+        if allows_free_text(node):
             return pointer or "/"
     return None
 
@@ -109,7 +109,7 @@ _STRUCTURE_KEYS = ("properties", "items", "prefixItems", "anyOf", "oneOf", "allO
                    "enum", "const", "type", "additionalProperties", "patternProperties")
 
 
-def admits_free_text(node: dict[str, Any]) -> bool:
+def allows_free_text(node: dict[str, Any]) -> bool:
     """Whether this node admits a free string, a free key or any value."""
     if "enum" in node or "const" in node:
         return False

@@ -27,7 +27,6 @@ from ...specs.request import (
 )
 from ...vocab import Vocabulary
 from .compat import admission_config, engine_call, unserved
-from .compiler import use_vllm_logging
 from .dropin import (
     OPT_OUT_KEY,
     SOURCE_KEY,
@@ -39,6 +38,7 @@ from .dropin import (
     status,
     take_over,
 )
+from .process import use_vllm_logging
 from .reasoner import rule_for
 from .settings import Settings, describe_settings, load_settings
 from .tools import forced_tool_tag

@@ -2,7 +2,7 @@
 
 What is not public API is checked here, not scattered:
 
-- **Admission**: vLLM calls a logits processor's ``validate_params`` from
+- **Arrival**: vLLM calls a logits processor's ``validate_params`` from
   ``InputProcessor._validate_params``. It passes the request's own params, before the copy
   for the engine, and no config. ``admission_config`` reads the config off that one caller
   frame, identified by its code object rather than a walk over any frame with a

@@ -27,7 +27,7 @@ from ... import __version__, metrics
 from ...compile.compiler import Compiler, Grammar
 from ...decode.fill import Filler, fill_cpus
 from ...decode.firstmask import Agreement, Solo, tp_group_for_vllm
-from ...decode.processor import Admission, BatchProcessor
+from ...decode.processor import Arrival, BatchProcessor
 from ...decode.step_apply import MaskDigests
 from ...errors import CompileFailure, GrammarError, InvalidSpecError, ServerFault
 from ...specs.request import STAND_IN, ConstraintRequest
@@ -44,9 +44,9 @@ from .admission import (
     validate_sampling_params,
 )
 from .compat import _speculative_on_v1, rust_frontend, unserved
-from .compiler import _COMPILERS, shared_compiler, use_vllm_logging, vocabulary_from_vllm
 from .dropin import OPT_OUT_KEY, log_status
 from .dropin import status as dropin_status
+from .process import _COMPILERS, shared_compiler, use_vllm_logging, vocabulary_from_vllm
 from .reasoner import rule_for
 from .settings import (
     SETTINGS,
@@ -241,11 +241,11 @@ class PluginCore:
         self._check_foreign(sampling_params)
         return carries_request(getattr(sampling_params, "extra_args", None))
 
-    def admission(self, sampling_params: Any, resumed: bool) -> Admission:
-        """``request`` and ``host_masks`` as one ``Admission``: what a fill job makes the
+    def arrival(self, sampling_params: Any, resumed: bool) -> Arrival:
+        """``request`` and ``host_masks`` as one ``Arrival``: what a fill job makes the
         row from (``BatchProcessor.add_later``), off the runner's thread."""
         request, grammar = self.request(sampling_params, resumed=resumed)
-        return Admission(request, grammar, host_masks(sampling_params))
+        return Arrival(request, grammar, host_masks(sampling_params))
 
     def _check_foreign(self, sampling_params: Any) -> None:
         """Warn once when vLLM's own structured outputs reach the engine with the drop-in

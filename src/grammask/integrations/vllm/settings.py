@@ -103,7 +103,7 @@ def _optional_int(value: object) -> int | None:
 
 
 def _cpus(value: object) -> str:
-    """``auto``, ``none`` or a CPU list, kept as text (``cpu_placement.fill_cpus`` reads
+    """``auto``, ``none`` or a CPU list, kept as text (``decode.fill.fill_cpus`` reads
     it; checked here)."""
     from ...decode.fill import check_setting
 

@@ -97,7 +97,7 @@ class SlotTokens:
 
     output: list[int] = field(default_factory=list)  # the processor's live list
     known: int = 0  # committed positions appended (or fetched with the prompt)
-    pending: bool = False  # masked, and its commit not read yet
+    unread: bool = False  # masked, and its commit not read yet
     gone: bool = False  # its request left the slot: its commit is not waited for
 
 
@@ -154,7 +154,7 @@ class TokenWatch:
         if self.mark is not None:
             self.reader.mark(slots, starts, self.mark)
         for _, t in items:
-            t.pending = True
+            t.unread = True
         w = self._open
         if w is not None:
             with w.lock:
@@ -292,7 +292,7 @@ class TokenWatch:
                 metrics.V2_MARK_COLLISIONS.inc(hit)
         moved: Items = []
         for i, (slot, t) in enumerate(items):
-            t.pending = False
+            t.unread = False
             n = int(counts[i])
             if n <= 0:
                 continue
@@ -312,14 +312,14 @@ class TokenWatch:
         """The host's read of a failed watch, after the stream passed its marker."""
         try:
             self.port.wait(w.bound)
-            items = [(slot, t) for slot, t in w.items if not t.gone and t.pending]
+            items = [(slot, t) for slot, t in w.items if not t.gone and t.unread]
             starts, totals, tokens = self._read(items, True)
             self._commit(items, starts, totals, tokens, "ordered")
         except Exception as again:
             log.exception("grammask: reading a step's tokens failed")
             for slot, t in w.items:
-                if t.pending:
-                    t.pending = False
+                if t.unread:
+                    t.unread = False
                     self._fail(slot, f"reading tokens failed: {type(again).__name__}: "
                                      f"{again} (after {why})")
 

@@ -174,7 +174,7 @@ class V1Batch:
                 # the parse, the compile's start and the row are the fill job's, off this
                 # thread: here a new request costs a key check and a table entry
                 core.processor().add_later(
-                    index, partial(core.admission, params, bool(output)), prompt or (),
+                    index, partial(core.arrival, params, bool(output)), prompt or (),
                     output)
             elif (proc := core.proc_or_none) is not None:
                 proc.remove(index)  # the row may still hold a previous occupant

@@ -3,7 +3,7 @@
 V2 hands a processor per-*slot* state (slots are recycled with no removal hook) and a
 ``LogitsContext`` per apply whose rows are in batch order. Committed tokens live in the
 runner's memory (``req_states.all_token_ids`` up to ``total_len``); getting them to the CPU
-matchers without stalling the GPU is the token watch's job (``decode/token_watch``, over
+matchers without stalling the GPU is the token watch's job (``token_watch.py``, over
 vLLM's buffers through ``v2_device``). This class only translates vLLM's calls:
 
 1. ``add_request(slot, params)``: a key check, note the slot; True for ours (0.34:
@@ -46,7 +46,7 @@ import torch
 from ... import metrics
 from ...decode.processor import BatchProcessor
 from ...decode.step_apply import AlongDrafts, Mapped
-from ...decode.stepjob import Admission
+from ...decode.stepjob import Arrival
 from ...kernels.apply import stop_only, warm_device_apply
 from ...specs.request import thinking_of
 from .faults import log_fault
@@ -59,12 +59,12 @@ log = logging.getLogger("grammask")
 
 @dataclass
 class _Slot:
-    params: Any  # the request's sampling params, parsed off the runner's thread (``_admit``)
+    params: Any  # its sampling params, parsed off the runner's thread (``_parse_arrivals``)
     resumed: bool  # a preempted request added again (its output is prefilled again)
     prompt_len: int
     prefill_len: int
     wants_prompt: bool  # its thinking gate reads the prompt (from its keys: ``thinking_of``)
-    admission: Admission | None = None  # the parse's result: request, compile, host_masks
+    arrival: Arrival | None = None  # the parse's result: request, compile, host_masks
     parsing: Future[None] | None = None  # the parse thread's parse of this step's requests
     tokens: SlotTokens = field(default_factory=SlotTokens)  # the live list and its reads
     prompt: list[int] = field(default_factory=list)
@@ -149,7 +149,7 @@ class V2Batch:
             return ours  # another's request is left as vLLM made it
 
     def apply_staged_writes(self) -> None:
-        """Admission steps (every step before vLLM 0.34): start copying new slots' prompts
+        """Arrival steps (every step before vLLM 0.34): start copying new slots' prompts
         and resumed outputs to the host, so ``apply`` need not wait for them. A fault
         fails the slots not in the processor yet."""
         if not self.core.active:
@@ -232,7 +232,7 @@ class V2Batch:
     def _stage(self) -> None:
         if self._unparsed:
             new, self._unparsed = self._unparsed, []
-            parsing = self._thread("parse").submit(self._admit, new)
+            parsing = self._thread("parse").submit(self._parse_arrivals, new)
             for st in new:
                 st.parsing = parsing
         all_ids = self.rs.all_token_ids.gpu
@@ -373,22 +373,22 @@ class V2Batch:
         if st.added and proc is not None:
             proc.fail(slot, message, cause="fault")
 
-    def _admit(self, slots: list[_Slot]) -> None:
+    def _parse_arrivals(self, slots: list[_Slot]) -> None:
         """The parse thread's parse of a step's new requests (their compiles start here). A
-        parse that raises leaves the admission to ``_admitted``, where the processor makes
+        parse that raises leaves the admission to ``_arrival``, where the processor makes
         the row: raising again there errors that row alone."""
         for st in slots:
             try:
-                st.admission = self.core.admission(st.params, st.resumed)
+                st.arrival = self.core.arrival(st.params, st.resumed)
             except Exception:
                 log.exception("grammask: admitting a request failed")
 
-    def _admitted(self, st: _Slot) -> Admission:
+    def _arrival(self, st: _Slot) -> Arrival:
         """The slot's admission (``BatchProcessor.add_later``'s resolve): the parse
         thread's, or made now when none came (no staged writes before this step, or its
         parse raised)."""
-        return (st.admission if st.admission is not None
-                else self.core.admission(st.params, st.resumed))
+        return (st.arrival if st.arrival is not None
+                else self.core.arrival(st.params, st.resumed))
 
     def _join(self, slot: int, st: _Slot) -> None:
         """Put the slot in the processor (its live list replays what it holds). The parse
@@ -399,11 +399,11 @@ class V2Batch:
         if st.parsing is not None:
             try:
                 st.parsing.result()
-            except Exception:  # the parse thread's own failure: ``_admitted`` parses instead
+            except Exception:  # the parse thread's own failure: ``_arrival`` parses instead
                 log.exception("grammask: the helper's parse failed; parsing here")
             st.parsing = None
         proc = self.core.processor()
-        proc.add_later(slot, partial(self._admitted, st), st.prompt, st.tokens.output)
+        proc.add_later(slot, partial(self._arrival, st), st.prompt, st.tokens.output)
         st.added = True
         if st.failed is not None:
             proc.fail(slot, st.failed, cause="fault")

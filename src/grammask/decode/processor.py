@@ -33,7 +33,8 @@ Row semantics (the contract the vLLM / transformers adapters are written against
   returning text that claims to follow the grammar; ``on_error="free"`` leaves it unmasked.
 - First masks (``firstmask.py``): a row whose grammar is late makes the step wait at most
   ``wait_s`` (default 0.5 s), hedged onto the other backend after ``hedge_s``. With tensor
-  parallelism pass an ``agreement`` (``firstmask.Agreement``): ranks then agree on each such outcome.
+  parallelism pass an ``agreement`` (``firstmask.Agreement``): ranks then agree on each such
+  outcome.
 - Any mutation (add/remove/move/swap/advance/rollback) after ``step()`` and before
   ``apply()`` discards that fill; ``apply`` then fills synchronously. The exception: after
   ``step(rows)``, ``add``/``remove`` of a row keep the others' fill (the V2 runner admits

@@ -43,11 +43,20 @@ def expect(logits: torch.Tensor, row: int, grammar: Grammar | None, vocab: Vocab
         assert torch.equal(allowed(logits[row]), RawReference.of(grammar, vocab).allowed()), row
 
 
+class Calls:
+    """A host's reader (``RequestReader``) whose parameters are callables returning the
+    row's ``Arrival``: each test says what its host's parse does."""
+
+    def arrival(self, params: Any, resumed: bool) -> Arrival:
+        result: Arrival = params()
+        return result
+
+
 def test_rows_are_made_on_the_fill_thread(compiler: Compiler, grammars: list[Grammar],
                                           qwen25: Vocabulary,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """``add`` leaves the row to the step's job: the row (request, pending compile, gate) is
-    made on the fill thread, and ``add_later``'s ``resolve`` runs there too."""
+    made on the fill thread, and ``add_later``'s parse (the host's reader) runs there too."""
     made_on: list[int] = []
     real = RowMaker.make
 
@@ -62,7 +71,8 @@ def test_rows_are_made_on_the_fill_thread(compiler: Compiler, grammars: list[Gra
         resolved_on.append(threading.get_ident())
         return Arrival(CHOICES[1], grammars[1])
 
-    with BatchProcessor(compiler, max_batch=2, think_end=None, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=2, think_end=None, reader=Calls(),
+                        **PATIENT) as proc:
         proc.add(0, CHOICES[0], grammar=grammars[0])
         proc.add_later(1, resolve)
         assert made_on == [] and resolved_on == []
@@ -98,13 +108,14 @@ def test_queued_adds_follow_moves_swaps_and_removes(
 
 def test_a_failing_resolve_errors_its_row_alone(
         compiler: Compiler, grammars: list[Grammar], qwen25: Vocabulary) -> None:
-    """A host's ``resolve`` that raises, or returns something that is not a request, errors
-    that row (stop tokens only); an unconstrained answer leaves the row free; the others
-    are masked as usual."""
+    """A host's reader that raises, or returns something that is not a request, errors that
+    row (stop tokens only); an unconstrained answer leaves the row free; the others are
+    masked as usual."""
     def broken() -> Arrival:
         raise KeyError("lost params")
 
-    with BatchProcessor(compiler, max_batch=4, think_end=None, **PATIENT) as proc:
+    with BatchProcessor(compiler, max_batch=4, think_end=None, reader=Calls(),
+                        **PATIENT) as proc:
         proc.add_later(0, broken)
         proc.add_later(1, lambda: Arrival(42))  # type: ignore[arg-type]
         proc.add_later(2, lambda: Arrival(None))
@@ -174,13 +185,15 @@ def test_many_zero_waits_observe_as_many_single_waits() -> None:
 
 
 def test_add_later_refuses_what_it_cannot_call(compiler: Compiler) -> None:
-    """A host that hands ``add_later`` a request instead of a callable hears it at once,
-    and the batch is as before."""
+    """A host that calls ``add_later`` without giving the processor a reader, or hands it a
+    parse that is no ``Arrival``, hears it at once, and the batch is as before."""
     with BatchProcessor(compiler, max_batch=2, think_end=None, **PATIENT) as proc:
-        with pytest.raises(TypeError, match="callable"):
-            proc.add_later(0, Arrival(CHOICES[0]))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="reader"):
+            proc.add_later(0, {"params": 1})
+        with pytest.raises(TypeError, match="Arrival"):
+            proc.add_later(0, None, parsed=CHOICES[0])  # type: ignore[arg-type]
         with pytest.raises(IndexError):
-            proc.add_later(2, lambda: Arrival(None))
+            proc.add_later(2, None, parsed=Arrival(None))
         assert proc.rows == [] and not proc.has_rows
 
 

@@ -643,3 +643,29 @@ def _xargs_of(req: _Req) -> dict[str, Any] | None:
     if req.constraint is None:
         return None
     return xargs(CONSTRAINTS[req.constraint][0], thinking="auto" if req.thinking else "off")
+
+
+def test_the_decode_core_holds_no_callable_of_the_plugin(runner: Any, vocab: Vocabulary) -> None:
+    """Issue 53, on a live V1 batch: requests added by ``update_state`` (made into rows by
+    the fill job, parsed there through ``RequestReader``), stepped and removed; nothing
+    below ``integrations/`` holds a bound method, partial, lambda or closure of the
+    plugin's objects, before the fill job made the rows and after."""
+    from .layering import upward_callables
+
+    r = runner()
+    r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
+    r.add("b", xargs(CONSTRAINTS[2][0], thinking="off"), [3])
+    r.schedule()  # the adds are queued: the fill job makes them
+    proc = r.plugin.core.proc_or_none
+    assert proc is not None
+    found = upward_callables(proc)
+    for _ in range(3):
+        first = r.logits()
+        r.commit({"a": int(allowed(first[0]).nonzero()[0]),
+                  "b": int(allowed(first[1]).nonzero()[0])})
+        r.schedule()
+        found += upward_callables(proc)
+    r.remove("b")
+    r.schedule()
+    found += upward_callables(proc) + upward_callables(r.plugin.core.compiler)
+    assert found == []

@@ -335,3 +335,38 @@ def test_configurations_that_commit_unmasked_samples_stand_aside() -> None:
     assert "batch-sharded" in unserved(config(sharded=True, tp=2), "v2")
     assert "synthetic" in unserved(config(method="synthetic"), "v2")
     assert "batch-sharded" in unserved(config(sharded=True, tp=2))  # the API server's
+
+
+@pytest.mark.parametrize("drafts", [0, 2], ids=["plain", "drafts"])
+def test_the_decode_core_holds_no_callable_of_the_plugin(drafts: int) -> None:
+    """Issue 53: on a live V2 batch (requests added, parsed on the parse thread, stepped,
+    finished; drafts too), nothing below ``integrations/`` (the processor with everything
+    it holds, the compiler) holds a bound method, partial, lambda or closure of the plugin's
+    objects: the processor takes the plugin's parse through ``RequestReader`` and returns
+    what happened. The walk finds one where one is planted."""
+    import functools
+
+    from .layering import upward_callables
+
+    config = (spec_config(max_reqs=8, num_spec=drafts, tiny=True) if drafts
+              else vllm_config(max_num_seqs=8, tiny=True))
+    d = Driver(config, max_reqs=8, num_spec=drafts, seed=9)
+    found: list[str] = []
+
+    def walk(_: int) -> None:  # between steps: adds queued, fills in flight, rows made
+        proc = d.plugin.core.proc_or_none
+        if proc is not None:
+            found.extend(upward_callables(proc))
+
+    try:
+        _run(d, 10, admit_every=1, between=walk)
+        core = d.plugin.core
+        proc = core.proc_or_none
+        assert proc is not None and core.compiler is not None
+        walk(0)
+        assert found == [] and upward_callables(core.compiler) == []
+        proc._planted = [functools.partial(d.batch._fail_slot, 0)]  # type: ignore[attr-defined]
+        planted = upward_callables(proc)
+        assert planted and all(p.startswith("BatchProcessor._planted[0]") for p in planted)
+    finally:
+        d.close()

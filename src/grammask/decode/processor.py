@@ -49,7 +49,7 @@ lifecycle (``rows.py``), the per-step fill job (``stepjob.py``), first masks
 into the host's logits, along speculative drafts too (``step_apply.py``).
 
 The batch's rows: those made (index -> ``Row``) and those queued to be made
-(``arrivals.py``), kept in step with the pending fill job and the ended step.
+(``stepjob.Arrivals``), kept in step with the pending fill job and the ended step.
 
 One object, held by the parts that read the rows (the processor, its step jobs and its apply
 side share its ``rows`` dict), instead of a table passed from hand to hand.
@@ -57,9 +57,10 @@ side share its ``rows`` dict), instead of a table passed from hand to hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,9 +73,9 @@ from .fill import ErrorPolicy, Filler, RowMasks
 from .firstmask import Agreement, FirstMasks, Solo
 from .rows import FROM_VOCAB, PendingGrammar, Row, RowInfo, RowMaker, RowStatus
 from .step_apply import Drafts, HostLogits, HostRows, MaskDigests, StepApply
-from .stepjob import Arrival, Arrivals, FillStats, Queued, StepJobs
+from .stepjob import Arrival, Arrivals, FillStats, Queued, RequestReader, StepJobs
 
-__all__ = ["Arrival", "BatchProcessor", "ErrorPolicy", "RowInfo", "RowStatus"]
+__all__ = ["Arrival", "BatchProcessor", "ErrorPolicy", "RequestReader", "RowInfo", "RowStatus"]
 
 
 class BatchProcessor:
@@ -107,6 +108,8 @@ class BatchProcessor:
         Running rows move to the engine the compiler's fill tuner finds cheaper
         (``engine_switch.py``); outputs then depend on when its verdict lands, so seeded runs
         reproduce only with it off.
+    reader : RequestReader | None
+        Parses the host's request parameters for ``add_later`` (a host adapter's).
 
     Raises
     ------
@@ -118,7 +121,8 @@ class BatchProcessor:
                  hedge_s: float = 0.05, on_error: ErrorPolicy = "stop",
                  think_end: str | int | Sequence[int] | None = FROM_VOCAB,
                  filler: Filler | None = None, agreement: Agreement | None = None,
-                 digests: MaskDigests | None = None, engine_switch: bool = True) -> None:
+                 digests: MaskDigests | None = None, engine_switch: bool = True,
+                 reader: RequestReader | None = None) -> None:
         if on_error not in ("stop", "free"):
             raise ValueError(f"on_error must be 'stop' or 'free', got {on_error!r}")
         if wait_s < 0 or hedge_s < 0:
@@ -127,6 +131,7 @@ class BatchProcessor:
         self.vocab = compiler.vocab
         self.vocab_size = compiler.vocab.vocab_size
         self.max_batch = max_batch
+        self._reader = reader
         #: what the fill jobs did (times of the last job, rows filled): metrics, benchmarks
         self.stats = FillStats()
         self._first = FirstMasks(compiler, wait_s=wait_s, hedge_s=hedge_s,
@@ -155,7 +160,7 @@ class BatchProcessor:
             grammar: Grammar | Future[Grammar] | None = None, host_masks: bool = False) -> None:
         """Put a request in ``row`` (replacing whatever was there); None = unconstrained.
 
-        The row is made by the next step's fill job, on the fill thread (``arrivals.py``:
+        The row is made by the next step's fill job, on the fill thread (``stepjob.Arrivals``:
         the host's share is a table entry), or at once when the host asks about the row
         first. The compile starts then unless ``grammar`` (compiled, or a future of one) is
         given. ``output_ids``: a live list the host appends to, or None to use ``advance``.
@@ -171,19 +176,22 @@ class BatchProcessor:
         self._table.queue(row, None if request is None else Queued(
             Arrival(request, grammar, host_masks), prompt_ids, output_ids))
 
-    def add_later(self, row: int, resolve: Callable[[], Arrival],
-                  prompt_ids: Sequence[int] = (), output_ids: list[int] | None = None) -> None:
-        """``add(row, *resolve(), prompt_ids, output_ids)``, with ``resolve`` called by the
-        fill job that makes the row: a host's own per-request work (parsing its parameters,
-        starting the compile) leaves the forward's critical path too. ``resolve`` runs on
-        the fill thread, or on the host's when the host asks about the row first; its
-        exception errors the row alone. Raises IndexError for a row out of range, TypeError
-        when ``resolve`` is not callable."""
+    def add_later(self, row: int, params: Any, prompt_ids: Sequence[int] = (),
+                  output_ids: list[int] | None = None, *, resumed: bool = False,
+                  parsed: Arrival | None = None) -> None:
+        """``add`` with the host's own per-request work (parsing ``params``, starting the
+        compile) off the forward's critical path too: the fill job that makes the row asks
+        the processor's ``reader`` for ``reader.arrival(params, resumed)``, unless the host
+        parsed it already (``parsed``). The reader runs on the fill thread, or on the host's
+        when the host asks about the row first; its exception errors the row alone. Raises
+        IndexError for a row out of range, TypeError without a reader or for a ``parsed``
+        that is no ``Arrival``."""
         self._table.check(row)
-        if not callable(resolve):
-            raise TypeError(f"resolve must be callable (returning an Arrival), got "
-                            f"{type(resolve).__name__}")
-        self._table.queue(row, Queued(resolve, prompt_ids, output_ids))
+        if self._reader is None and parsed is None:
+            raise TypeError("add_later needs a reader: BatchProcessor(reader=...)")
+        if parsed is not None and not isinstance(parsed, Arrival):
+            raise TypeError(f"parsed must be an Arrival, got {type(parsed).__name__}")
+        self._table.queue(row, Queued(parsed, prompt_ids, output_ids, params, resumed))
 
     def fail(self, row: int, message: str, cause: str = "host") -> None:
         """Put ``row`` into the sticky error state (adapters that lose track of a row's
@@ -346,10 +354,14 @@ class BatchProcessor:
 
     def _make(self, entry: Queued) -> Row | None:
         """A queued add's row (None: unconstrained). Every failure stays in the row: an
-        exception of the host's ``resolve`` or of making the row errors it."""
-        resolve = entry.resolve
+        exception of the host's reader or of making the row errors it."""
         try:
-            arrival = resolve if isinstance(resolve, Arrival) else resolve()
+            arrival = entry.arrival
+            if arrival is None:
+                assert self._reader is not None  # ``add_later`` checked
+                arrival = self._reader.arrival(entry.params, entry.resumed)
+            if not isinstance(arrival, Arrival):
+                raise TypeError(f"the reader returned {type(arrival).__name__}, not an Arrival")
             if arrival.request is None:
                 return None
             r = self._new_row(arrival.request, entry.prompt_ids, entry.output_ids,

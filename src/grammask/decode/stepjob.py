@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ class Step:
     #: rows replaced or removed after the job read them: their masks are not handed out
     dropped: set[int] | None = None
     #: the queued adds the job makes into rows first, and the rows it releases
-    #: (``arrivals.py``); None: none
+    #: (``Arrivals``); None: none
     handed_adds: tuple[dict[int, Queued], list[Row]] | None = None
     #: the step before, ended: dropped by this step's job, so that freeing its work (a
     #: tuple and a token list per row) costs the fill thread, not the host's ``wait``
@@ -407,14 +407,27 @@ class Arrival(NamedTuple):
     host_masks: bool = False
 
 
-#: what a queued add holds: the admission, or how to make it (``BatchProcessor.add_later``)
-Resolve = Arrival | Callable[[], Arrival]
+class RequestReader(Protocol):
+    """A host's parse of its own request parameters into an ``Arrival`` (where its compile
+    starts), run by the fill job that makes the row (``BatchProcessor.add_later``), off the
+    host's thread. Declared here, implemented by the host's adapter (vLLM's ``PluginCore``):
+    the decode side holds the reader it was given, never a method or a closure of the
+    host's, so nothing here calls back up into code it cannot see."""
+
+    def arrival(self, params: Any, resumed: bool) -> Arrival:
+        """The row's ``Arrival`` for the host's ``params``; raising errors that row."""
+        ...
 
 
 class Queued(NamedTuple):
-    resolve: Resolve
+    """A queued add: its ``Arrival`` (``add``, or a host's parse done already), else the
+    host's ``params`` for the reader to parse (``add_later``)."""
+
+    arrival: Arrival | None
     prompt_ids: Sequence[int]
     output_ids: list[int] | None
+    params: Any = None
+    resumed: bool = False
 
 
 #: makes a queued add's row (None: unconstrained); contains every failure in the row

@@ -171,7 +171,7 @@ class PluginCore:
                 self.compiler, max_batch=self.max_batch, wait_s=self.settings.wait_s,
                 hedge_s=self.settings.hedge_s, agreement=self.agreement,
                 on_error=self.settings.on_error,  # type: ignore[arg-type]
-                engine_switch=self.settings.engine_switch,
+                engine_switch=self.settings.engine_switch, reader=self,
                 filler=Filler(parallel_min=self.settings.parallel_min,
                               threads=self.settings.fill_threads,
                               cpus=fill_cpus(self.settings.fill_cpus,

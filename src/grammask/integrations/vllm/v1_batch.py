@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -173,9 +172,8 @@ class V1Batch:
             if index in added:
                 # the parse, the compile's start and the row are the fill job's, off this
                 # thread: here a new request costs a key check and a table entry
-                core.processor().add_later(
-                    index, partial(core.arrival, params, bool(output)), prompt or (),
-                    output)
+                core.processor().add_later(index, params, prompt or (), output,
+                                           resumed=bool(output))
             elif (proc := core.proc_or_none) is not None:
                 proc.remove(index)  # the row may still hold a previous occupant
         proc = core.proc_or_none

@@ -375,20 +375,13 @@ class V2Batch:
 
     def _parse_arrivals(self, slots: list[_Slot]) -> None:
         """The parse thread's parse of a step's new requests (their compiles start here). A
-        parse that raises leaves the admission to ``_arrival``, where the processor makes
-        the row: raising again there errors that row alone."""
+        parse that raises leaves the slot's parse to the processor's reader (``PluginCore``)
+        on the fill job that makes the row: raising again there errors that row alone."""
         for st in slots:
             try:
                 st.arrival = self.core.arrival(st.params, st.resumed)
             except Exception:
                 log.exception("grammask: admitting a request failed")
-
-    def _arrival(self, st: _Slot) -> Arrival:
-        """The slot's admission (``BatchProcessor.add_later``'s resolve): the parse
-        thread's, or made now when none came (no staged writes before this step, or its
-        parse raised)."""
-        return (st.arrival if st.arrival is not None
-                else self.core.arrival(st.params, st.resumed))
 
     def _join(self, slot: int, st: _Slot) -> None:
         """Put the slot in the processor (its live list replays what it holds). The parse
@@ -399,11 +392,12 @@ class V2Batch:
         if st.parsing is not None:
             try:
                 st.parsing.result()
-            except Exception:  # the parse thread's own failure: ``_arrival`` parses instead
+            except Exception:  # the parse thread's own failure: the fill job parses instead
                 log.exception("grammask: the helper's parse failed; parsing here")
             st.parsing = None
         proc = self.core.processor()
-        proc.add_later(slot, partial(self._arrival, st), st.prompt, st.tokens.output)
+        proc.add_later(slot, st.params, st.prompt, st.tokens.output, resumed=st.resumed,
+                       parsed=st.arrival)
         st.added = True
         if st.failed is not None:
             proc.fail(slot, st.failed, cause="fault")

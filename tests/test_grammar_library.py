@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
+import tarfile
 import tomllib
+import zipfile
 from fnmatch import fnmatch
 from functools import cache
-from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -75,7 +80,7 @@ def test_unknown_name_is_refused_listing_known_names() -> None:
 
 
 def test_every_file_in_the_folder_is_a_loadable_grammar_with_samples() -> None:
-    folder = resources.files("grammask.specs").joinpath("grammars")
+    folder = library.folder()
     files = sorted(e.name for e in folder.iterdir() if e.is_file())
     stems = {f.rsplit(".", 1)[0] for f in files if f.endswith((".gbnf", ".lark"))}
     assert sorted(stems) == NAMES
@@ -110,13 +115,69 @@ def test_loaded_grammar_is_frozen() -> None:
         grammar.text = "start: /x/"  # type: ignore[misc]
 
 
-def test_package_data_ships_every_grammar_file() -> None:
-    """The wheel carries the folder: each file matches a package-data glob."""
+def test_checkout_reads_the_top_level_folder() -> None:
+    """The layout: the library sits at the repository's top level, not inside ``src/``, and a
+    checkout (editable install or ``PYTHONPATH=src``) reads it there."""
+    top = ROOT / "grammars"
+    assert Path(str(library.folder())).resolve() == top.resolve()
+    assert not (ROOT / "src" / "grammask" / "specs" / "grammars").exists()
+    assert not (ROOT / "src" / "grammask" / "grammars").exists()  # it would shadow the folder
+    files = sorted(p.name for p in top.iterdir())
+    assert len(NAMES) == 10
+    assert files == sorted([f"{n}.samples.json" for n in NAMES]
+                           + [f"{n}.{'gbnf' if library.load(n).syntax == 'ebnf' else 'lark'}"
+                              for n in NAMES])
+
+
+def test_pyproject_lists_every_package_and_maps_the_grammars() -> None:
+    """Packages are listed by hand (a find in ``src/`` cannot see ``grammars/``): the list
+    must be what ``src/`` holds, plus the grammar folder mapped to ``grammask/grammars``."""
+    setuptools = pytest.importorskip("setuptools")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    globs = config["tool"]["setuptools"]["package-data"]["grammask"]
-    folder = resources.files("grammask.specs").joinpath("grammars")
-    for entry in folder.iterdir():
-        assert any(fnmatch(f"specs/grammars/{entry.name}", g) for g in globs), entry.name
+    tool = config["tool"]["setuptools"]
+    found = setuptools.find_packages(str(ROOT / "src"))
+    assert sorted(tool["packages"]) == sorted([*found, "grammask.grammars"])
+    assert tool["package-dir"] == {"": "src", "grammask.grammars": "grammars"}
+    globs = tool["package-data"]["grammask.grammars"]
+    for entry in (ROOT / "grammars").iterdir():
+        assert any(fnmatch(entry.name, g) for g in globs), entry.name
+
+
+def _build(kind: str, tree: Path, out: Path) -> Path:
+    """A wheel or sdist of ``tree`` built in a subprocess by the project's own backend."""
+    code = (f"from setuptools import build_meta; import sys; "
+            f"print(build_meta.build_{kind}(sys.argv[1]))")
+    done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=tree, check=True,
+                          capture_output=True, text=True, timeout=120)
+    return out / done.stdout.strip().splitlines()[-1]
+
+
+def test_wheel_and_sdist_carry_the_grammars(tmp_path: Path) -> None:
+    """Built from a copy of the tree (about a second each): the wheel has every grammar file
+    at ``grammask/grammars/`` and every module of ``src/``; the sdist has ``grammars/``."""
+    pytest.importorskip("setuptools")
+    tree = tmp_path / "tree"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(ROOT / "src", tree / "src", ignore=skip)
+    shutil.copytree(ROOT / "grammars", tree / "grammars")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    grammar_files = sorted(p.name for p in (ROOT / "grammars").iterdir())
+    assert len(grammar_files) == 2 * len(NAMES)
+
+    wheel = _build("wheel", tree, tmp_path / "wheel")
+    with zipfile.ZipFile(wheel) as archive:
+        listed = set(archive.namelist())
+    assert sorted(n.rsplit("/", 1)[1] for n in listed
+                  if n.startswith("grammask/grammars/")) == grammar_files
+    modules = {p.relative_to(ROOT / "src").as_posix()
+               for p in (ROOT / "src" / "grammask").rglob("*.py")}
+    assert modules <= listed, sorted(modules - listed)
+
+    sdist = _build("sdist", tree, tmp_path / "sdist")
+    with tarfile.open(sdist) as archive:
+        carried = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
+    assert {f"grammars/{f}" for f in grammar_files} <= carried
 
 
 # ----------------------------------------------------------------------------- the oracle

@@ -1,4 +1,5 @@
-"""A curated library of grammars shipped with grammask (``grammask/specs/grammars/``).
+"""A curated library of grammars shipped with grammask (the repository's top-level
+``grammars/``; ``grammask/grammars/`` in the wheel, see ``folder``).
 
 Each grammar is one file in its native syntax, ``NAME.gbnf`` (llama.cpp GBNF as xgrammar's
 EBNF parser takes it) or ``NAME.lark`` (Lark as llguidance takes it), beside
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from importlib.resources.abc import Traversable
+from pathlib import Path
 from typing import Literal
 
 from ..errors import InvalidSpecError
@@ -47,15 +49,26 @@ class LibraryGrammar:
     invalid: tuple[str, ...]
 
 
-def _folder() -> Traversable:
-    return resources.files("grammask.specs").joinpath("grammars")
+def folder() -> Traversable:
+    """The folder of grammar files: ``grammask/grammars/`` inside the package when there is
+    one, else the checkout's top-level ``grammars/``.
+
+    The files live at the repository's top level (the project's layout: ``pyproject.toml``,
+    ``src/``, ``grammars/``, ``tests/``, ``bench/``), outside the package, so an installed
+    wheel carries them as package data at ``grammask/grammars/`` (``pyproject.toml`` maps the
+    folder there) while a checkout, run as ``PYTHONPATH=src`` or installed editable, has only
+    the top-level folder, three levels above this file (``src/grammask/specs/``)."""
+    packaged = resources.files("grammask").joinpath("grammars")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[3] / "grammars"
 
 
 @cache
 def _files() -> dict[str, tuple[str, Syntax]]:
-    """name -> (file name, syntax), for every grammar file in the package."""
+    """name -> (file name, syntax), for every grammar file in the folder."""
     found: dict[str, tuple[str, Syntax]] = {}
-    for entry in _folder().iterdir():
+    for entry in folder().iterdir():
         for suffix, syntax in _SUFFIXES.items():
             if entry.is_file() and entry.name.endswith(suffix):
                 name = entry.name[: -len(suffix)]
@@ -79,9 +92,9 @@ def load(name: str) -> LibraryGrammar:
             f"no library grammar named {name!r}; known: {', '.join(sorted(files))}",
             where="grammar_name")
     file_name, syntax = files[name]
-    folder = _folder()
-    text = folder.joinpath(file_name).read_text(encoding="utf-8")
-    samples = json.loads(folder.joinpath(f"{name}.samples.json").read_text(encoding="utf-8"))
+    base = folder()
+    text = base.joinpath(file_name).read_text(encoding="utf-8")
+    samples = json.loads(base.joinpath(f"{name}.samples.json").read_text(encoding="utf-8"))
     return LibraryGrammar(
         name=name, text=text, syntax=syntax, description=_description(name, text, syntax),
         valid=tuple(samples["valid"]), invalid=tuple(samples["invalid"]),

@@ -225,7 +225,9 @@ class Driver:
         assert batch is not None
         self.batch = batch
         if stand_in:
-            batch.use_port(StandInPort(self.device))
+            # the stand-in device's stream model, where the plugin built its own (the
+            # reader and the watch order their reads through the batch's port)
+            batch.port = batch.watch.port = batch.reader.port = StandInPort(self.device)
         #: the forward's stand-in (default: a sleep of ``forward_s``)
         self.forward = forward or (lambda: time.sleep(self.forward_s))
         #: markers after each step's forward, and whether the forward had run when the

@@ -48,18 +48,17 @@ lifecycle (``rows.py``), the per-step fill job (``stepjob.py``), first masks
 (``firstmask.py``), the fill thread and the masks no grammar fills (``fill.py``), masks
 into the host's logits, along speculative drafts too (``step_apply.py``).
 
-The batch's rows: those made (index -> ``Row``) and those queued to be made
-(``stepjob.Arrivals``), kept in step with the pending fill job and the ended step.
-
-One object, held by the parts that read the rows (the processor, its step jobs and its apply
-side share its ``rows`` dict), instead of a table passed from hand to hand.
+The batch's rows (``RowTable``): those made (index -> ``Row``) and those queued to be made
+(``stepjob.Arrivals``), kept in step with the in-flight fill job and the ended step. The
+table owns the dict of made rows; the step jobs and the apply side keep none: each call the
+processor makes hands them the table's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -147,12 +146,11 @@ class BatchProcessor:
         self._new_row = RowMaker(self.vocab, self._first.compiles, think_end).make
         self._logits = HostLogits(max_batch=max_batch, vocab_size=self.vocab_size,
                                   buffers=self._jobs.buffers, digests=digests)
-        self._rows: dict[int, Row] = {}
         #: the apply side: the step's masks into the host's logits, in its layout (a
         #: later apply of the same step, vLLM 0.34's chunks, takes the same masks)
-        self._apply = StepApply(self._rows, self._jobs, self._logits, self._drafts)
-        self._table = RowTable(max_batch, self._rows, self._arrivals, self._jobs,
-                               self._apply)
+        self._apply = StepApply(self._jobs, self._logits, self._drafts)
+        #: the rows, made and queued: the one owner of the row table
+        self._table = RowTable(max_batch, self._arrivals, self._jobs, self._apply)
 
     # ------------------------------------------------------------------ batch membership
     def add(self, row: int, request: ConstraintRequest | GrammarSpec | None,
@@ -261,7 +259,7 @@ class BatchProcessor:
         order; unconstrained rows are skipped). A row with a live list raises ValueError, as
         ``advance`` does, after the step started for the others."""
         self._apply.end()
-        self._jobs.step(self._rows, rows, tokens, live_rows=self._table.live > 0)
+        self._jobs.step(self._table.rows, rows, tokens, live_rows=self._table.live > 0)
 
     def apply(self, logits: torch.Tensor, host_rows: HostRows = None) -> None:
         """Wait for this step's fill and mask ``logits`` in place (2-D, float, CPU or CUDA),
@@ -271,7 +269,7 @@ class BatchProcessor:
         batch order); ``AlongDrafts`` (speculative decoding). Logits rows no mask is for are
         left alone. Never raises for a row's failure; ValueError for logits with fewer rows
         than a masked row's index."""
-        self._apply.into_logits(logits, host_rows)
+        self._apply.into_logits(self._table.rows, logits, host_rows)
 
     def wait_masks(self, rows: Collection[int] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
@@ -282,20 +280,7 @@ class BatchProcessor:
         that passed ``step(rows)`` a guess). The bitmask is the processor's buffer: valid
         until the next ``step()``; rows not listed hold stale bits and must stay unmasked.
         Ends the step like ``apply``. Never raises for a row's failure."""
-        return self._apply.wait(rows)
-
-    def fill_drafts(self, row: int, drafts: Sequence[int], out: torch.Tensor,
-                    out_rows: Sequence[int]) -> None:
-        """Masks along speculative drafts, for hosts that apply masks themselves:
-        ``out[out_rows[k + 1]]`` gets the mask after ``drafts[:k + 1]``; ``out[out_rows[0]]``
-        must hold the committed position's. The rules are vLLM's (``Drafts.fill``). Raises
-        ValueError unless ``out_rows`` has one row more than ``drafts``."""
-        if len(out_rows) != len(drafts) + 1:
-            raise ValueError(f"{len(drafts)} draft tokens need {len(drafts) + 1} output rows, "
-                             f"got {len(out_rows)}")
-        r = self._table.made(row)
-        if r is not None and drafts:
-            self._drafts.fill(r, drafts, out, out_rows)
+        return self._apply.wait(self._table.rows, rows)
 
     # ------------------------------------------------------------------------- queries
     def info(self, row: int) -> RowInfo:
@@ -318,21 +303,21 @@ class BatchProcessor:
     @property
     def errors(self) -> dict[int, str]:
         """Every errored row and why (waits for an in-flight fill)."""
-        self._jobs.make_rows_now(self._rows)
+        self._jobs.make_rows_now(self._table.rows)
         self._jobs.settle()
-        return {i: r.error for i, r in self._rows.items() if r.error is not None}
+        return {i: r.error for i, r in self._table.rows.items() if r.error is not None}
 
     @property
     def rows(self) -> list[int]:
         """The constrained rows, those added but not yet made by a fill job included (an
         add whose ``resolve`` turns out unconstrained among them until then)."""
-        return sorted(self._rows.keys() | self._arrivals.queued.keys()
+        return sorted(self._table.rows.keys() | self._arrivals.queued.keys()
                       | set(self._jobs.handed_rows()))
 
     @property
     def has_rows(self) -> bool:
         """Whether any row is constrained (``rows``, without sorting them)."""
-        return (bool(self._rows) or bool(self._arrivals.queued)
+        return (bool(self._table.rows) or bool(self._arrivals.queued)
                 or bool(self._jobs.handed_rows()))
 
     @property
@@ -370,7 +355,7 @@ class BatchProcessor:
             return failed_row(entry, f"adding the request failed: {type(exc).__name__}: "
                                      f"{exc}", self.vocab)
         if arrival.host_masks:
-            self._logits.host_masks_seen = True
+            self._logits.host_masks_added()
         return r
 
 
@@ -390,10 +375,11 @@ class RowTable:
     """Rows ``0 .. max_batch - 1``: made or queued; mutations settle what they touch."""
 
     max_batch: int
-    rows: dict[int, Row]  # the made rows, shared with the step jobs and the apply side
     arrivals: Arrivals  # the queued ones
     jobs: StepJobs
     apply: StepApply
+    #: the made rows (the step jobs and the apply side are handed them per call)
+    rows: dict[int, Row] = field(default_factory=dict)
     #: rows added with a live list (``step(rows, tokens)`` refuses them): a hint, which may
     #: count an add that turned out unconstrained until its row is reused
     live: int = 0

@@ -84,9 +84,13 @@ class HostLogits:
         self.buffers = buffers  # the step's (row order)
         #: per-rank mask digests (a debug setting; ``MaskDigests`` below), None: off
         self.digests = digests
-        #: some row of the table may have ``host_masks`` (set when such a row is made,
-        #: cleared once none has): while False, the apply skips the restore
-        self.host_masks_seen = False
+        #: some row of the table may have ``host_masks`` (``host_masks_added``; cleared
+        #: here once none has): while False, the apply skips the restore
+        self._host_masks_seen = False
+
+    def host_masks_added(self) -> None:
+        """A row with ``host_masks`` was made: applies look for such rows again."""
+        self._host_masks_seen = True
 
     def mapped(self, step: StepMasks, logits_rows: Sequence[int], rows: Sequence[int]
                ) -> Pairs | None:
@@ -107,19 +111,19 @@ class HostLogits:
             plan = None
         return Pairs(bitmask, at, mask_rows, plan) if at.size else None
 
-    def mask(self, table: dict[int, Row], logits: torch.Tensor, pairs: Pairs
+    def apply(self, table: dict[int, Row], logits: torch.Tensor, pairs: Pairs
              ) -> LogitsLayout | None:
         """``apply_pairs`` with the hooks: digests of the committed masks first, and the
         grammar's tokens back in rows whose host left none (rows that asked for it);
         returns the logits' layout, as the apply read it."""
         bitmask, at, rows, plan, owners, committed = pairs
         # rows as a list only for the per-row hooks (the V2 path has none by default)
-        hooks = self.digests is not None or self.host_masks_seen
+        hooks = self.digests is not None or self._host_masks_seen
         listed = (rows if isinstance(rows, list) else rows.tolist()) if hooks else []
         if self.digests is not None:
             self._record(table, bitmask, listed if committed is None else listed[:committed])
             plan = None if self.digests.fault else plan
-        asked = self._asked(table, listed, at, owners) if self.host_masks_seen else []
+        asked = self._asked(table, listed, at, owners) if self._host_masks_seen else []
         layout, restored = apply_pairs(logits, bitmask, at, rows, vocab_size=self.vocab_size,
                                        buffers=self.buffers, plan=plan, restore=asked)
         if restored > 0:
@@ -147,7 +151,7 @@ class HostLogits:
                                                                  strict=True)
                  if (r := table.get(row)) is not None and r.host_masks]
         if not asked and not any(r.host_masks for r in table.values()):
-            self.host_masks_seen = False  # the rows that asked have left the batch
+            self._host_masks_seen = False  # the rows that asked have left the batch
         return asked
 
 
@@ -185,11 +189,11 @@ class _Ended:
 
 
 class StepApply:
-    """The apply side of a step, over the processor's row table (shared, not copied)."""
+    """The apply side of a step. The rows are the processor's row table's (each call is
+    handed them: this side keeps none); the CPU layout the next job plans for is the step
+    jobs' (``StepJobs.applied`` is told what this apply read)."""
 
-    def __init__(self, table: dict[int, Row], jobs: StepJobs, logits: HostLogits,
-                 drafts: Drafts) -> None:
-        self.table = table
+    def __init__(self, jobs: StepJobs, logits: HostLogits, drafts: Drafts) -> None:
         self._jobs = jobs
         self._logits = logits
         self._drafts = drafts
@@ -204,47 +208,48 @@ class StepApply:
         if self._ended is not None:
             self._ended.rows.discard(row)
 
-    def into_logits(self, logits: torch.Tensor, host_rows: HostRows) -> None:
+    def into_logits(self, table: dict[int, Row], logits: torch.Tensor,
+                    host_rows: HostRows) -> None:
         """The step's masks into ``logits``, laid out as ``host_rows`` says: the layout
         becomes pairs (waiting for the step's fill), then one masking call."""
-        pairs = (self._batch() if host_rows is None
-                 else self._mapped(*host_rows) if isinstance(host_rows, Mapped)
-                 else self._drafts_of(*host_rows))
+        pairs = (self._batch(table) if host_rows is None
+                 else self._mapped(table, *host_rows) if isinstance(host_rows, Mapped)
+                 else self._drafts_of(table, *host_rows))
         if pairs is not None:
-            layout = self._logits.mask(self.table, logits, pairs)
-            # the next job plans the CPU apply for these logits when planning fits
-            self._jobs.cpu_layout = layout if self._jobs.plan_next else None
+            self._jobs.applied(self._logits.apply(table, logits, pairs))
 
-    def wait(self, rows: Collection[int] | None) -> tuple[torch.Tensor, list[int]]:
+    def wait(self, table: dict[int, Row], rows: Collection[int] | None
+             ) -> tuple[torch.Tensor, list[int]]:
         """The step's bitmask and its rows (``BatchProcessor.wait_masks``)."""
         self._ended = None
-        step = self._jobs.wait(self.table, rows)
+        step = self._jobs.wait(table, rows)
         return step.bitmask, step.rows
 
-    def _batch(self) -> Pairs | None:
+    def _batch(self, table: dict[int, Row]) -> Pairs | None:
         """Logits row ``i`` takes row ``i``'s mask."""
         self._ended = None
-        bitmask, rows, plan = self._jobs.wait_for_apply(self.table)
+        bitmask, rows, plan = self._jobs.wait_for_apply(table)
         return Pairs(bitmask, None, rows, plan) if rows else None
 
-    def _mapped(self, logits_rows: Sequence[int], rows: Sequence[int]) -> Pairs | None:
+    def _mapped(self, table: dict[int, Row], logits_rows: Sequence[int], rows: Sequence[int]
+                ) -> Pairs | None:
         """``Mapped``: from the step's masks, or the ended step's for a later chunk."""
         ended = self._reusable(rows)
         if ended is None:
-            step = self._jobs.wait_for_apply(self.table, rows)
+            step = self._jobs.wait_for_apply(table, rows)
             ended = self._ended = _Ended(step, set(step.rows))
         return self._logits.mapped(ended.step, logits_rows, rows)
 
-    def _drafts_of(self, rows: Sequence[int], positions: Sequence[int],
-                   inputs: Sequence[int]) -> Pairs | None:
+    def _drafts_of(self, table: dict[int, Row], rows: Sequence[int],
+                   positions: Sequence[int], inputs: Sequence[int]) -> Pairs | None:
         """``AlongDrafts``: each row's masks follow its drafts (``Drafts.place``) in rows of
         the step's bitmask above those it uses; the committed positions take the step's
         masks as ``Mapped`` rows do."""
-        self._jobs.make_rows_now(self.table)
-        sampling = {int(r) for r in rows if int(r) in self.table}
+        self._jobs.make_rows_now(table)
+        sampling = {int(r) for r in rows if int(r) in table}
         ended = self._reusable(sampling)
         if ended is None:
-            step = self._jobs.wait_for_apply(self.table, sorted(sampling))
+            step = self._jobs.wait_for_apply(table, sorted(sampling))
             ended = self._ended = _Ended(step, set(step.rows))
         step = ended.step
         # draft positions right after the highest row this step uses: a device copy of the
@@ -255,7 +260,7 @@ class StepApply:
         base += ended.drafts
         ended.drafts += len(rows)
         bitmask = self._jobs.buffers.room(step.bitmask, base, len(rows))
-        placed = self._drafts.place(self.table, step.rows, bitmask, base, rows, positions,
+        placed = self._drafts.place(table, step.rows, bitmask, base, rows, positions,
                                     inputs, sampling)
         if not placed.at.size:
             return None

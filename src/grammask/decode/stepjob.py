@@ -95,7 +95,7 @@ class StepJobs:
         self._last_waited: Step | None = None  # the last step waited for (``Step.before``)
         #: the CPU logits the next job plans the apply for (None: GPU logits, none seen yet,
         #: or planning would not fit in the forward: see ``_plan_fits``)
-        self.cpu_layout: LogitsLayout | None = None
+        self._cpu_layout: LogitsLayout | None = None
         #: the job's own ``_plan_fits`` verdict for the job after it (off the critical path)
         self.plan_next = True
         self._window_ms = float("inf")  # from the last step's hand-over to its apply
@@ -147,7 +147,7 @@ class StepJobs:
         self._steps += 1
         if table or step.handed_adds is not None:
             step.future = self._worker.run(
-                partial(self._job, step, self.cpu_layout, table, order, handed))
+                partial(self._job, step, self._cpu_layout, table, order, handed))
         else:  # no job to drop it: steps of an empty batch must not chain
             step.before = None
         self.in_flight = step
@@ -197,12 +197,18 @@ class StepJobs:
         step = self.in_flight
         return () if step is None or step.handed_adds is None else step.handed_adds[0].keys()
 
+    def applied(self, layout: LogitsLayout | None) -> None:
+        """The layout of the logits an apply just masked: the next job plans the CPU apply
+        for it when planning fit (``plan_next``: decided by the job, not on the critical
+        path), else for none."""
+        self._cpu_layout = layout if self.plan_next else None
+
     def wait_for_apply(self, table: dict[int, Row], rows: Collection[int] | None = None
                        ) -> StepMasks:
         """``wait``, for an apply into the host's logits: notes how long the forward left
-        the job (``_plan_fits``). The apply then sets ``cpu_layout`` (the next job plans
-        the CPU apply for it when ``plan_next``: planning fit, decided by the job, not on the
-        critical path). The plan is made for the job's rows; an apply at other logits rows
+        the job (``_plan_fits``). The apply then tells ``applied`` its layout (the next job
+        plans the CPU apply for it when ``plan_next``: planning fit, decided by the job, not
+        on the critical path). The plan is made for the job's rows; an apply at other logits rows
         moves it there (``apply.apply_pairs``)."""
         self._window_ms = (time.perf_counter() - self._stepped_at) * 1000
         return self.wait(table, rows)

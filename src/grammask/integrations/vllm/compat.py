@@ -110,6 +110,11 @@ def interfaces() -> tuple[Any, Any]:
     return v1, v2
 
 
+#: The class vLLM loads (entry point and ``--logits-processors``): one spelling, here, which
+#: the plugin module and the adapters import without importing each other.
+FQCN = "grammask.integrations.vllm.plugin:GrammaskLogitsProcessor"
+
+
 def unsupported() -> str:
     """Empty when the plugin can serve on the installed vLLM; else why it stands aside."""
     found = vllm_version()

@@ -20,14 +20,12 @@ import logging
 import types
 from typing import Any
 
-from .compat import interfaces, unsupported, vllm_version
+from .compat import FQCN, interfaces, unsupported, vllm_version
 
 __all__ = ["FQCN", "STAND_ASIDE_REASON", "GrammaskLogitsProcessor", "StandAside"]
 
 log = logging.getLogger("grammask")
 
-#: The class vLLM loads (entry point and ``--logits-processors``).
-FQCN = "grammask.integrations.vllm.plugin:GrammaskLogitsProcessor"
 
 _V1, _V2 = interfaces()
 

@@ -1,7 +1,7 @@
 """What the vLLM V1 and V2 adapters share: ``PluginCore`` (settings, compiler, processor, the
-TP agreement, inertness). The parts live in their own modules, re-exported here:
-``settings`` (settings), ``admission`` (request parsing and the 400s),
-``compiler`` (the shared compiler and vocabulary).
+TP agreement, inertness). The parts live in their own modules, imported from there:
+``settings`` (settings), ``admission`` (request parsing and the 400s), ``process`` (the
+shared compiler and vocabulary).
 
 - Settings come from ``--additional-config '{"grammask": {...}}'`` first, then ``GRAMMASK_*``
   environment variables, then defaults (``SETTINGS`` lists them; docs/vllm.md has the table).
@@ -31,33 +31,13 @@ from ...decode.processor import Arrival, BatchProcessor
 from ...decode.step_apply import MaskDigests
 from ...errors import CompileFailure, GrammarError, InvalidSpecError, ServerFault
 from ...specs.request import STAND_IN, ConstraintRequest
-from .admission import (
-    REQUEST_KEYS,
-    _checked,
-    _checker,
-    _frontend_settings,
-    _parsed,
-    _request_key,
-    _settings_of,
-    carries_request,
-    request_of,
-    validate_sampling_params,
-)
-from .compat import _speculative_on_v1, rust_frontend, unserved
+from .admission import carries_request, request_of
+from .compat import rust_frontend, unserved
 from .dropin import OPT_OUT_KEY, log_status
 from .dropin import status as dropin_status
-from .process import _COMPILERS, shared_compiler, use_vllm_logging, vocabulary_from_vllm
+from .process import shared_compiler, use_vllm_logging
 from .reasoner import rule_for
-from .settings import (
-    SETTINGS,
-    Settings,
-    _tp_rank,
-    _tp_size,
-    describe_settings,
-    load_settings,
-    settings_for,
-    settings_table,
-)
+from .settings import _tp_rank, _tp_size, describe_settings, settings_for
 
 log = logging.getLogger("grammask")
 
@@ -72,17 +52,9 @@ def _cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
-#: The class vLLM loads (entry point and ``--logits-processors``).
-FQCN = "grammask.integrations.vllm.plugin:GrammaskLogitsProcessor"
 RunnerKind = Literal["v1", "v2"]
 
-__all__ = ["FQCN", "REQUEST_KEYS", "SETTINGS", "_COMPILERS", "PluginCore", "RunnerKind",
-           "Settings", "_checked", "_checker", "_frontend_settings",
-           "_parsed", "_request_key", "_settings_of", "_speculative_on_v1", "_tp_rank", "_tp_size",
-           "describe_settings", "host_masks", "load_settings", "request_of", "settings_for",
-           "settings_table",
-           "shared_compiler", "use_vllm_logging", "validate_sampling_params",
-           "vocabulary_from_vllm"]
+__all__ = ["PluginCore", "RunnerKind", "host_masks"]
 
 
 # ------------------------------------------------------------------------- the core

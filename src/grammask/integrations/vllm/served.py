@@ -10,8 +10,9 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from .admission import validate_sampling_params
 from .compat import runner_of
-from .plugin_core import PluginCore, validate_sampling_params
+from .plugin_core import PluginCore
 from .v2 import V2Batch
 
 

@@ -45,9 +45,9 @@ from ...decode.step_apply import Mapped
 from ...kernels.apply import stop_only, warm_device_apply
 from .compat import v1_discarded
 from .faults import log_fault
-from .plugin_core import FQCN, PluginCore
+from .plugin_core import PluginCore
 
-__all__ = ["FQCN", "V1Batch"]
+__all__ = ["V1Batch"]
 
 log = logging.getLogger("grammask")
 

@@ -122,11 +122,6 @@ class V2Batch:
         if self.core.active:
             warm_device_apply(self.device, int(req_states.vocab_size))
 
-    def use_port(self, port: DevicePort) -> None:
-        """Order device work through ``port`` (a host with its own stream model: the tests'
-        stand-in device). Call before the first request."""
-        self.port = self.watch.port = self.reader.port = port
-
     # ------------------------------------------------------------------ runner hooks
     # Each hook vLLM calls catches every exception of grammask's (an exception in the
     # sampler ends vLLM's engine core): a fault ends grammask's rows it concerns, with

@@ -88,7 +88,7 @@ def run_side(side: str, vocab: Vocabulary, xgr: Compiler, walks: list[list[int]]
             proc.wait_masks()
             fwd.finish()
             times.append((time.perf_counter() - t0) * 1000)
-            if landed is None and compiler.switch_epoch:
+            if landed is None and compiler.fill_tuner.epoch:
                 landed = t
             if side == "switch" and landed is not None and switched is None:
                 backends = {proc.info(r).backend for r in going}  # outside the timing

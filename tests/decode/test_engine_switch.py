@@ -26,7 +26,7 @@ from grammask.compile.filltune import Verdict
 from grammask.decode import engine_switch
 from grammask.decode.processor import BatchProcessor
 
-from .helpers import RawReference, words_to_bool
+from ..helpers import RawReference, words_to_bool
 
 FREE = {"type": "object", "properties": {"name": {"type": "string"},
                                          "note": {"type": "string"}, "n": {"type": "integer"}},
@@ -69,7 +69,7 @@ def _walks(schema: dict[str, Any], vocab: Vocabulary, spec: GrammarSpec, old: st
 def _verdict(compiler: Compiler, spec: GrammarSpec, backend: str) -> Verdict:
     compiler.compile(spec)  # the tuner compiles the rival and (forced) offers it
     deadline = time.monotonic() + 60
-    while (verdict := compiler.switch_offer(spec.key, backend)) is None:
+    while (verdict := compiler.fill_tuner.offer(spec.key, backend)) is None:
         assert time.monotonic() < deadline, "no verdict"
         time.sleep(0.02)
     return verdict
@@ -150,7 +150,7 @@ def test_rows_switch_at_every_position_and_mask_as_the_new_engine(
     assert checked[old] > 20 and checked[new] > 50
     for walk in walks:
         jsonschema.validate(json.loads(vocab.decode(walk[:-1]).decode()), schema)
-    verdict = compiler.switch_offer(spec.key, old)
+    verdict = compiler.fill_tuner.offer(spec.key, old)
     assert verdict is not None and verdict.switched == n_rows
 
 
@@ -329,7 +329,7 @@ def test_the_comparison_times_both_engines_on_a_running_rows_tokens(
         proc.add(0, spec, (), None)
         proc.wait_masks([0])  # the routed compile is done: the rival's has started
         deadline = time.monotonic() + 10
-        while spec.key not in compiler.tuning_walks:
+        while spec.key not in compiler.fill_tuner.wanting:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         for token in walk[:20]:
@@ -340,7 +340,7 @@ def test_the_comparison_times_both_engines_on_a_running_rows_tokens(
         gate.set()
         verdict = _verdict(compiler, spec, "guidance")
         assert "a running row's walk of" in verdict.grammar.reason, verdict.grammar.reason
-        assert spec.key not in compiler.tuning_walks
+        assert spec.key not in compiler.fill_tuner.wanting
     finally:
         gate.set()
         proc.close()

@@ -37,7 +37,7 @@ from ..errors import CompilerClosedError, CompileTimeoutError, InvalidSpecError
 from ..specs.grammar_spec import BackendName, GrammarSpec, backend_name
 from ..vocab import Vocabulary
 from .cache import CompileCache
-from .filltune import FillTuner, Verdict, VerdictMode
+from .filltune import FillTuner, VerdictMode
 from .flights import Flight, Flights
 from .grammar import Grammar
 from .plan_runner import PlanRunner
@@ -264,30 +264,11 @@ class Compiler:
         return True if self._disk is None else self._disk.flush(timeout)
 
     @property
-    def switch_epoch(self) -> int:
-        """Moves with each new fill-tuning verdict for a rival (``switch_offer``)."""
-        return self._tuner.epoch
-
-    @property
-    def switch_keys(self) -> frozenset[str]:
-        """The specs with a verdict for a rival (``switch_offer``)."""
-        return self._tuner.offered
-
-    @property
-    def tuning_walks(self) -> frozenset[str]:
-        """The specs whose fill comparison would take a running row's tokens
-        (``note_walk``); empty while none is due (read without a lock: one set a change)."""
-        return self._tuner.wanting
-
-    def note_walk(self, key: str, tokens: list[int]) -> None:
-        """Tokens a running row of spec ``key`` took on its routed grammar: the fill
-        comparison fills both engines along them (``compile/filltune``)."""
-        self._tuner.note_walk(key, tokens)
-
-    def switch_offer(self, key: str, backend: str) -> Verdict | None:
-        """The fill tuner's verdict for rows of spec ``key`` running on ``backend``: the
-        grammar they may switch to (None: keep theirs)."""
-        return self._tuner.offer(key, backend)
+    def fill_tuner(self) -> FillTuner:
+        """The fill tuner (``compile/filltune``): its verdicts for running rows (``offer``,
+        ``epoch``, ``offered``) and the running rows' tokens it asks for (``wanting``,
+        ``note_walk``)."""
+        return self._tuner
 
     def close(self) -> None:
         """Fail every pending request with ``CompilerClosedError``; later requests fail at once.

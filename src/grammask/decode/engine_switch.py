@@ -82,12 +82,12 @@ class EngineSwitch:
         a job while no verdict is open. Never raises: a failure leaves rows where they are.
         Before any verdict, hands the fill comparison a running row's tokens
         (``Compiler.note_walk``), so both engines are timed on the tokens rows take."""
-        wanting = self._compiler.tuning_walks
+        wanting = self._compiler.fill_tuner.wanting
         if wanting:
             self._hand_walks(work, wanting)
         if not self.enabled:
             return
-        epoch = self._compiler.switch_epoch
+        epoch = self._compiler.fill_tuner.epoch
         if epoch == self._done_epoch:
             return
         try:
@@ -108,7 +108,7 @@ class EngineSwitch:
             start = r.seen - len(new) - r.fed
             history = [int(t) for t in r.output[start:start + fillcost.PROBE_TOKENS]]
             handed.add(grammar.spec.key)
-            self._compiler.note_walk(grammar.spec.key, history)
+            self._compiler.fill_tuner.note_walk(grammar.spec.key, history)
 
     def settle(self) -> None:
         """Wait for the replays in flight (tests, benchmarks; a job never waits)."""
@@ -122,7 +122,7 @@ class EngineSwitch:
             self._pool = None
 
     def _switch(self, work: Sequence[Work], table: dict[int, Row], epoch: int) -> None:
-        keys = self._compiler.switch_keys
+        keys = self._compiler.fill_tuner.offered
         submitted = 0
         for _, r, new in work:
             verdict = self._offer(r, keys)
@@ -153,7 +153,7 @@ class EngineSwitch:
                 or grammar.spec.key not in keys or r.request.spec.backend is not None
                 or id(r) in self._stayed):
             return None
-        verdict = self._compiler.switch_offer(grammar.spec.key, grammar.backend)
+        verdict = self._compiler.fill_tuner.offer(grammar.spec.key, grammar.backend)
         if verdict is None or matcher.is_terminated():
             return None
         return verdict
@@ -233,7 +233,7 @@ class EngineSwitch:
         """One log line per verdict whose rows are done here."""
         for key in keys:
             for backend in registry.names():
-                verdict = self._compiler.switch_offer(key, backend)
+                verdict = self._compiler.fill_tuner.offer(key, backend)
                 if verdict is not None and not verdict.reported:
                     verdict.reported = True
                     log.info("grammask: engine switch: %s", verdict.describe())

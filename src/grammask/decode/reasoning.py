@@ -93,7 +93,17 @@ class ThinkMarker:
         return cls(None, vocab.decode(ids), starts, resets)
 
 
-class ThinkGate:
+class _Closes:
+    """What both gates share: thinking until reasoning ends (``_closed``)."""
+
+    _closed: bool
+
+    @property
+    def thinking(self) -> bool:
+        return not self._closed
+
+
+class ThinkGate(_Closes):
     """Per-request state: thinking (no mask) until the end marker, then constrained."""
 
     def __init__(self, marker: ThinkMarker, tokens: Sequence[bytes], *,
@@ -105,10 +115,6 @@ class ThinkGate:
         self.leftover = b""
         self.from_prompt = not thinking or _closed_in_prompt(marker, tokens, prompt_ids)
         self._closed = self.from_prompt
-
-    @property
-    def thinking(self) -> bool:
-        return not self._closed
 
     @property
     def marker(self) -> ThinkMarker:
@@ -196,7 +202,7 @@ _NONE = np.zeros(0, dtype=np.int64)
 FirstTokens = Callable[[Sequence[int]], list[bool] | None]
 
 
-class RuleGate:
+class RuleGate(_Closes):
     """A request vLLM's engine would gate: reasoning until the host's ``ReasoningRule`` ends
     it, from where vLLM's decision (``VllmReasoning.ended``) starts it.
 
@@ -222,10 +228,6 @@ class RuleGate:
         self._implicit = sorted(rule.implicit_ends)
         self._first_tokens = first_tokens
         self._refused: np.ndarray | None = None if self._implicit else _NONE
-
-    @property
-    def thinking(self) -> bool:
-        return not self._closed
 
     @property
     def thinking_tokens(self) -> int:

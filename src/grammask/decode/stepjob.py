@@ -205,11 +205,9 @@ class StepJobs:
 
     def wait_for_apply(self, table: dict[int, Row], rows: Collection[int] | None = None
                        ) -> StepMasks:
-        """``wait``, for an apply into the host's logits: notes how long the forward left
-        the job (``_plan_fits``). The apply then tells ``applied`` its layout (the next job
-        plans the CPU apply for it when ``plan_next``: planning fit, decided by the job, not
-        on the critical path). The plan is made for the job's rows; an apply at other logits rows
-        moves it there (``apply.apply_pairs``)."""
+        """``wait``, for an apply into the host's logits (which then tells ``applied`` its
+        layout): notes how long the forward left the job (``_plan_fits``). The plan is made
+        for the job's rows; an apply at other rows moves it (``apply.apply_pairs``)."""
         self._window_ms = (time.perf_counter() - self._stepped_at) * 1000
         return self.wait(table, rows)
 

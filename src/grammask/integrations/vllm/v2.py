@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -100,7 +101,7 @@ class V2Batch:
         self._unparsed: list[_Slot] = []  # added this step: parsed on the parse thread
         self._tracked = np.zeros(n, dtype=bool)
         self._prefill = np.zeros(n, dtype=np.int64)
-        self._threads: dict[str, ThreadPoolExecutor] = {}
+        self._helpers = _HelperThreads(self.device)
         #: the processor is touched by the host's apply and the watch's step: one at a time
         self._lock = threading.Lock()
         if port is None:
@@ -115,7 +116,7 @@ class V2Batch:
                      if compiler is not None and self.core.settings.token_marks else None)
         self.watch = TokenWatch(self.reader, port,
                                 lengths=self.num_spec > 0, step=self._step_rows,
-                                fail=self._fail_slot, pool=partial(self._thread, "tokens"),
+                                fail=self._fail_slot, pool=partial(self._helpers.pool, "tokens"),
                                 mark=self.mark)
         #: applies that read draft inputs in stream order (speculative decoding)
         self.draft_reads = 0
@@ -227,7 +228,7 @@ class V2Batch:
     def _stage(self) -> None:
         if self._unparsed:
             new, self._unparsed = self._unparsed, []
-            parsing = self._thread("parse").submit(self._parse_arrivals, new)
+            parsing = self._helpers.pool("parse").submit(self._parse_arrivals, new)
             for st in new:
                 st.parsing = parsing
         all_ids = self.rs.all_token_ids.gpu
@@ -287,22 +288,15 @@ class V2Batch:
                     self._fail_slot(slot, message)
                 except Exception as again:
                     log_fault("apply", "failing a slot", again)
-            if logits.shape[0] == slots_np.shape[0]:  # a row per request, in batch order
-                rows = np.flatnonzero(np.isin(slots_np, ours)).tolist()
-            else:  # drafts: the layout is device-only, read in stream order
-                self.port.wait(self.port.mark())
-                rows = np.flatnonzero(np.isin(_host(ctx.expanded_idx_mapping), ours)).tolist()
-            if rows:
-                compiler = self.core.compiler
-                stop_only(logits, rows, compiler.vocab.stop_ids if compiler is not None else ())
+            compiler = self.core.compiler
+            _stop_only_slots(logits, ctx, slots_np, ours, self.port,
+                             compiler.vocab.stop_ids if compiler is not None else ())
         except Exception as again:
             log_fault("apply", "the stop-only masks of a failed apply", again)
 
     def close(self) -> None:
         """Stop the helper threads (after their queued work)."""
-        for pool in self._threads.values():
-            pool.shutdown(wait=True, cancel_futures=False)
-        self._threads.clear()
+        self._helpers.close()
 
     def _prepare(self, slots: list[int]) -> BatchProcessor:
         """Every sampling slot in the processor (the common step: one set check)."""
@@ -347,15 +341,6 @@ class V2Batch:
                     self._fail_slot(slot, f"starting the fill failed: "
                                           f"{type(exc).__name__}: {exc}")
 
-    def _thread(self, name: str) -> ThreadPoolExecutor:
-        """A helper thread, on the rank's device: ``tokens`` (the watches, in step order)
-        or ``parse`` (new requests' parses; apart, so a parse never waits behind a watch)."""
-        pool = self._threads.get(name)
-        if pool is None:
-            pool = self._threads[name] = ThreadPoolExecutor(
-                1, thread_name_prefix=f"grammask-v2-{name}", initializer=bind_device,
-                initargs=(self.device,))
-        return pool
 
     def _fail_slot(self, slot: int, message: str) -> None:
         """The slot's request ends (stop-only masks from now on): in the processor, or at
@@ -383,7 +368,7 @@ class V2Batch:
         is waited for here, on the runner's thread: a fill job that waited for it could
         deadlock with a watch's ``step``."""
         if not st.fetched:
-            self._fetch(slot, st)
+            _fetch(st, slot, self.rs, self.port)
         if st.parsing is not None:
             try:
                 st.parsing.result()
@@ -397,25 +382,6 @@ class V2Batch:
         if st.failed is not None:
             proc.fail(slot, st.failed, cause="fault")
 
-    def _fetch(self, slot: int, st: _Slot) -> None:
-        """The prompt (thinking gate) and resumed output: from the copy started before the
-        forward, or read now."""
-        if st.fetch is not None:
-            marker, host = st.fetch
-            self.port.wait(marker)
-            ids = host.tolist()
-            st.fetch = None
-        else:  # no staged writes before this step: read in stream order
-            lo = 0 if st.wants_prompt else st.prompt_len
-            self.port.wait(self.port.mark())
-            ids = self.rs.all_token_ids.gpu[slot, lo:st.prefill_len].tolist()
-        if st.wants_prompt:
-            st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
-        else:
-            replay = ids
-        st.tokens.output.extend(replay)
-        st.tokens.known = st.prefill_len
-        st.fetched = True
 
 
 def sampling_rows(idx_mapping_np: Any, seq_lens_upper_bound_np: Any,
@@ -444,3 +410,59 @@ def _host(tensor: Any) -> np.ndarray:
     if isinstance(tensor, np.ndarray):
         return tensor
     return np.asarray(tensor.detach().to("cpu").numpy())
+
+
+def _fetch(st: _Slot, slot: int, rs: Any, port: DevicePort) -> None:
+    """The prompt (thinking gate) and resumed output: from the copy started before the
+    forward, or read now."""
+    if st.fetch is not None:
+        marker, host = st.fetch
+        port.wait(marker)
+        ids = host.tolist()
+        st.fetch = None
+    else:  # no staged writes before this step: read in stream order
+        lo = 0 if st.wants_prompt else st.prompt_len
+        port.wait(port.mark())
+        ids = rs.all_token_ids.gpu[slot, lo:st.prefill_len].tolist()
+    if st.wants_prompt:
+        st.prompt, replay = ids[:st.prompt_len], ids[st.prompt_len:]
+    else:
+        replay = ids
+    st.tokens.output.extend(replay)
+    st.tokens.known = st.prefill_len
+    st.fetched = True
+
+
+class _HelperThreads:
+    """The batch's helper threads, one a job, on the rank's device: ``tokens`` (the
+    watches, in step order) or ``parse`` (new requests' parses; apart, so a parse never
+    waits behind a watch)."""
+
+    def __init__(self, device: Any) -> None:
+        self._device = device
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+
+    def pool(self, name: str) -> ThreadPoolExecutor:
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"grammask-v2-{name}", initializer=bind_device,
+                initargs=(self._device,))
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=True, cancel_futures=False)
+        self._pools.clear()
+
+
+def _stop_only_slots(logits: torch.Tensor, ctx: Any, slots: np.ndarray[Any, Any],
+                     ours: list[int], port: DevicePort, stop_ids: Sequence[int]) -> None:
+    """Stop-only masks on the logits rows of the slots ``ours`` (a failed apply's)."""
+    if logits.shape[0] == slots.shape[0]:  # a row per request, in batch order
+        rows = np.flatnonzero(np.isin(slots, ours)).tolist()
+    else:  # drafts: the layout is device-only, read in stream order
+        port.wait(port.mark())
+        rows = np.flatnonzero(np.isin(_host(ctx.expanded_idx_mapping), ours)).tolist()
+    if rows:
+        stop_only(logits, rows, stop_ids)

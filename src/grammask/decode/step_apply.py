@@ -111,7 +111,7 @@ class HostLogits:
             plan = None
         return Pairs(bitmask, at, mask_rows, plan) if at.size else None
 
-    def apply(self, table: dict[int, Row], logits: torch.Tensor, pairs: Pairs
+    def mask_into(self, table: dict[int, Row], logits: torch.Tensor, pairs: Pairs
              ) -> LogitsLayout | None:
         """``apply_pairs`` with the hooks: digests of the committed masks first, and the
         grammar's tokens back in rows whose host left none (rows that asked for it);
@@ -216,7 +216,8 @@ class StepApply:
                  else self._mapped(table, *host_rows) if isinstance(host_rows, Mapped)
                  else self._drafts_of(table, *host_rows))
         if pairs is not None:
-            self._jobs.applied(self._logits.apply(table, logits, pairs))
+            layout = self._logits.mask_into(table, logits, pairs)
+            self._jobs.applied(layout)
 
     def wait(self, table: dict[int, Row], rows: Collection[int] | None
              ) -> tuple[torch.Tensor, list[int]]:

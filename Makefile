@@ -68,11 +68,13 @@ unit: setup
 # the plugin against vLLM 0.34's own classes (V2 runner only; class level, no server)
 unit34: setup vllm34
 	GRAMMASK_V34_REQUIRED=1 PYTHONPATH=$(abspath $(VLLM34))/site $(VENV)/bin/pytest -q -n 2 \
-		--dist loadfile tests/test_vllm034.py tests/test_vllm_v2.py tests/test_vllm_v2_spec.py \
-		tests/test_vllm_stand_aside.py tests/test_v2_async_order.py tests/test_vllm_v2_safety.py \
-		tests/test_vllm_tools.py tests/test_vllm_tool_formats.py \
-		tests/test_reasoning_vllm.py \
-		tests/test_vllm_dropin.py::test_vllms_own_input_processor_hands_the_request_over
+		--dist loadfile tests/integrations/vllm/test_plugin_vllm034.py \
+		tests/integrations/vllm/test_v2.py tests/integrations/vllm/test_v2_spec.py \
+		tests/integrations/vllm/test_plugin_stand_aside.py \
+		tests/integrations/vllm/test_v2_async_order.py tests/integrations/vllm/test_v2_safety.py \
+		tests/integrations/vllm/test_tools.py tests/integrations/vllm/test_tools_formats.py \
+		tests/integrations/vllm/test_dropin_reasoning.py \
+		tests/integrations/vllm/test_dropin.py::test_vllms_own_input_processor_hands_the_request_over
 
 # real vLLM servers; a missing vLLM venv fails here (it only skips in a bare `pytest`)
 e2e: setup vllm-venv

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (about 6 minutes on one GPU), for whoever gets a CUDA machine:
-#   1. tests/test_devices.py on CUDA (apply kernel vs a bitwise reference for fp32/bf16/fp16
+#   1. tests/kernels/test_apply_devices.py on CUDA (apply kernel vs a bitwise reference for fp32/bf16/fp16
 #      with model padding; BatchProcessor on CUDA logits under torch.inference_mode, which
 #      exercises the pinned double buffers and their copy events);
 #   2. tests/v2_gpu_check.py: the V2 adapter's token watch in vLLM 0.34's async order on a
@@ -35,7 +35,7 @@ assert torch.cuda.is_available(), "no CUDA device"
 print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
 status=0
-"$PY" -m pytest -q -s -p no:cacheprovider tests/test_devices.py tests/test_apply_pairs.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
+"$PY" -m pytest -q -s -p no:cacheprovider tests/kernels/test_apply_devices.py tests/kernels/test_apply.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" \
     || status=1
 "$PY" -m tests.v2_gpu_check --device cuda --budget-s 75 --json "$OUT/v2.json" 2>&1 | tee "$OUT/v2.txt" \
     || status=1

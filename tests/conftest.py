@@ -45,7 +45,7 @@ def qwen36() -> Vocabulary:
 @pytest.fixture(scope="session")
 def compiler(qwen25: Vocabulary) -> Iterator[Compiler]:
     # routes as the router makes them: a tuned spec may move to the other backend later
-    # (tests/test_fillcost.py tests that)
+    # (tests/compile/test_fillcost.py tests that)
     compiler = Compiler(qwen25, timeout_s=60, tune_fill=False)
     yield compiler
     compiler.close()

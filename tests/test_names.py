@@ -43,27 +43,20 @@ def test_the_old_names_are_gone() -> None:
     import grammask.backends.base as base
     import grammask.compile.compiler as compiler_module
     import grammask.errors as errors
-    from grammask.integrations.vllm import (
-        compiler as vllm_compiler,
-    )
-    from grammask.integrations.vllm import (
-        plugin_core as vllm_common,
-    )
-    from grammask.integrations.vllm import (
-        settings as vllm_settings,
-    )
+    from grammask.integrations.vllm import plugin_core, process
+    from grammask.integrations.vllm import settings as vllm_settings
 
     gone = [(grammask, "Engine"), (grammask, "EngineClosedError"), (compiler_module, "Engine"),
             (errors, "EngineClosedError"), (backends, "CompiledGrammar"),
             (base, "CompiledGrammar"), (base, "EngineMatcherBase"),
-            (vllm_compiler, "shared_engine"), (vllm_compiler, "_ENGINES"),
-            (vllm_common, "shared_engine"), (vllm_common, "_ENGINES"),
+            (process, "shared_engine"), (process, "_ENGINES"),
+            (plugin_core, "shared_engine"), (plugin_core, "_ENGINES"),
             (Grammar, "compiled"), (BackendMatcher, "engine_matcher"),
             (BatchProcessor, "engine")]
     assert [f"{getattr(o, '__name__', o)}.{n}" for o, n in gone if hasattr(o, n)] == []
     with pytest.raises(ImportError):
         from grammask import Engine  # type: ignore[attr-defined]  # noqa: F401
-    for module in (grammask, backends, errors, vllm_common, vllm_compiler):
+    for module in (grammask, backends, errors, plugin_core, process):
         assert not {"Engine", "EngineClosedError", "CompiledGrammar", "shared_engine",
                     "_ENGINES"} & set(getattr(module, "__all__", ())), module.__name__
     for old in ("grammask.integrations.vllm_engine", "grammask.integrations.vllm_v1"):

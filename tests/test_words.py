@@ -52,9 +52,7 @@ def _identifiers() -> dict[str, set[str]]:
                 names.append(node.id)
             elif isinstance(node, ast.Attribute):
                 names.append(node.attr)
-            elif isinstance(node, ast.arg):
-                names.append(node.arg)
-            elif isinstance(node, ast.keyword) and node.arg:
+            elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
                 names.append(node.arg)
             elif isinstance(node, ast.alias):
                 names.append(node.asname or node.name.split(".")[-1])

@@ -18,7 +18,7 @@ from grammask.backends.xgrammar import XGrammarMatcher
 from grammask.decode.fill import Filler
 from grammask.specs.grammar_spec import BackendName
 
-from .helpers import RawReference, bit, feed, mask_of, words_to_bool
+from ..helpers import RawReference, bit, feed, mask_of, words_to_bool
 
 BACKENDS: list[BackendName] = ["xgrammar", "guidance"]
 PATTERN = "abc|abd"  # "ab" then one of two endings; complete (but not stopped) after "abc"

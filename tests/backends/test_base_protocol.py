@@ -14,8 +14,8 @@ from grammask import (
 )
 from grammask.specs.grammar_spec import BackendName
 
-from .conftest import CORPUS
-from .helpers import accepts_complete, bit, feed, mask_of
+from ..conftest import CORPUS
+from ..helpers import accepts_complete, bit, feed, mask_of
 
 BACKENDS: list[BackendName] = ["xgrammar", "guidance"]
 

@@ -42,12 +42,12 @@ from grammask.backends.xgrammar_disk import (
     unpack_json,
 )
 
-from .helpers import mask_of
+from ..helpers import mask_of
 
 #: the xgrammar adapter, whose disk codec these tests exercise
 XG: Any = get_backend("xgrammar")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 SCHEMA = {"type": "object",
@@ -596,7 +596,7 @@ from pathlib import Path
 from grammask import load_vocabulary
 from grammask.backends import get_backend
 from grammask.backends.diskcache import DiskCache
-from tests.test_diskcache import _heavy
+from tests.backends.test_diskcache import _heavy
 def growth(work):  # the peak RSS above the RSS before ``work`` (Linux: VmHWM reset)
     def kib(field):
         text = Path("/proc/self/status").read_text()

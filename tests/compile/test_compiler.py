@@ -26,7 +26,7 @@ from grammask import (
 from grammask.backends import get_backend, registry
 from grammask.compile.plan_runner import PlanRunner
 
-from .helpers import accepts_complete, declare_unbounded
+from ..helpers import accepts_complete, declare_unbounded
 
 
 def _prepare_all(vocab: Vocabulary) -> None:

@@ -25,7 +25,7 @@ from grammask import (
 )
 from grammask.schema.normalize import combinator_gap, overlapping_pattern_all_of
 
-from .helpers import accepts_complete
+from ..helpers import accepts_complete
 
 OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
 
@@ -269,7 +269,7 @@ def _route_probe(schemas: list[Any]) -> list[Any]:
     return json.loads(json.dumps(out))
 
 
-_PROBE_MAIN = ("import json, sys; from tests.test_router import _route_probe; "
+_PROBE_MAIN = ("import json, sys; from tests.compile.test_router import _route_probe; "
                "print(json.dumps(_route_probe(json.loads(sys.stdin.read()))))")
 
 
@@ -285,7 +285,7 @@ def test_route_is_deterministic() -> None:
     schema = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True},
                                                "d": {"type": "string", "format": "date"}}}
     schemas = [schema, *(row[1] for row in TABLE)]
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     procs = [subprocess.Popen([sys.executable, "-c", _PROBE_MAIN], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=root, env={**os.environ, "PYTHONHASHSEED": seed})

@@ -18,7 +18,7 @@ from grammask.compile.router import ALL_FAILURES, FIRST_BUDGET, NOT_TIMING, Atte
 from grammask.errors import CompileTimeoutError, UnsupportedError
 from grammask.vocab import Vocabulary
 
-from .helpers import declare_unbounded
+from ..helpers import declare_unbounded
 
 FREE_TEXT = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 NO_TEXT = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

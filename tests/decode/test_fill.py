@@ -206,7 +206,7 @@ def hf_vocab() -> Vocabulary:
     """A Hugging Face tokenizer's vocabulary: llguidance tokenizes natively (parallel)."""
     from grammask import load_vocabulary
 
-    from .vllm_fixtures import model_dir
+    from ..vllm_fixtures import model_dir
 
     return load_vocabulary(str(model_dir()))
 

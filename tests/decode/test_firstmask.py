@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from grammask import GrammarSpec
-from grammask.decode.rows import FAILED, PENDING, READY, Decision, decide
+from grammask.decode.rows import COMPILING, FAILED, READY, Decision, decide
 
 XGR_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                                "ok": {"type": "boolean"}},
@@ -30,15 +30,15 @@ XGR_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
 
 # ------------------------------------------------------------------ the decision rule
 @pytest.mark.parametrize(("can_hedge", "views", "expected"), [
-    (False, [[0, 0, READY, PENDING], [0, 0, READY, PENDING]], Decision(use=0)),
-    (False, [[0, 0, READY, PENDING], [0, 0, PENDING, PENDING]], Decision()),
-    (False, [[0, 0, READY, PENDING], [1, 0, PENDING, PENDING]], Decision(fail="late")),
-    (False, [[0, 0, FAILED, PENDING], [0, 0, READY, PENDING]], Decision(fail="compile")),
-    (True, [[0, 0, FAILED, PENDING], [0, 0, READY, PENDING]], Decision(hedge=True)),
-    (True, [[0, 0, READY, PENDING], [0, 1, PENDING, PENDING]], Decision(hedge=True)),
-    (True, [[0, 1, READY, READY], [0, 1, PENDING, READY]], Decision(use=1)),
+    (False, [[0, 0, READY, COMPILING], [0, 0, READY, COMPILING]], Decision(use=0)),
+    (False, [[0, 0, READY, COMPILING], [0, 0, COMPILING, COMPILING]], Decision()),
+    (False, [[0, 0, READY, COMPILING], [1, 0, COMPILING, COMPILING]], Decision(fail="late")),
+    (False, [[0, 0, FAILED, COMPILING], [0, 0, READY, COMPILING]], Decision(fail="compile")),
+    (True, [[0, 0, FAILED, COMPILING], [0, 0, READY, COMPILING]], Decision(hedge=True)),
+    (True, [[0, 0, READY, COMPILING], [0, 1, COMPILING, COMPILING]], Decision(hedge=True)),
+    (True, [[0, 1, READY, READY], [0, 1, COMPILING, READY]], Decision(use=1)),
     (True, [[0, 1, READY, READY], [0, 1, READY, READY]], Decision(use=0)),
-    (True, [[0, 1, FAILED, FAILED], [0, 1, READY, PENDING]], Decision(fail="compile")),
+    (True, [[0, 1, FAILED, FAILED], [0, 1, READY, COMPILING]], Decision(fail="compile")),
 ])
 def test_decision_rule(can_hedge: bool, views: list[list[int]], expected: Decision) -> None:
     assert decide(can_hedge, views) == expected

@@ -19,7 +19,7 @@ from grammask.backends.base import BatchFills
 from grammask.decode.fill import Filler
 from grammask.decode.processor import BatchProcessor
 
-from .helpers import PATIENT, RawReference, raw_reference
+from ..helpers import PATIENT, RawReference, raw_reference
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -815,7 +815,9 @@ def test_a_removed_rows_matcher_serves_the_next_request_from_the_start(
         proc.advance(0, qwen25.encode("beta"))
         proc.step()
         proc.wait_masks()
-        old = proc._rows[0].matcher
+        made = proc._table.made(0)
+        assert made is not None
+        old = made.matcher
         assert old is not None
         native = old.native  # type: ignore[attr-defined]
         proc.remove(0)
@@ -831,4 +833,6 @@ def test_a_removed_rows_matcher_serves_the_next_request_from_the_start(
             assert torch.equal(bitmask[1], ref_words(ref, qwen25)), text
         with pytest.raises(RuntimeError, match="released"):  # by the first job after it left
             old.accept(qwen25.stop_ids[0])
-        assert proc._rows[1].matcher.native is native  # type: ignore[union-attr]
+        again = proc._table.made(1)
+        assert again is not None and again.matcher is not None
+        assert again.matcher.native is native  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ import torch
 from grammask import AlongDrafts, Compiler, ConstraintRequest, GrammarSpec, Vocabulary
 from grammask.decode.processor import BatchProcessor
 
-from .helpers import RawReference
+from ..helpers import RawReference
 
 CHOICE = GrammarSpec.choice(["red", "green"], backend="xgrammar")
 
@@ -75,10 +75,11 @@ def test_allowed_token_ids_disjoint_from_the_grammar(compiler: Compiler,
 
 def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
         compiler: Compiler, qwen25: Vocabulary) -> None:
-    """The apply skips the restore's pass while no row asks for it (``HostLogits.host_masks_seen``);
-    a row that asks is still restored when it joins after a plain row, when a plain row
-    joins after it, after a move, and after a step where it was not masked (thinking) and
-    only a plain row was. Once the rows that asked have left, the pass is skipped again."""
+    """The apply skips the restore's pass while no row asks for it
+    (``HostLogits.host_masks_added``); a row that asks is still restored when it joins after a
+    plain row, when a plain row joins after it, after a move, and after a step where it was
+    not masked (thinking) and only a plain row was. Once the rows that asked have left, the
+    pass is skipped again."""
     grammar = compiler.compile(CHOICE)
     done = [*qwen25.encode("green")]
     stops = list(qwen25.stop_ids)
@@ -102,7 +103,7 @@ def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
     try:
         proc.add(0, CHOICE, output_ids=list(done), grammar=grammar)
         step([], [0])
-        assert not proc._logits.host_masks_seen
+        assert not proc._logits._host_masks_seen
         proc.add(1, CHOICE, output_ids=list(done), grammar=grammar, host_masks=True)
         step([1], [0])
         proc.add(2, CHOICE, output_ids=list(done), grammar=grammar)
@@ -116,7 +117,7 @@ def test_rows_that_ask_are_restored_whatever_else_the_batch_holds(
         step([3], [2])
         proc.remove(3)
         step([], [2])
-        assert not proc._logits.host_masks_seen
+        assert not proc._logits._host_masks_seen
     finally:
         proc.close()
 

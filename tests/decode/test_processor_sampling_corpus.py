@@ -31,7 +31,7 @@ from grammask import Compiler, CompileTimeoutError, Grammar, GrammarError, Gramm
 from grammask.decode.processor import BatchProcessor
 from grammask.kernels.bitmask import bitmask_words
 
-from .helpers import PATIENT
+from ..helpers import PATIENT
 
 PER_SUBSET = 13
 SEED = 20250601

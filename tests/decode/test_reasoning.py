@@ -21,7 +21,7 @@ from grammask.decode.processor import BatchProcessor
 from grammask.decode.reasoning import RuleGate, ThinkGate, ThinkMarker
 from grammask.decode.rows import Row
 
-from .helpers import PATIENT, RawReference
+from ..helpers import PATIENT, RawReference
 
 THINK, END_THINK, IM_START, IM_END = 248068, 248069, 248045, 248046
 SPEC = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},

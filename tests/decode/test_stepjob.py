@@ -14,7 +14,7 @@ from grammask import Compiler, Grammar, GrammarSpec, Mapped, Vocabulary
 from grammask.decode.processor import Arrival, BatchProcessor
 from grammask.decode.rows import RowMaker
 
-from .helpers import PATIENT, RawReference
+from ..helpers import PATIENT, RawReference
 
 CHOICES = [GrammarSpec.choice(words, backend="xgrammar") for words in
            (["alpha", "beta"], ["gamma", "delta"], ["epsilon", "zeta"], ["eta", "theta"])]

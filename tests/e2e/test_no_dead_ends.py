@@ -16,12 +16,14 @@ from typing import Any
 
 import pytest
 
+from tests.compile.test_router_no_silent_violations import (  # vLLM's own test schema
+    ISSUE_SCHEMA as SCHEMA,
+)
 from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json
 from tests.e2e.server import MODEL_NAME, Server, xargs
 from tests.e2e.standard import response_format
 from tests.e2e.test_features import metric
-from tests.test_no_silent_violations import ISSUE_SCHEMA as SCHEMA  # vLLM's own test schema
 
 MESSAGES = [{"role": "user", "content": "Give a score and some tags."}]
 SAMPLES = 32

@@ -17,7 +17,7 @@ from grammask import Compiler, GrammarSpec, Vocabulary, allocate_bitmask
 from grammask.decode.processor import BatchProcessor
 from grammask.kernels.apply import apply_bitmask
 
-from .helpers import PATIENT
+from ..helpers import PATIENT
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (run bench/gpu_check.sh)"))]

@@ -23,7 +23,7 @@ from grammask.kernels.apply import apply_bitmask
 from grammask.kernels.buffers import MaskBuffers
 from grammask.kernels.cpu_plan import plan_cpu_apply
 
-from .helpers import feed
+from ..helpers import feed
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -476,7 +476,7 @@ def hf_vocab() -> Vocabulary:
     """A Hugging Face tokenizer's vocabulary: llguidance tokenizes natively."""
     from grammask import load_vocabulary
 
-    from .vllm_fixtures import model_dir
+    from ..vllm_fixtures import model_dir
 
     return load_vocabulary(str(model_dir()))
 

@@ -11,7 +11,7 @@ def test_room_for_a_later_chunk_above_a_smaller_buffer() -> None:
     """vLLM 0.34 verifies a speculative batch in chunks: a later chunk places its draft
     rows above the earlier chunks', past the end of the step's buffer. The room it gets
     keeps the step's own rows and has every row it asks for (it raised before: found by
-    tests/test_vllm_v2_safety.py::test_random_configurations)."""
+    tests/integrations/vllm/test_v2_safety.py::test_random_configurations)."""
     buffers = MaskBuffers(4, 64)
     step = buffers.acquire()
     step[:4] = torch.arange(4, dtype=torch.int32)[:, None]

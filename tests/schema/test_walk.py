@@ -19,7 +19,7 @@ from grammask.schema import keys
 from grammask.schema.keywords import check_keywords, check_node, keywords_ok
 from grammask.schema.walk import MISSING, Walk, resolve_pointer, subschemas
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "grammask"
+SRC = Path(__file__).resolve().parents[2] / "src" / "grammask"
 
 
 def test_the_walk_visits_every_subschema_key_in_the_tables_order_stacked() -> None:

@@ -34,7 +34,7 @@ from grammask.specs import library
 from grammask.specs.frontends import from_vllm
 from grammask.specs.grammar_spec import BackendName
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 NAMES = library.names()
 BACKENDS: list[BackendName] = ["xgrammar", "guidance"]

@@ -43,7 +43,7 @@ from grammask.vocab.token_bytes import (
     vocab_type_from_vocab,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: xgrammar, untyped here (the tokenizers below are duck-typed on purpose)
 XGR: Any = xgr
 
@@ -120,7 +120,7 @@ def _real_dirs() -> list[str]:
 def real_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     name = request.param
     if name == "qwen3-layout":  # the vLLM tests' model dir: Qwen3's 26 added tokens
-        from .vllm_fixtures import model_dir
+        from ..vllm_fixtures import model_dir
 
         return model_dir()
     if name == "qwen2.5":
@@ -157,7 +157,7 @@ def test_real_tokenizers_decode_as_xgrammar_does(real_dir: Path) -> None:
 
 def test_the_qwen3_layout_through_load_vocabulary() -> None:
     """A tokenizer directory (vLLM's model dir) goes the same way, Qwen3's numbers kept."""
-    from .vllm_fixtures import END_THINK, EOS, IM_END, THINK, VOCAB, model_dir
+    from ..vllm_fixtures import END_THINK, EOS, IM_END, THINK, VOCAB, model_dir
 
     v = load_vocabulary(str(model_dir()))
     assert (v.vocab_size, v.stop_ids, len(v.tokens)) == (VOCAB, (IM_END, EOS), 151_669)

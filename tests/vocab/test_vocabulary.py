@@ -9,7 +9,7 @@ from grammask import Compiler, GrammarSpec, InvalidSpecError, Vocabulary, load_v
 from grammask.backends.guidance import native_tokenizer, tokenizer_view
 from grammask.specs.grammar_spec import BackendName
 
-from .helpers import bit, feed, mask_of
+from ..helpers import bit, feed, mask_of
 
 
 def test_qwen25_embedded_default(qwen25: Vocabulary) -> None:
@@ -69,7 +69,7 @@ def test_a_hugging_face_vocabulary_gives_llguidance_a_native_tokenizer() -> None
     so no GIL, inside a fill). Along a free-text walk its masks equal the callback's, but
     for the added tokens (``<think>``, ``<tool_call>``: non-special in Qwen3), which the
     native tokenizer never allows inside text (stricter, as in vLLM)."""
-    from .vllm_fixtures import model_dir
+    from ..vllm_fixtures import model_dir
 
     vocab = load_vocabulary(str(model_dir()))
     native = tokenizer_view(vocab)

@@ -1,6 +1,6 @@
 """The contract every backend adapter keeps; the rest of grammask sees only these names.
 
-Semantics shared by both backends (tests/test_matcher_contract.py holds both to every line):
+Semantics shared by both backends (tests/backends/test_base.py holds both to every line):
 
 - ``Matcher.accept(token)`` returns False and leaves the state *unchanged* when the token is not
   allowed, and equally for an id that is no token at all (``< 0``, ``>= vocab_size``, not an

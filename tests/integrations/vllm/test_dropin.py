@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
-from .vllm_fixtures import vllm_config
+from ...vllm_fixtures import vllm_config
 
 # isort: split
 import vllm

@@ -28,8 +28,8 @@ from grammask.integrations.vllm.plugin_core import PluginCore
 from grammask.integrations.vllm.settings import Settings
 from grammask.specs.request import parse_extra_args
 
-from . import reasoning_grid
-from .vllm_fixtures import model_dir, triton_check_stubbed, vllm_config
+from ... import reasoning_grid
+from ...vllm_fixtures import model_dir, triton_check_stubbed, vllm_config
 
 SCHEMA = {"type": "object"}
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
-from .vllm_fixtures import END_THINK, EOS, FQCN, IM_END, IM_START, VOCAB, vllm_config, xargs
+from ...vllm_fixtures import END_THINK, EOS, FQCN, IM_END, IM_START, VOCAB, vllm_config, xargs
 
 # isort: split
 from vllm import SamplingParams
@@ -30,26 +30,25 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
 
-from grammask.integrations.vllm import plugin_core as vllm_common
+from grammask.integrations.vllm import admission, process
+from grammask.integrations.vllm.admission import request_of, validate_sampling_params
 from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
-from grammask.integrations.vllm.plugin_core import (
+from grammask.integrations.vllm.process import vocabulary_from_vllm
+from grammask.integrations.vllm.settings import (
     Settings,
     load_settings,
-    request_of,
     settings_for,
     settings_table,
-    validate_sampling_params,
-    vocabulary_from_vllm,
 )
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "vllm.md"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
 # ----------------------------------------------------------------------- registration
 def test_the_installed_entry_point_loads_into_both_runners() -> None:
     eps = [e for e in md.entry_points(group="vllm.logits_processors") if e.name == "grammask"]
-    assert [e.value for e in eps] == [vllm_common.FQCN]  # the plugin module
+    assert [e.value for e in eps] == [FQCN]  # the plugin module
     assert eps[0].load() is GrammaskLogitsProcessor
     assert GrammaskLogitsProcessor in _load_logitsprocs_plugins()  # V1 loader
     assert GrammaskLogitsProcessor in _load_v2_logitsprocs_plugins()  # V2: type-checked
@@ -205,11 +204,11 @@ def test_validation_never_compiles_for_the_tokenizer(monkeypatch: pytest.MonkeyP
             return _orig(spec, vocab, lenient=lenient)
 
         monkeypatch.setattr(backend, "compile", counted)
-    compilers_before = set(vllm_common._COMPILERS)
+    compilers_before = set(process._COMPILERS)
     for extra in GOOD:
         validate_sampling_params(SamplingParams(max_tokens=8, extra_args=extra))
-    assert compiles == [] and set(vllm_common._COMPILERS) == compilers_before
-    checker = vllm_common._checker("auto", "auto")
+    assert compiles == [] and set(process._COMPILERS) == compilers_before
+    checker = admission._checker("auto", "auto")
     assert len(checker.vocab.tokens) == 1 and checker.stats.compiles == {
         "xgrammar": 0, "guidance": 0}
     # the count sees a real compile (so an empty count means no compile, not a blind spy)
@@ -228,14 +227,14 @@ def test_one_constraint_mechanism_per_request() -> None:
 
 def test_disabled_plugin_refuses_constrained_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRAMMASK_ENABLED", "0")
-    vllm_common._settings_of.cache_clear()
+    admission._settings_of.cache_clear()
     try:
         with pytest.raises(VLLMValidationError, match="disabled"):
             validate_sampling_params(SamplingParams(extra_args=xargs({"regex": "a"})))
         validate_sampling_params(SamplingParams(extra_args=None))  # others are fine
     finally:
         monkeypatch.undo()
-        vllm_common._settings_of.cache_clear()
+        admission._settings_of.cache_clear()
 
 
 def test_disabled_through_additional_config_is_seen_by_the_api_server() -> None:

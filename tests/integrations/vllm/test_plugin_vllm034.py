@@ -4,7 +4,7 @@
 Runs only with vLLM 0.34's Python ahead of ``.venv``'s 0.33 (``make unit34``: the wheel
 installed ``--no-deps`` into ``.vllm34/site``, put first on ``PYTHONPATH``); skipped
 otherwise, and a failure when ``GRAMMASK_V34_REQUIRED`` is set. The V2 runner suites
-(``test_vllm_v2.py``, ``test_vllm_v2_spec.py``) run there too, with ``apply_staged_writes``
+(``test_v2.py``, ``test_v2_spec.py``) run there too, with ``apply_staged_writes``
 called only on admission steps as 0.34 does.
 
 Stand-ins (no CUDA, no Triton on this machine): ``vllm_fixtures.triton_check_stubbed`` lets
@@ -13,7 +13,7 @@ building); ``vllm_fixtures.patch_v2_for_cpu`` as in the V2 suites; vLLM's own
 structured-output check in ``verify`` is skipped where it imports backends this venv lacks.
 The rejection sampler's Triton kernel cannot run here: the flag it reads
 (``may_mask_logits``) is checked, and the masks along drafts are checked in
-``test_vllm_v2_spec.py``.
+``test_v2_spec.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from .vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
+from ...vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
     CONSTRAINTS,
     VOCAB,
     cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
@@ -146,7 +146,7 @@ def test_a_parser_that_names_its_end_by_token_id_only_still_gates(
 
     from grammask.integrations.vllm.dropin import reasoning_end
 
-    from .vllm_fixtures import END_THINK
+    from ...vllm_fixtures import END_THINK
 
     class ByToken(DeepSeekR1ReasoningParser):
         @property

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
-from .vllm_fixtures import vllm_config  # noqa: F401
+from ...vllm_fixtures import vllm_config  # noqa: F401
 
 # isort: split
 from vllm.config import StructuredOutputsConfig

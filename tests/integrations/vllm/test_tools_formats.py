@@ -41,7 +41,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from .vllm_fixtures import mistral_dir, model_dir, v34_missing  # first: CPU platform before vLLM
+from ...vllm_fixtures import mistral_dir, model_dir, v34_missing  # first: CPU platform before vLLM
 
 # isort: split
 if why := v34_missing():
@@ -60,7 +60,7 @@ from grammask.integrations.vllm.tools import MAX_TOOL_CALLS
 from grammask.specs.request import parse_extra_args
 from grammask.vocab import load_vocabulary
 
-from .tool_formats import (
+from ...tool_formats import (
     POLICIES,
     Policy,
     capped,

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
-from .vllm_fixtures import (
+from ...vllm_fixtures import (
     CONSTRAINTS,
     END_THINK,
     FQCN,
@@ -55,7 +55,7 @@ from grammask.integrations.vllm import faults, v1_batch
 from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 from grammask.integrations.vllm.plugin_core import PluginCore
 
-from .helpers import RawReference
+from ...helpers import RawReference
 
 
 class _Ready:
@@ -650,7 +650,7 @@ def test_the_decode_core_holds_no_callable_of_the_plugin(runner: Any, vocab: Voc
     the fill job, parsed there through ``RequestReader``), stepped and removed; nothing
     below ``integrations/`` holds a bound method, partial, lambda or closure of the
     plugin's objects, before the fill job made the rows and after."""
-    from .layering import upward_callables
+    from ...layering import upward_callables
 
     r = runner()
     r.add("a", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])

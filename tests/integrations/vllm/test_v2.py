@@ -27,7 +27,7 @@ import pytest
 import torch
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
-from .vllm_fixtures import (
+from ...vllm_fixtures import (
     CONSTRAINTS,
     END_THINK,
     FQCN,
@@ -56,7 +56,7 @@ from vllm.v1.worker.gpu.states import RequestState
 from grammask import Compiler, Vocabulary
 from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 
-from .helpers import RawReference
+from ...helpers import RawReference
 
 MAX_REQS = 4
 
@@ -290,16 +290,16 @@ def test_new_requests_are_parsed_off_the_runners_thread(
     from grammask.integrations.vllm.plugin_core import PluginCore
 
     r = runner()
-    real = PluginCore.admission
+    real = PluginCore.arrival
     threads: list[int] = []
 
-    def admission(self: PluginCore, params: Any, resumed: bool) -> Any:
+    def arrival(self: PluginCore, params: Any, resumed: bool) -> Any:
         threads.append(threading.get_ident())
         if (params.extra_args or {}).get("grammask_source") == "tools":
             raise RuntimeError("boom")
         return real(self, params, resumed)
 
-    monkeypatch.setattr(PluginCore, "admission", admission)
+    monkeypatch.setattr(PluginCore, "arrival", arrival)
     good = r.add("good", xargs(CONSTRAINTS[3][0], thinking="off"), [1, 2])
     bad = r.add("bad", xargs(CONSTRAINTS[3][0], thinking="off") | {"grammask_source": "tools"},
                 [1, 2])

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
+from ...vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
     VOCAB,
     cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
     spec_config,
@@ -27,7 +27,7 @@ if why := v34_missing():
 
 from vllm.v1.worker.gpu.spec_decode import rejection_sampler as rsm
 
-from .v34_driver import Driver
+from ...v34_driver import Driver
 
 
 def _chunk_logits(monkeypatch: pytest.MonkeyPatch, rows: int) -> int:
@@ -160,7 +160,7 @@ def test_start_up_warms_the_kernel_and_binds_the_helpers(monkeypatch: pytest.Mon
     try:
         assert warmed == [(d.rs.device, VOCAB)] and not d.counts.masks
         for name in ("tokens", "parse"):
-            pool = d.batch._thread(name)
+            pool = d.batch._helpers.pool(name)
             assert pool._initializer is vllm_v2.bind_device  # type: ignore[attr-defined]
             assert pool._initargs == (d.rs.device,)  # type: ignore[attr-defined]
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from .vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
+from ...vllm_fixtures import (  # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
     TINY_VOCAB,
     VOCAB,
     cpu_v2,  # noqa: F401 - an autouse fixture: the CPU stand-ins for this module
@@ -36,7 +36,7 @@ from vllm.v1.worker.gpu.spec_decode import rejection_sampler as rsm
 from grammask import metrics
 from grammask.integrations.vllm import faults
 
-from .v34_driver import Driver
+from ...v34_driver import Driver
 
 
 def _run(d: Driver, steps: int, *, admit_every: int = 2, live: int = 6, free: float = 0.0,
@@ -169,7 +169,7 @@ def test_dummy_and_warmup_runs() -> None:
 STAGES: dict[str, tuple[str, str]] = {
     "add_request": ("grammask.integrations.vllm.v2:V2Batch", "_add"),
     "staged_writes": ("grammask.integrations.vllm.v2:V2Batch", "_stage"),
-    "admission": ("grammask.integrations.vllm.plugin_core:PluginCore", "admission"),
+    "arrival": ("grammask.integrations.vllm.plugin_core:PluginCore", "arrival"),
     "first_mask": ("grammask.decode.firstmask:FirstMasks", "attach_all"),
     "fill": ("grammask.decode.stepjob:StepJobs", "_run"),
     "apply": ("grammask.decode.step_apply:StepApply", "into_logits"),
@@ -346,7 +346,7 @@ def test_the_decode_core_holds_no_callable_of_the_plugin(drafts: int) -> None:
     what happened. The walk finds one where one is planted."""
     import functools
 
-    from .layering import upward_callables
+    from ...layering import upward_callables
 
     config = (spec_config(max_reqs=8, num_spec=drafts, tiny=True) if drafts
               else vllm_config(max_num_seqs=8, tiny=True))

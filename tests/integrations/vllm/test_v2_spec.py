@@ -19,7 +19,7 @@ import pytest
 import torch
 
 # first: it sets VLLM_TARGET_DEVICE=cpu before vLLM is imported
-from .vllm_fixtures import (
+from ...vllm_fixtures import (
     CONSTRAINTS,
     END_THINK,
     IM_START,
@@ -44,7 +44,7 @@ from vllm.v1.worker.gpu.states import RequestState
 from grammask import Vocabulary
 from grammask.integrations.vllm.plugin import GrammaskLogitsProcessor
 
-from .helpers import RawReference
+from ...helpers import RawReference
 
 MAX_REQS = 4
 NUM_SPEC = 4

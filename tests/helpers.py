@@ -352,3 +352,33 @@ def declare_unbounded(monkeypatch: Any, name: str) -> None:
     info = registry.info(name)
     monkeypatch.setitem(registry._registered, info.name,
                         dataclasses.replace(info, bounded_compile=False))
+
+
+class ThreadClock:
+    """A stand-in for ``time.perf_counter`` as one module reads it (``module.time``; the
+    rest of ``time`` is real), one clock a thread: each stands still until its own thread
+    ``advance``s it, however long the real work takes. For ``grammask.decode.stepjob``: the
+    host's ``advance`` between ``step`` and ``apply`` is the forward the fill job overlaps
+    (the window it measures), a stand-in's ``advance`` on the fill worker is that job's work
+    (a plan's time); the job's real work takes none, so which fits is the test's choice."""
+
+    def __init__(self, monkeypatch: Any, module: Any) -> None:
+        real, clock = module.time, self
+        self._now: dict[int, float] = {}
+
+        class _Time:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def perf_counter(self) -> float:
+                return clock.now()
+
+        monkeypatch.setattr(module, "time", _Time())
+
+    def now(self) -> float:
+        """The calling thread's clock (each starts at 1000 s)."""
+        return self._now.get(threading.get_ident(), 1000.0)
+
+    def advance(self, seconds: float) -> None:
+        """Move the calling thread's clock on (no other thread writes its entry)."""
+        self._now[threading.get_ident()] = self.now() + seconds

@@ -100,10 +100,16 @@ def held(call: Any) -> tuple[float, BaseException | None]:
 
 
 # the bound asserted below is loose (half the stall) on purpose: the point is that the
-# caller is let go at its deadline rather than at the stall's end, on a loaded machine too
+# caller is let go at its deadline rather than at the stall's end, on a loaded machine too.
+# The deadline is the compile service's real wait (a future's timeout, not a clock the test
+# can stand in for), so the tests timing ``held`` are timing tests. Their margins: let go
+# before BOUND_S = 10 s, 25x the 0.4 s deadline and half the 20 s stall a missed deadline
+# costs; where a lower bound is asserted, not before 0.9 of the deadline (a timed wait does
+# not end early: the 10 % is room for clock granularity).
 BOUND_S = STALL_S / 2
 
 
+@pytest.mark.timing  # margins: above BOUND_S
 def test_compile_gives_up_at_the_deadline_on_a_slow_bounded_backend(
         qwen25: Vocabulary, sloth: type[SlothBackend]) -> None:
     compiler = Compiler(qwen25, backend=None, timeout_s=DEADLINE_S)
@@ -124,6 +130,7 @@ def test_compile_gives_up_at_the_deadline_on_a_slow_bounded_backend(
         compiler.close()
 
 
+@pytest.mark.timing  # margins: above BOUND_S
 def test_a_shorter_caller_timeout_is_held_too(qwen25: Vocabulary,
                                               sloth: type[SlothBackend]) -> None:
     compiler = Compiler(qwen25, backend=None, timeout_s=60)
@@ -134,6 +141,7 @@ def test_a_shorter_caller_timeout_is_held_too(qwen25: Vocabulary,
         compiler.close()
 
 
+@pytest.mark.timing  # margins: above BOUND_S
 def test_compile_async_and_its_joiners_are_settled_at_the_deadline(
         qwen25: Vocabulary, sloth: type[SlothBackend]) -> None:
     compiler = Compiler(qwen25, backend=None, timeout_s=DEADLINE_S)
@@ -148,6 +156,7 @@ def test_compile_async_and_its_joiners_are_settled_at_the_deadline(
         compiler.close()
 
 
+@pytest.mark.timing  # margins: above BOUND_S
 def test_warm_up_reports_a_timeout_at_the_deadline(qwen25: Vocabulary, tmp_path: Path,
                                                    sloth: type[SlothBackend]) -> None:
     compiler = Compiler(qwen25, backend=SLOTH, timeout_s=DEADLINE_S)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
+
+import pytest
 
 from grammask import Compiler, GrammarSpec, Vocabulary
 from grammask.compile.fillcost import compare, probe
+from grammask.compile.filltune import FillTuner
 
 #: free text: both backends enforce it; the router picks llguidance (compile time)
 SCHEMA = {"type": "object", "properties": {
@@ -46,9 +50,18 @@ def test_the_cheaper_filler_serves_later_requests_and_enforces_the_same(
 
 
 def test_no_tuning_with_tensor_parallelism_a_forced_backend_or_one_enforcing(
-        qwen25: Vocabulary) -> None:
+        qwen25: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks must agree (no timing), a forced backend is the request's, and a schema only
-    one backend enforces has no rival."""
+    one backend enforces has no rival. A comparison is started within ``compile`` (its
+    ``after_compile``) or never: none was started when the compiles return."""
+    started: list[str] = []
+    real_start = FillTuner._start
+
+    def start(self: FillTuner, spec: GrammarSpec, *args: Any) -> None:
+        started.append(spec.key)
+        real_start(self, spec, *args)
+
+    monkeypatch.setattr(FillTuner, "_start", start)
     ranks = Compiler(qwen25, rank_invariant=True)
     auto = Compiler(qwen25)
     try:
@@ -57,7 +70,7 @@ def test_no_tuning_with_tensor_parallelism_a_forced_backend_or_one_enforcing(
         auto.compile(GrammarSpec.json_schema(SCHEMA, backend="guidance"))
         auto.compile(GrammarSpec.json_schema({"type": "string", "pattern": "^a+$",
                                               "minLength": 2}))  # llguidance alone
-        time.sleep(0.2)
+        assert started == [] and not auto.fill_tuner.wanting
         assert ranks.stats.fill_tuned == 0 and auto.stats.fill_tuned == 0
     finally:
         ranks.close()

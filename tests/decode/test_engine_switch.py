@@ -197,12 +197,9 @@ def test_a_history_the_new_engine_refuses_leaves_the_row_where_it_was(
     rival = compiler.compile(GrammarSpec.json_schema(strict, any_whitespace=False,
                                                      backend="xgrammar"))
     verdict = Verdict(spec.key, "guidance", rival, 10.0, 1.0)
-    landed = {"epoch": 0}  # the verdict lands once both histories are fed
-    monkeypatch.setattr(Compiler, "switch_offer", lambda self, key, backend: (
-        verdict if backend == "guidance" and landed["epoch"] else None))
-    monkeypatch.setattr(Compiler, "switch_epoch", property(lambda self: landed["epoch"]))
-    monkeypatch.setattr(Compiler, "switch_keys", property(
-        lambda self: frozenset({spec.key} if landed["epoch"] else ())))
+    tuner = compiler.fill_tuner  # the verdict lands once both histories are fed
+    monkeypatch.setattr(tuner, "offer", lambda key, backend: (
+        verdict if backend == "guidance" and tuner.epoch else None))
     escaped = vocab.encode('{"name":"a\\nb","note":"x"')
     plain = vocab.encode('{"name":"ab","note":"x"')
     proc = BatchProcessor(compiler, max_batch=2, think_end=None)
@@ -220,7 +217,8 @@ def test_a_history_the_new_engine_refuses_leaves_the_row_where_it_was(
                     assert refs[r].accept(walk[i])
             proc.step(rows, tokens)
             proc.wait_masks(rows)
-        landed["epoch"] = 1  # the verdict lands: the next jobs replay and swap both rows
+        tuner.offered = frozenset({spec.key})  # the verdict lands: the next jobs replay
+        tuner.epoch += 1  # and swap both rows
         for text in (",", '"'):
             token = vocab.encode(text)[0]
             for ref in refs:
@@ -269,7 +267,8 @@ def test_one_rival_compile_at_a_time_per_backend(vocab: Vocabulary,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A wave of new free-text schemas: their rivals (xgrammar) are compared one at a time,
     the others queued, so they never fill the compile slots that first masks routed to
-    that backend wait for; every one is compared in the end."""
+    that backend wait for; every one is compared in the end. Each comparison is held until
+    the whole wave is compiled: one run alongside it would be seen running meanwhile."""
     import threading
 
     from grammask.compile.filltune import FillTuner
@@ -277,12 +276,14 @@ def test_one_rival_compile_at_a_time_per_backend(vocab: Vocabulary,
     active, peak, done = [0], [0], []
     lock = threading.Lock()
     all_done = threading.Event()
+    running, wave_in = threading.Event(), threading.Event()
 
     def tune(self: FillTuner, spec: GrammarSpec, grammar: Any, other: str) -> None:
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-        time.sleep(0.05)  # stands in for the rival's compile and the comparison
+        running.set()
+        wave_in.wait(30)  # stands in for the rival's compile and the comparison
         with lock:
             active[0] -= 1
             done.append(spec.key)
@@ -295,6 +296,10 @@ def test_one_rival_compile_at_a_time_per_backend(vocab: Vocabulary,
         for i in range(6):
             compiler.compile(GrammarSpec.json_schema(
                 {**FREE, "description": f"wave {i}"}, any_whitespace=False))
+        assert running.wait(30)
+        with lock:  # the first comparison runs (held), the other five are queued
+            assert active[0] == 1 and not done
+        wave_in.set()
         assert all_done.wait(30)
     finally:
         compiler.close()

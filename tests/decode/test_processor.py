@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -19,7 +18,7 @@ from grammask.backends.base import BatchFills
 from grammask.decode.fill import Filler
 from grammask.decode.processor import BatchProcessor
 
-from ..helpers import PATIENT, RawReference, raw_reference
+from ..helpers import PATIENT, RawReference, ThreadClock, raw_reference
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -738,9 +737,13 @@ def test_draft_rows_mask_committed_positions_through_the_steps_plan(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the fill job plans (CPU logits, a forward long enough), the committed positions
     of an ``AlongDrafts`` apply take the step's plan moved to their logits rows (``apply_pairs``),
-    beside draft positions from the drafts' own buffer, with the masks of the reference."""
+    beside draft positions from the drafts' own buffer, with the masks of the reference.
+    The forward is 80 ms on a stand-in clock (``ThreadClock``), on which the job takes
+    none: it plans from the second step, however long it really takes."""
+    import grammask.decode.stepjob as stepjob
     import grammask.kernels.apply as apply_module
 
+    clock = ThreadClock(monkeypatch, stepjob)
     real = apply_module._apply_plan_moved
     moved: list[int] = []
 
@@ -756,7 +759,7 @@ def test_draft_rows_mask_committed_positions_through_the_steps_plan(
         proc.add(1, choice.spec, grammar=choice)
         for _ in range(3):
             proc.step([1, 3])
-            time.sleep(0.08)  # the forward the job overlaps (planning must fit in it)
+            clock.advance(0.08)  # the forward the job overlaps (planning fits in it)
             logits = torch.zeros(5, qwen25.vocab_size)
             # row 1 at logits row 0 (no drafts); logits row 1: no request; row 3 at 2, 3, 4
             proc.apply(logits, AlongDrafts([1, -1, 3, 3, 3], [0, 0, 0, 1, 2],

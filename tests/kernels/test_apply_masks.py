@@ -23,7 +23,7 @@ from grammask.kernels.apply import apply_bitmask
 from grammask.kernels.buffers import MaskBuffers
 from grammask.kernels.cpu_plan import plan_cpu_apply
 
-from ..helpers import feed
+from ..helpers import ThreadClock, feed
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -307,6 +307,7 @@ def test_worker_tickets_return_results_and_errors() -> None:
         worker.run(lambda: 1)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
         compiler: Compiler, qwen25: Vocabulary, dtype: torch.dtype,
@@ -314,7 +315,13 @@ def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
     """From the second step the fill job plans the CPU apply for the last logits' layout and
     ``apply`` uses that plan; the masked logits are those of an unplanned apply of the same
     masks (a second processor fed the same tokens), step by step, and a layout change (wider
-    logits) falls back to the kernels until the plan follows it."""
+    logits) falls back to the kernels until the plan follows it.
+
+    Timing: the job plans only while it, planning included, fits in 0.9 of the forward it
+    overlaps, on the real clock (``planned == 7``). The job (advance, fill, plan) takes
+    0.6-2.5 ms a step here, 6.6 ms at worst measured on a loaded two-core machine; the
+    stand-in forward is an 80 ms sleep (72 ms allowed): a margin of 10x over that worst
+    step, 30x over a typical one."""
     import grammask.kernels.apply as apply_module
 
     real = apply_module._apply_plan
@@ -339,7 +346,7 @@ def test_processor_apply_with_the_job_plan_equals_a_plain_apply(
             logits = torch.randn(3, width, generator=gen).to(dtype)
             proc.step()
             plain.step()
-            time.sleep(0.08)  # the forward the job overlaps (planning must fit in it)
+            time.sleep(0.08)  # the forward the job overlaps (timing: the margin above)
             got = logits.clone()
             proc.apply(got)
             planned += proc.stats.last_plan_ms > 0
@@ -361,16 +368,19 @@ def test_one_slow_plan_leaves_planning_on(compiler: Compiler, qwen25: Vocabulary
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan far longer than the forward, first (a cold start) or once among fast ones (a
     preempted thread), does not turn planning off: the decision takes the fastest of the
-    recent plans, the first two left out. A job that does not plan reports 0 ms."""
+    recent plans, the first two left out. A job that does not plan reports 0 ms.
+
+    On a stand-in clock (``ThreadClock``): each forward is 80 ms, a plan 1 ms, the slow ones
+    300 ms; the job's real work takes no time on it, so only the plans' times decide."""
     import grammask.decode.stepjob as stepjob
 
+    clock = ThreadClock(monkeypatch, stepjob)
     real = stepjob.plan_cpu_apply
     calls: list[int] = []
 
     def plan(*args: Any, **kwargs: Any) -> Any:
         calls.append(len(calls) + 1)
-        if len(calls) in (1, 5):
-            time.sleep(0.3)
+        clock.advance(0.3 if len(calls) in (1, 5) else 0.001)  # on the fill worker's clock
         return real(*args, **kwargs)
 
     monkeypatch.setattr(stepjob, "plan_cpu_apply", plan)
@@ -380,7 +390,7 @@ def test_one_slow_plan_leaves_planning_on(compiler: Compiler, qwen25: Vocabulary
         proc.add(0, grammar.spec, grammar=grammar)
         for step, tok in enumerate(tokens[:9]):
             proc.step()
-            time.sleep(0.08)  # the forward the job overlaps
+            clock.advance(0.08)  # the forward the job overlaps (the host's clock)
             proc.apply(torch.zeros(2, qwen25.vocab_size))
             assert (proc.stats.last_plan_ms > 0) == (step > 0), step
             proc.advance(0, [tok])

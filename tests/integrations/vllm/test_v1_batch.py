@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -414,23 +413,37 @@ def test_a_slow_compile_across_prefill_chunks(runner: Any, compiler: Compiler,
                                               vocab: Vocabulary,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt in three chunks (vLLM drops the samples of the first two), its compile held
-    for 1 s, ``wait_s=0.3``: the dropped chunks' applies do not wait (the batch does not
-    stall), the row is not errored, and its first kept sample is masked right."""
+    until the last chunk, ``wait_s=0.3``: the dropped chunks' applies do not wait for the
+    first mask (the batch does not stall; a wait would end the row as late), the row is not
+    errored, and its first kept sample is masked right."""
+    import grammask.decode.firstmask as firstmask
+
     args = {"regex": "(chunk|slow)[0-9]{2}"}
     spec = GrammarSpec.regex("(chunk|slow)[0-9]{2}")
     ref = RawReference.of(compiler.compile(spec), compiler.vocab)  # cached: the hold is all
+    release = threading.Event()
+    compiles: list[Future[Any]] = []
 
     def held(spec: GrammarSpec) -> Future[Any]:
         fut: Future[Any] = Future()
 
         def later() -> None:
-            time.sleep(1.0)
+            release.wait(60)
             fut.set_result(compiler.compile(spec))
 
         threading.Thread(target=later, daemon=True).start()
+        compiles.append(fut)
         return fut
 
     monkeypatch.setattr(compiler, "compile_async", held)
+    waits: list[int] = []
+    real_wait = firstmask.wait_for_change
+
+    def counted_wait(*a: Any, **kw: Any) -> None:
+        waits.append(1)
+        real_wait(*a, **kw)
+
+    monkeypatch.setattr(firstmask, "wait_for_change", counted_wait)
     r = runner(additional_config={"grammask": {"wait_s": 0.3}})
     r.add("plain", None, [1, 2, 3])
     r.schedule()
@@ -440,17 +453,17 @@ def test_a_slow_compile_across_prefill_chunks(runner: Any, compiler: Compiler,
     chunk = len(prompt) // 3
     r.add("long", xargs(args, thinking="off"), prompt)
     noise = torch.randn(2, VOCAB)
-    for _ in range(2):  # chunks whose sample vLLM drops, forwards shorter than wait_s
+    for _ in range(2):  # chunks whose sample vLLM drops, the compile still held
         r.schedule()
-        time.sleep(0.05)  # the forward
-        started = time.perf_counter()
         logits = r.logits(noise, chunks={"long": chunk})
-        assert time.perf_counter() - started < 0.15  # no first-mask wait (0.3 s)
+        assert not waits and compiles and not compiles[0].done()  # no first-mask wait
         assert r.discarded == {"long"} and torch.equal(logits[0], noise[0])
         r.commit({"plain": 9, "long": 0})
         assert r.plugin.core.processor().errors == {}
     r.schedule()
-    time.sleep(1.0)  # a long last chunk: the compile is done meanwhile
+    release.set()  # a long last chunk: the compile is done meanwhile
+    for fut in compiles:
+        fut.result(timeout=60)
     logits = r.logits(noise)  # the last chunk: its sample is kept
     assert not r.discarded
     assert torch.equal(logits[0], noise[0])

@@ -29,6 +29,7 @@ from .errors import (
     UnsupportedError,
 )
 from .kernels.bitmask import allocate_bitmask, allowed_ids
+from .specs import library
 from .specs.grammar_spec import GrammarSpec
 from .specs.request import ConstraintRequest, parse_extra_args
 from .vocab import Vocabulary, load_vocabulary
@@ -60,6 +61,7 @@ __all__ = [
     "Vocabulary",
     "allocate_bitmask",
     "allowed_ids",
+    "library",
     "load_vocabulary",
     "parse_extra_args",
     "route",

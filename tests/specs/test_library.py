@@ -14,6 +14,7 @@ translates GBNF with its ``gbnf_to_lark``), so every grammar is served by both.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -154,7 +155,9 @@ def _build(kind: str, tree: Path, out: Path) -> Path:
 
 def test_wheel_and_sdist_carry_the_grammars(tmp_path: Path) -> None:
     """Built from a copy of the tree (about a second each): the wheel has every grammar file
-    at ``grammask/grammars/`` and every module of ``src/``; the sdist has ``grammars/``."""
+    at ``grammask/grammars/`` and every module of ``src/``, and, unpacked alone on the path
+    as an installed package, ``grammask.library`` lists and loads all of them; the sdist has
+    ``grammars/``."""
     pytest.importorskip("setuptools")
     tree = tmp_path / "tree"
     skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
@@ -173,6 +176,17 @@ def test_wheel_and_sdist_carry_the_grammars(tmp_path: Path) -> None:
     modules = {p.relative_to(ROOT / "src").as_posix()
                for p in (ROOT / "src" / "grammask").rglob("*.py")}
     assert modules <= listed, sorted(modules - listed)
+    # installed: the wheel's files alone on the path (no checkout, no editable install)
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    probe = ("import grammask, sys; assert grammask.__file__.startswith(sys.argv[1]), "
+             "grammask.__file__; print(','.join(grammask.library.names())); "
+             "[grammask.library.load(n) for n in grammask.library.names()]")
+    done = subprocess.run([sys.executable, "-c", probe, str(site)], cwd=tmp_path, check=True,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(site)})
+    assert done.stdout.strip().split(",") == sorted(NAMES)
 
     sdist = _build("sdist", tree, tmp_path / "sdist")
     with tarfile.open(sdist) as archive:

@@ -7,9 +7,11 @@ text, compiles for far longer than a few steps), else a probe walk of the gramma
 A verdict for the rival is also kept as a ``Verdict`` (``offer``): rows of that spec already
 running on the routed grammar switch to the rival (``decode/engine_switch``).
 
-Kept apart from the service (``compiler``): this is a policy run after a request is served,
-never on its path. Its only effect on the service is one cache insert, under the service's
-lock, and only while the grammar it measured is still the one cached.
+Kept apart from the service (``compiler``): this is a policy started once a spec's routed
+compile is done (before its first fill: the rival's compile starts within milliseconds of
+the first request), never on a request's path, and never beside the routed compile (it
+would take that compile's CPU). Its only effect on the service is one cache insert, under
+the service's lock, and only while the grammar it measured is still the one cached.
 """
 
 from __future__ import annotations

@@ -66,3 +66,48 @@ def start_server(vllm_env: Path) -> Iterator[StartServer]:
     finally:
         for server in started:
             server.stop()
+
+
+#: servers that neighbouring modules share (``SHARED_SERVER``), by name; at most one lives
+_SHARED: dict[str, Server] = {}
+
+
+@pytest.fixture(scope="session")
+def shared_server(vllm_env: Path) -> Iterator[StartServer]:
+    """``shared_server(name, model_dir, env=..., args=...)``: the server of that name, started
+    by the first module that asks and kept for the next modules that name it in their
+    ``SHARED_SERVER`` (a server start is about a minute of the suite); stopped once the next
+    module does not (``pytest_runtest_teardown``), so it never runs beside other modules'
+    servers. The modules sharing one must run one after another (name them so) and measure
+    only deltas of its counters."""
+
+    def start(name: str, model: Path, *, env: Mapping[str, str] | None = None,
+              args: Sequence[str] = ()) -> Server:
+        server = _SHARED.get(name)
+        if server is None:
+            server = Server(model, LOG_DIR / f"{name}.log", env=env, args=args,
+                            python=vllm_env)
+            _SHARED[name] = server
+            server.launch()
+            server.wait()
+            print(f"\n[e2e] shared server {name} healthy in {server.start_s:.1f} s "
+                  f"(log {server.log_path})")
+        return server
+
+    try:
+        yield start
+    finally:
+        _stop_shared(keep=None)
+
+
+def _stop_shared(keep: str | None) -> None:
+    for name in [n for n in _SHARED if n != keep]:
+        _SHARED.pop(name).stop()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a module's last test: stop the shared server unless the next module shares it."""
+    module = getattr(item, "module", None)
+    following = getattr(nextitem, "module", None)
+    if _SHARED and following is not module:
+        _stop_shared(keep=getattr(following, "SHARED_SERVER", None))

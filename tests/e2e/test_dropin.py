@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -26,8 +24,11 @@ from tests.e2e.oracles import check_json, check_lark, check_regex, json_prefix_o
 from tests.e2e.server import MODEL_NAME, Server
 from tests.e2e.specs import LLG_SCHEMA, REGEX, XG_SCHEMA
 from tests.e2e.standard import (
+    HERMES_ARGS,
+    HERMES_SERVER,
     PERSON,
     WEATHER_PARAMS,
+    hermes_env,
     response_format,
     served,
     served_by_grammask,
@@ -42,11 +43,13 @@ LARK = 'start: "v" DIGIT+ ("," WORD)?\nWORD: /[a-z]{1,4}/\n%import common.DIGIT'
 LARK_REGEX = r"v[0-9]+(,[a-z]{1,4})?"
 
 
+#: the drop-in modules share one server (``conftest.shared_server``)
+SHARED_SERVER = HERMES_SERVER
+
+
 @pytest.fixture(scope="module")
-def server(start_server: StartServer, qwen25_dir: Path) -> Iterator[Server]:
-    yield start_server("qwen25-dropin", qwen25_dir,
-                       env={"PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="gm-prom-")},
-                       args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+def server(shared_server: StartServer, qwen25_dir: Path) -> Server:
+    return shared_server(SHARED_SERVER, qwen25_dir, env=hermes_env(), args=HERMES_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +199,7 @@ def test_tool_choice_with_a_strict_tool(server: Server, client: Any, choice: str
 def test_tool_choice_required_with_a_non_strict_tool(server: Server, client: Any) -> None:
     """A tool without ``strict``: vLLM's tag leaves the arguments any JSON value; grammask
     puts the tool's ``parameters`` back (``tool_arguments=parameters``; more cases in
-    test_tool_calls.py): every reply is one call of the function, arguments valid."""
+    test_dropin_tools.py): every reply is one call of the function, arguments valid."""
     choices, counts = served_by_grammask(server, lambda: [
         chat(client, s, max_tokens=64, tools=[weather_tool(strict=False)],
              tool_choice="required", parallel_tool_calls=False)

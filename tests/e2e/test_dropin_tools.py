@@ -10,8 +10,6 @@ engine (the per-request opt-out) and reports them; it asserts only who served th
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,14 @@ import pytest
 
 from tests.e2e.conftest import StartServer
 from tests.e2e.server import MODEL_NAME, Server
-from tests.e2e.standard import WEATHER_PARAMS, served, served_by_grammask
+from tests.e2e.standard import (
+    HERMES_ARGS,
+    HERMES_SERVER,
+    WEATHER_PARAMS,
+    hermes_env,
+    served,
+    served_by_grammask,
+)
 
 #: grammask's bound on calls per forced reply (``vllm_tools.MAX_TOOL_CALLS``; this suite
 #: does not import grammask)
@@ -60,11 +65,13 @@ CASES: dict[str, tuple[Any, bool, list[dict[str, Any]]]] = {
 }
 
 
+#: the drop-in modules share one server (``conftest.shared_server``)
+SHARED_SERVER = HERMES_SERVER
+
+
 @pytest.fixture(scope="module")
-def server(start_server: StartServer, qwen25_dir: Path) -> Iterator[Server]:
-    yield start_server("qwen25-tools", qwen25_dir,
-                       env={"PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="gm-prom-")},
-                       args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+def server(shared_server: StartServer, qwen25_dir: Path) -> Server:
+    return shared_server(SHARED_SERVER, qwen25_dir, env=hermes_env(), args=HERMES_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +162,8 @@ def test_vllms_engine_on_the_same_cases(server: Server, client: Any) -> None:
     table: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
     def row(case: str, **extra: Any) -> list[dict[str, Any]]:
-        replies = [ask(client, case, s, **extra) for s in SEEDS]
+        with ThreadPoolExecutor(len(SEEDS)) as pool:  # the seeds in one batch
+            replies = list(pool.map(lambda s: ask(client, case, s, **extra), SEEDS))
         return [{"problems": problems(case, r), "calls": len(r.message.tool_calls or [])}
                 for r in replies]
 

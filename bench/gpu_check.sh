@@ -13,8 +13,13 @@
 #      the device and every id it sees must be a valid token id (issue 50);
 #   3. bench/gpu.py: apply kernel vs memcpy at B=1..1024 on 152k and 248k vocabularies, the
 #      apply's host cost, and the decode step against vLLM's way on CUDA-graph and eager
-#      forwards (bench/gpu_step.py; its cells get 150 s).
-# Writes $OUT/gpu.json (benchmarks + what they proved), $OUT/v2.json and $OUT/gpu-tests.txt.
+#      forwards (bench/gpu_step.py; its cells get 150 s);
+#   4. bench/wave.py: a wave of 256 and 512 first requests of one free-text schema, the engine
+#      switch on, off, and grammask forced to xgrammar, with this machine's own verdict
+#      (issue 52: which engine fills cheaper is the machine's call; about a minute). vLLM's way
+#      on the same free-text rows is step 3's `free` cells.
+# Writes $OUT/gpu.json (benchmarks + what they proved), $OUT/v2.json, $OUT/wave.json and
+# $OUT/gpu-tests.txt.
 #
 # The machine needs torch with CUDA; grammask's own dependencies that it lacks travel as
 # wheels in .whl/ (no network there): `make gpu-wheels` here first (Python 3.12 wheels).
@@ -40,5 +45,7 @@ status=0
 "$PY" -m tests.v2_gpu_check --device cuda --budget-s 75 --json "$OUT/v2.json" 2>&1 | tee "$OUT/v2.txt" \
     || status=1
 "$PY" -m bench.gpu --json "$OUT/gpu.json" --step-budget-s 150 || status=1
+"$PY" -m bench.wave --batch-sizes 256,512 --repeats 3 --steps 160 --json "$OUT/wave.json" \
+    2>&1 | tee "$OUT/wave.txt" || status=1
 echo "gpu_check: tests and benchmarks done (status $status); results in $OUT"
 exit $status

@@ -10,6 +10,7 @@ so no earlier run's cache changes a result.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -68,46 +69,40 @@ def start_server(vllm_env: Path) -> Iterator[StartServer]:
             server.stop()
 
 
-#: servers that neighbouring modules share (``SHARED_SERVER``), by name; at most one lives
+#: the running shared servers, by the fixture that started them
 _SHARED: dict[str, Server] = {}
 
 
-@pytest.fixture(scope="session")
-def shared_server(vllm_env: Path) -> Iterator[StartServer]:
-    """``shared_server(name, model_dir, env=..., args=...)``: the server of that name, started
-    by the first module that asks and kept for the next modules that name it in their
-    ``SHARED_SERVER`` (a server start is about a minute of the suite); stopped once the next
-    module does not (``pytest_runtest_teardown``), so it never runs beside other modules'
-    servers. The modules sharing one must run one after another (name them so) and measure
-    only deltas of its counters."""
-
-    def start(name: str, model: Path, *, env: Mapping[str, str] | None = None,
-              args: Sequence[str] = ()) -> Server:
-        server = _SHARED.get(name)
-        if server is None:
-            server = Server(model, LOG_DIR / f"{name}.log", env=env, args=args,
-                            python=vllm_env)
-            _SHARED[name] = server
-            server.launch()
-            server.wait()
-            print(f"\n[e2e] shared server {name} healthy in {server.start_s:.1f} s "
-                  f"(log {server.log_path})")
-        return server
-
-    try:
-        yield start
-    finally:
-        _stop_shared(keep=None)
-
-
-def _stop_shared(keep: str | None) -> None:
-    for name in [n for n in _SHARED if n != keep]:
-        _SHARED.pop(name).stop()
+@pytest.fixture(scope="module")
+def hermes_server(vllm_env: Path, qwen25_dir: Path) -> Server:
+    """The drop-in modules' server (Qwen2.5 layout, hermes tools, vLLM's metrics), shared: a
+    server start is about a minute of the suite. Started by the first module that asks and
+    kept while the next module asks too; stopped once it does not
+    (``pytest_runtest_teardown``), so it never runs beside another module's server. The
+    modules using it run one after another (name them so) and read only deltas of its
+    counters."""
+    server = _SHARED.get("hermes_server")
+    if server is None:
+        server = Server(qwen25_dir, LOG_DIR / "qwen25-hermes.log", python=vllm_env,
+                        env={"PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="gm-prom-")},
+                        args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+        _SHARED["hermes_server"] = server
+        server.launch()
+        server.wait()
+        print(f"\n[e2e] shared server qwen25-hermes healthy in {server.start_s:.1f} s "
+              f"(log {server.log_path})")
+    return server
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After a module's last test: stop the shared server unless the next module shares it."""
-    module = getattr(item, "module", None)
-    following = getattr(nextitem, "module", None)
-    if _SHARED and following is not module:
-        _stop_shared(keep=getattr(following, "SHARED_SERVER", None))
+    """After a module's last test: stop each shared server the next test does not use."""
+    if _SHARED and getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        wanted = set(getattr(nextitem, "fixturenames", ()))
+        for name in [n for n in _SHARED if n not in wanted]:
+            _SHARED.pop(name).stop()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run cut short (``-x``, an interrupt) stops the shared servers too."""
+    for name in list(_SHARED):
+        _SHARED.pop(name).stop()

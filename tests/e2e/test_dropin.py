@@ -11,7 +11,6 @@ import json
 import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
@@ -19,16 +18,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.conftest import StartServer
 from tests.e2e.oracles import check_json, check_lark, check_regex, json_prefix_ok
 from tests.e2e.server import MODEL_NAME, Server
 from tests.e2e.specs import LLG_SCHEMA, REGEX, XG_SCHEMA
 from tests.e2e.standard import (
-    HERMES_ARGS,
-    HERMES_SERVER,
     PERSON,
     WEATHER_PARAMS,
-    hermes_env,
     response_format,
     served,
     served_by_grammask,
@@ -43,13 +38,9 @@ LARK = 'start: "v" DIGIT+ ("," WORD)?\nWORD: /[a-z]{1,4}/\n%import common.DIGIT'
 LARK_REGEX = r"v[0-9]+(,[a-z]{1,4})?"
 
 
-#: the drop-in modules share one server (``conftest.shared_server``)
-SHARED_SERVER = HERMES_SERVER
-
-
 @pytest.fixture(scope="module")
-def server(shared_server: StartServer, qwen25_dir: Path) -> Server:
-    return shared_server(SHARED_SERVER, qwen25_dir, env=hermes_env(), args=HERMES_ARGS)
+def server(hermes_server: Server) -> Server:
+    return hermes_server  # shared with the other drop-in module (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -11,23 +11,14 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from tests.e2e.conftest import StartServer
 from tests.e2e.server import MODEL_NAME, Server
-from tests.e2e.standard import (
-    HERMES_ARGS,
-    HERMES_SERVER,
-    WEATHER_PARAMS,
-    hermes_env,
-    served,
-    served_by_grammask,
-)
+from tests.e2e.standard import WEATHER_PARAMS, served, served_by_grammask
 
 #: grammask's bound on calls per forced reply (``vllm_tools.MAX_TOOL_CALLS``; this suite
 #: does not import grammask)
@@ -65,13 +56,9 @@ CASES: dict[str, tuple[Any, bool, list[dict[str, Any]]]] = {
 }
 
 
-#: the drop-in modules share one server (``conftest.shared_server``)
-SHARED_SERVER = HERMES_SERVER
-
-
 @pytest.fixture(scope="module")
-def server(shared_server: StartServer, qwen25_dir: Path) -> Server:
-    return shared_server(SHARED_SERVER, qwen25_dir, env=hermes_env(), args=HERMES_ARGS)
+def server(hermes_server: Server) -> Server:
+    return hermes_server  # shared with the other drop-in module (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,16 +12,6 @@ from typing import Any, TypeVar
 from tests.e2e.server import Server
 
 T = TypeVar("T")
-
-#: the drop-in modules' server (``conftest.shared_server``): hermes tools, vLLM's metrics
-HERMES_SERVER = "qwen25-hermes"
-HERMES_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-
-
-def hermes_env() -> dict[str, str]:
-    """The environment the shared server starts with (used by the first module only)."""
-    return {"PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="gm-prom-")}
-
 
 #: a ``response_format`` schema without ``additionalProperties`` (a client's usual one)
 PERSON: dict[str, Any] = {

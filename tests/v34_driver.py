@@ -260,6 +260,9 @@ class Driver:
         self._new = False
         self._counter = 0
         self._step_markers: list[int] = []  # after each step's post_update
+        #: per step, each of its requests' output length after its post_update (device
+        #: side): what the host learns of that step, whatever the device did since
+        self._known_after: dict[int, dict[str, int]] = {}
         self._freed: list[int] = []  # slots the host freed at its last update
 
     # ------------------------------------------------------------------ scheduling (host)
@@ -362,12 +365,16 @@ class Driver:
         if upto <= 0:
             return
         self.device.wait(self._step_markers[upto - 1])
+        learnt = self._known_after.get(upto - 1, {})
         stops = set(self.vocab.stop_ids)
         freed: list[int] = []
         for req in list(self.reqs.values()):
-            req.known = len(req.output)
-            if not req.finished and (stops.intersection(req.output)
-                                     or len(req.output) >= req.max_tokens):
+            # that step's outputs only: the device may have run later steps by now, and
+            # what the host learns must not depend on how far it got (a race otherwise)
+            req.known = learnt.get(req.rid, req.known)
+            known = req.output[:req.known]
+            if not req.finished and (stops.intersection(known)
+                                     or len(known) >= req.max_tokens):
                 req.finished = True
         for req in [r for r in self.reqs.values() if r.finished]:
             freed.append(self._remove(req))
@@ -463,7 +470,12 @@ class Driver:
             scheduled = list(rows_of)
             self.device.submit(lambda: self._prompt_logprob_read(order, scheduled, starts))
         self.forward_done_at_apply.append(self.device.passed(forward_marker))
-        self._step_markers.append(self.device.submit(lambda: self._post_update(order)))
+        self._step_markers.append(self.device.submit(lambda: self._post_update_of(t, order)))
+
+    def _post_update_of(self, t: int, order: list[Req]) -> None:
+        """Step ``t``'s ``post_update``, then what the host will learn of it."""
+        self._post_update(order)
+        self._known_after[t] = {req.rid: len(req.output) for req in order}
 
     def _padded(self, bound: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """``prepare_inputs``' upper bounds for a FULL decode graph: padded with zeros to

@@ -24,7 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "stress": "compile service: deadlines, latency beside bad/slow specs, RSS bound [CPU]",
     "diskcache_heavy": "disk cache: heavy xgrammar grammars, cold vs load, memory [CPU]",
     "fillcost": "fill cost of the routed backend vs the cheaper eligible engine [CPU]",
-    "wave": "a wave of one free-text schema: engine switch on, off, forced xgrammar [CPU]",
+    "wave": "a wave of one free-text schema: engine switch on, off, forced xgrammar, vLLM [CPU]",
     "v2_reads": "vLLM 0.34's V2 token watch: watched/ordered reads vs another tree [unit34]",
 }
 

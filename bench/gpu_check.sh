@@ -15,9 +15,9 @@
 #      apply's host cost, and the decode step against vLLM's way on CUDA-graph and eager
 #      forwards (bench/gpu_step.py; its cells get 150 s);
 #   4. bench/wave.py: a wave of 256 and 512 first requests of one free-text schema, the engine
-#      switch on, off, and grammask forced to xgrammar, with this machine's own verdict
-#      (issue 52: which engine fills cheaper is the machine's call; about a minute). vLLM's way
-#      on the same free-text rows is step 3's `free` cells.
+#      switch on, off, grammask forced to xgrammar and vLLM's way with xgrammar, with this
+#      machine's own verdict (issue 52: which engine fills cheaper is the machine's call;
+#      about a minute).
 # Writes $OUT/gpu.json (benchmarks + what they proved), $OUT/v2.json, $OUT/wave.json and
 # $OUT/gpu-tests.txt.
 #

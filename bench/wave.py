@@ -1,6 +1,6 @@
 """A wave: hundreds of first requests of one free-text JSON schema admitted at once (a batch
-job), grammask with the engine switch against grammask with it off and grammask forced to
-xgrammar, interleaved in one run (issue 52).
+job), grammask with the engine switch against grammask with it off, grammask forced to
+xgrammar and vLLM's own way with xgrammar, interleaved in one run (issue 52).
 
     python -m bench.wave [--batch-sizes 256,512] [--forward wait3] [--steps 240]
                          [--repeats 5] [--verdict auto|rival] [--json OUT]
@@ -13,13 +13,20 @@ on, once its verdict lands (``--verdict auto``: this machine's measurement; ``ri
 forced, to show the mechanism where this machine prefers llguidance) the running rows move
 to xgrammar a bounded number a step. Off, they stay; forced
 to xgrammar, the rows run on it from the start (its compile done before the timing).
+vLLM's way (``vllm-xgrammar``): what vLLM's structured-output manager does with xgrammar on
+one GPU (``bench.step``'s ``inproc`` model): every row a matcher of the compiled grammar (the
+compile done before the timing, as vLLM holds the requests until it ends); a step accepts
+each row's token, launches the forward, fills the rows still running (serially up to 128
+rows, in 16-row chunks on a thread pool above) and waits for the forward.
 
 Every row walks a long instance (a note of ``--words`` words, a few hundred tokens) one token
 a step, as one request of the wave; the step is ``proc.step`` -> the forward's launch ->
 ``wait_masks`` -> the rest of the forward (``bench.step``'s grammask model). Reported per B:
 each side's median step over the steps after the switch finished (or after the verdict when
 no row switched), with its spread over repeats; the step at which the verdict landed and at
-which the last row switched; the ratio to forced xgrammar.
+which the last row switched; the ratios to forced xgrammar and to vLLM's way, each the median
+of the repeats' paired ratios (xgrammar's fill swings up to 2x between repeats on a small
+box; the sides of one repeat run back to back).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +46,12 @@ if __package__ in (None, ""):
 
 from bench.fillscale import FREE_TEXT, WORDS
 from bench.stats import machine_info, render_table, write_json
-from bench.step import make_forward
+from bench.step import VLLM_CHUNK, VLLM_SERIAL_MAX, make_forward, vllm_workers
 from grammask import Compiler, GrammarSpec, Vocabulary, load_vocabulary
 from grammask.decode.processor import BatchProcessor
+from grammask.kernels.bitmask import allocate_bitmask
 
-SIDES = ("switch", "off", "xgrammar")
+SIDES = ("switch", "off", "xgrammar", "vllm-xgrammar")
 
 
 def long_walks(vocab: Vocabulary, count: int, words: int, seed: int = 5) -> list[list[int]]:
@@ -100,6 +109,49 @@ def run_side(side: str, vocab: Vocabulary, xgr: Compiler, walks: list[list[int]]
     return {"times": times, "landed": landed, "switched": switched}
 
 
+def run_vllm(vocab: Vocabulary, xgr: Compiler, walks: list[list[int]], batch: int,
+             forward: str, steps: int, pool: ThreadPoolExecutor) -> dict[str, Any]:
+    """vLLM's way with xgrammar on the same wave (the module's docstring): the step times."""
+    import xgrammar
+
+    spec = GrammarSpec.json_schema(FREE_TEXT, any_whitespace=False)
+    compiled = xgr.compile(spec).backend_grammar._compiled  # type: ignore[attr-defined]
+    stops = list(vocab.stop_ids)
+    matchers = [xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops)
+                for _ in range(batch)]
+    bitmask = allocate_bitmask(batch, vocab.vocab_size)
+    pos = [0] * batch
+    fwd = make_forward(forward)
+
+    def fill_rows(rows: list[int]) -> None:
+        for r in rows:
+            matchers[r].fill_next_token_bitmask(bitmask, r)
+
+    def fill(rows: list[int]) -> None:
+        if len(rows) <= VLLM_SERIAL_MAX:
+            fill_rows(rows)
+            return
+        for f in [pool.submit(fill_rows, rows[i:i + VLLM_CHUNK])
+                  for i in range(0, len(rows), VLLM_CHUNK)]:
+            f.result()
+
+    fill(list(range(batch)))  # the first masks (not timed)
+    times: list[float] = []
+    for _ in range(steps):
+        going = [r for r in range(batch) if pos[r] < len(walks[r % len(walks)])]
+        if not going:
+            break
+        t0 = time.perf_counter()
+        for r in going:
+            matchers[r].accept_token(walks[r % len(walks)][pos[r]])
+            pos[r] += 1
+        fwd.launch()
+        fill([r for r in going if pos[r] < len(walks[r % len(walks)])])  # not finished
+        fwd.finish()
+        times.append((time.perf_counter() - t0) * 1000)
+    return {"times": times, "landed": None, "switched": None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,20 +166,26 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_vocabulary("qwen2.5")
     xgr = Compiler(vocab, backend="xgrammar", timeout_s=120, tune_fill=False)
     walks = long_walks(vocab, 64, args.words)
+    pool = ThreadPoolExecutor(vllm_workers())
     cells = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
         for _ in range(args.repeats):
             for side in SIDES:  # interleaved: background load hits every side alike
-                runs[side].append(run_side(side, vocab, xgr, walks, batch, args.forward,
-                                           args.steps, args.verdict))
+                runs[side].append(
+                    run_vllm(vocab, xgr, walks, batch, args.forward, args.steps, pool)
+                    if side == "vllm-xgrammar" else
+                    run_side(side, vocab, xgr, walks, batch, args.forward, args.steps,
+                             args.verdict))
         cells.append(summarize(batch, runs))
+    pool.shutdown()
     xgr.close()
     headers = ["B", "verdict step", "switched by", "switch ms", "off ms", "xgrammar ms",
-               "switch/xgr", "off/xgr"]
+               "vllm-xgr ms", "switch/xgr", "off/xgr", "switch/vllm"]
     print(render_table(headers, [[c["B"], c["landed"], c["switched"], c["switch"]["median"],
                                   c["off"]["median"], c["xgrammar"]["median"],
-                                  c["ratio_switch"], c["ratio_off"]] for c in cells]))
+                                  c["vllm-xgrammar"]["median"], c["ratio_switch"],
+                                  c["ratio_off"], c["ratio_switch_vllm"]] for c in cells]))
     if args.json:
         write_json(args.json, {"benchmark": "wave", "args": vars(args),
                                "machine": machine_info(), "cells": cells})
@@ -143,14 +201,21 @@ def summarize(batch: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, An
     out: dict[str, Any] = {"B": batch, "window_from_step": start,
                            "landed": _med([r["landed"] for r in runs["switch"]]),
                            "switched": _med([r["switched"] for r in runs["switch"]])}
+    per: dict[str, list[float]] = {}
     for side, reps in runs.items():
-        per = [statistics.median(r["times"][start:]) for r in reps if r["times"][start:]]
-        out[side] = {"median": round(statistics.median(per), 3) if per else None,
-                     "min": round(min(per), 3) if per else None,
-                     "max": round(max(per), 3) if per else None}
-    x = out["xgrammar"]["median"]
-    out["ratio_switch"] = round(out["switch"]["median"] / x, 3) if x else None
-    out["ratio_off"] = round(out["off"]["median"] / x, 3) if x else None
+        per[side] = [statistics.median(r["times"][start:]) for r in reps if r["times"][start:]]
+        got = per[side]
+        out[side] = {"median": round(statistics.median(got), 3) if got else None,
+                     "min": round(min(got), 3) if got else None,
+                     "max": round(max(got), 3) if got else None, "repeats": got}
+    for name, side, base in (("ratio_switch", "switch", "xgrammar"),
+                             ("ratio_off", "off", "xgrammar"),
+                             ("ratio_switch_vllm", "switch", "vllm-xgrammar"),
+                             ("ratio_off_vllm", "off", "vllm-xgrammar")):
+        # paired: each repeat's side over the same repeat's base (they ran back to back,
+        # so a swing of the machine between repeats hits both), then the median
+        pairs = [a / b for a, b in zip(per[side], per[base], strict=False) if b]
+        out[name] = round(statistics.median(pairs), 3) if pairs else None
     return out
 
 

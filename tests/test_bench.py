@@ -443,3 +443,19 @@ def test_the_entry_point_lists_every_benchmark_and_runs_one(
         main(["compile", "--help"])
     assert exc.value.code == 0 and "usage: python -m bench.compile" in capsys.readouterr().out
     assert main(["nonsense"]) == 2
+
+
+def test_the_wave_runs_its_four_sides_on_one_tiny_wave(tmp_path: Path) -> None:
+    """``bench.wave`` on 4 rows of short notes: every side (switch, off, forced xgrammar,
+    vLLM's way) times steps, and the JSON carries each side's median and the ratios to
+    forced xgrammar and to vLLM's way."""
+    from bench import wave
+
+    out = tmp_path / "wave.json"
+    assert wave.main(["--batch-sizes", "4", "--repeats", "1", "--steps", "6", "--words", "4",
+                      "--verdict", "rival", "--json", str(out)]) == 0
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert cell["B"] == 4
+    for side in wave.SIDES:
+        assert cell[side]["median"] is not None and cell[side]["median"] > 0, side
+    assert {"ratio_switch", "ratio_off", "ratio_switch_vllm", "ratio_off_vllm"} <= set(cell)

@@ -309,6 +309,23 @@ def grammask_steps(compiler: Compiler, walks: list[Walk], batch: int,
     return times[2:]
 
 
+def vllm_fill(fill_row: Callable[[int], object], rows: Sequence[int],
+              pool: ThreadPoolExecutor) -> None:
+    """vLLM's structured-output fill of the scheduled ``rows`` (``grammar_bitmask`` without
+    drafts): serially up to ``VLLM_SERIAL_MAX`` rows; above it, ``VLLM_CHUNK``-row chunks on
+    its thread pool, then a wait for all of them."""
+    def chunk(part: Sequence[int]) -> None:
+        for i in part:
+            fill_row(i)
+
+    if len(rows) <= VLLM_SERIAL_MAX:
+        chunk(rows)
+        return
+    for f in [pool.submit(chunk, rows[i:i + VLLM_CHUNK])
+              for i in range(0, len(rows), VLLM_CHUNK)]:
+        f.result()
+
+
 def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
                forward: Forward, steps: int, pool: ThreadPoolExecutor,
                layout: str = "engine") -> dict[str, list[float]]:
@@ -346,24 +363,14 @@ def vllm_steps(engine: str, walks: list[Walk], vocab: Vocabulary, batch: int,
 
     ended = [False] * batch  # requests that just sampled their stop token: not filled
 
-    def fill_rows(rows: range) -> None:
+    def fill_row(i: int) -> None:
         if engine == "xgrammar":
-            for i in rows:
-                if not ended[i]:
-                    matchers[i].fill_next_token_bitmask(bitmask, i)
+            matchers[i].fill_next_token_bitmask(bitmask, i)
         else:
-            for i in rows:
-                if not ended[i]:
-                    llg_torch.fill_next_token_bitmask(matchers[i], bitmask, i)
+            llg_torch.fill_next_token_bitmask(matchers[i], bitmask, i)
 
     def fill() -> None:
-        if batch <= VLLM_SERIAL_MAX:
-            fill_rows(range(batch))
-        else:
-            futures = [pool.submit(fill_rows, range(i, min(i + VLLM_CHUNK, batch)))
-                       for i in range(0, batch, VLLM_CHUNK)]
-            for f in futures:
-                f.result()
+        vllm_fill(fill_row, [i for i in range(batch) if not ended[i]], pool)
 
     times: dict[str, list[float]] = {"engine": [], "rpc": []} if trip else {"inproc": []}
     try:

@@ -46,7 +46,7 @@ if __package__ in (None, ""):
 
 from bench.fillscale import FREE_TEXT, WORDS
 from bench.stats import machine_info, render_table, write_json
-from bench.step import VLLM_CHUNK, VLLM_SERIAL_MAX, make_forward, vllm_workers
+from bench.step import make_forward, vllm_fill, vllm_workers
 from grammask import Compiler, GrammarSpec, Vocabulary, load_vocabulary
 from grammask.decode.processor import BatchProcessor
 from grammask.kernels.bitmask import allocate_bitmask
@@ -123,17 +123,8 @@ def run_vllm(vocab: Vocabulary, xgr: Compiler, walks: list[list[int]], batch: in
     pos = [0] * batch
     fwd = make_forward(forward)
 
-    def fill_rows(rows: list[int]) -> None:
-        for r in rows:
-            matchers[r].fill_next_token_bitmask(bitmask, r)
-
     def fill(rows: list[int]) -> None:
-        if len(rows) <= VLLM_SERIAL_MAX:
-            fill_rows(rows)
-            return
-        for f in [pool.submit(fill_rows, rows[i:i + VLLM_CHUNK])
-                  for i in range(0, len(rows), VLLM_CHUNK)]:
-            f.result()
+        vllm_fill(lambda r: matchers[r].fill_next_token_bitmask(bitmask, r), rows, pool)
 
     fill(list(range(batch)))  # the first masks (not timed)
     times: list[float] = []

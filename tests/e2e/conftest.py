@@ -13,6 +13,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +68,12 @@ def start_server(vllm_env: Path) -> Iterator[StartServer]:
     finally:
         for server in started:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Any:
+    """An OpenAI client of the module's ``server`` fixture (a module may define its own)."""
+    return server.client()
 
 
 #: the running shared servers, by the fixture that started them

@@ -43,11 +43,6 @@ def server(hermes_server: Server) -> Server:
     return hermes_server  # shared with the other drop-in module (conftest)
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> Any:
-    return server.client()
-
-
 def chat(client: Any, seed: int, *, max_tokens: int = 64, **kw: Any) -> Any:
     return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
                                           max_tokens=max_tokens, temperature=1.0, seed=seed,

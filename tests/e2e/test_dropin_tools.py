@@ -61,11 +61,6 @@ def server(hermes_server: Server) -> Server:
     return hermes_server  # shared with the other drop-in module (conftest)
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> Any:
-    return server.client()
-
-
 def ask(client: Any, case: str, seed: int, **extra: Any) -> Any:
     choice, parallel, tools = CASES[case]
     return client.chat.completions.create(

@@ -70,11 +70,6 @@ def server(start_server: StartServer, qwen25_dir: Path) -> Iterator[Server]:
                              "--tool-call-parser", "hermes"])
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> Any:
-    return server.client()
-
-
 def ask(client: Any, spec: dict[str, Any], seed: int, **flat: Any) -> tuple[str, str]:
     reply = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=64, temperature=1.0, seed=seed,

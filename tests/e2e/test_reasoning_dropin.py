@@ -48,11 +48,6 @@ def server(start_server: StartServer, qwen3_dir: Path) -> Iterator[Server]:
                              "--tool-call-parser", "hermes", "--trust-request-chat-template"])
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> Any:
-    return server.client()
-
-
 def chat(client: Any, seed: int, **kw: Any) -> Any:
     return client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=kw.pop("max_tokens", 128),

@@ -40,11 +40,6 @@ def server(start_server: StartServer, qwen25_dir: Path) -> Iterator[Server]:
     yield start_server("qwen25", qwen25_dir)
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> Any:
-    return server.client()
-
-
 def ask(client: Any, spec: dict[str, Any] | str | None, *, seed: int = 0,
         max_tokens: int = 96, **flat: Any) -> tuple[str, str]:
     reply = client.chat.completions.create(
